@@ -1,0 +1,1 @@
+"""mongoq benchmarks: ``python -m benchmarks [--uri URI] [--tasks N] [--json]``."""

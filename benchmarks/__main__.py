@@ -1,0 +1,50 @@
+"""Run the benchmarks: ``python -m benchmarks [--uri URI] [--tasks N] [--backlogs ...] [--json]``.
+
+Prints one line per scenario as it finishes (throughput and server commands per item) and, with
+``--json``, a JSON document instead. The embedded backend is the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import sys
+from collections.abc import Awaitable
+from typing import Any, cast
+
+from benchmarks import tasks
+from benchmarks.harness import Result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks")
+    parser.add_argument("--uri", help="a MongoDB URI; default: the embedded in-memory backend")
+    parser.add_argument("--tasks", type=int, default=500, help="tasks per lifecycle scenario")
+    parser.add_argument(
+        "--backlogs", type=int, nargs="*", default=[10, 100, 1000, 5000],
+        help="backlog sizes for the claim-cost scenario",
+    )  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print JSON instead of lines")
+    args = parser.parse_args(argv)
+    results: list[Result] = []
+    for label, run in tasks.scenarios(args.tasks, args.backlogs):
+        if not args.json:
+            print(f"... {label}", file=sys.stderr, flush=True)
+        result = asyncio.run(cast(Awaitable[Result], run(args.uri)))
+        results.append(result)
+        if not args.json:
+            print(result.line(), flush=True)
+    if args.json:
+        document: dict[str, Any] = {
+            "machine": f"{platform.machine()} {platform.python_implementation()} "
+            f"{platform.python_version()}",
+            "results": [result.as_dict() for result in results],
+        }
+        print(json.dumps(document, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

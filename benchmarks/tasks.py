@@ -1,0 +1,82 @@
+"""Task-queue benchmarks: the lifecycle (put, claim, complete) and claim cost against backlog.
+
+Targets (issue #2): at most 3 commands per task unbatched; commands per claim constant as the
+backlog grows. Timings on the embedded backend measure mongomock, which scans every document
+on every query; only a real server (``--uri``) says anything about index use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from benchmarks.harness import Result, counted_database
+from mongoq import AsyncTaskQueue, NewTask
+from mongoq.testing import ManualClock
+
+
+async def _queue(db: object) -> AsyncTaskQueue:
+    queue = AsyncTaskQueue(db, "bench_tasks", clock=ManualClock())
+    await queue.ensure_indexes()
+    return queue
+
+
+async def _drain(queue: AsyncTaskQueue) -> int:
+    done = 0
+    while (task := await queue.claim("bench")) is not None:
+        await queue.complete(task)
+        done += 1
+    return done
+
+
+async def lifecycle_single(uri: str | None, tasks: int) -> Result:
+    """put, claim and complete, one command each."""
+    async with counted_database(uri) as bench:
+        queue = await _queue(bench.db)
+        bench.start()
+        for number in range(tasks):
+            await queue.put(f"t{number}", {"n": number})
+        assert await _drain(queue) == tasks
+        return bench.stop("tasks: put + claim + complete", tasks)
+
+
+async def lifecycle_put_many(uri: str | None, tasks: int) -> Result:
+    """put_many in batches of 100, then claim and complete one by one."""
+    async with counted_database(uri) as bench:
+        queue = await _queue(bench.db)
+        bench.start()
+        for start in range(0, tasks, 100):
+            await queue.put_many(
+                NewTask(f"t{number}", {"n": number})
+                for number in range(start, min(start + 100, tasks))
+            )
+        assert await _drain(queue) == tasks
+        return bench.stop("tasks: put_many(100) + claim + complete", tasks)
+
+
+async def claim_cost(uri: str | None, backlog: int, claims: int = 20) -> Result:
+    """Commands (and time) per claim+complete with `backlog` tasks waiting."""
+    async with counted_database(uri) as bench:
+        queue = await _queue(bench.db)
+        for start in range(0, backlog, 1000):
+            await queue.put_many(
+                NewTask(f"t{number}") for number in range(start, min(start + 1000, backlog))
+            )
+        claims = min(claims, backlog)
+        bench.start()
+        for _ in range(claims):
+            task = await queue.claim("bench")
+            assert task is not None
+            await queue.complete(task)
+        return bench.stop(f"tasks: claim + complete, backlog {backlog}", claims)
+
+
+def scenarios(tasks: int, backlogs: list[int]) -> list[tuple[str, Callable[[str | None], object]]]:
+    runs: list[tuple[str, Callable[[str | None], object]]] = [
+        ("lifecycle single", lambda uri: lifecycle_single(uri, tasks)),
+        ("lifecycle put_many", lambda uri: lifecycle_put_many(uri, tasks)),
+    ]
+    for backlog in backlogs:
+        runs.append(
+            (f"claim cost {backlog}", lambda uri, backlog=backlog: claim_cost(uri, backlog))
+        )
+    return runs

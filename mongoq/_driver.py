@@ -1,0 +1,191 @@
+"""The one place that knows how the supported drivers differ.
+
+Supported databases: PyMongo's native async API (`pymongo.AsyncMongoClient`, recommended),
+Motor (`motor.motor_asyncio.AsyncIOMotorClient`, deprecated upstream but supported), and the
+embedded in-memory backend (mongomock-motor). Classes that wrap a database (the instrumentation
+in `mongoq.testing`) set ``mongoq_wrapper = True`` and expose the wrapped database as
+``mongoq_delegate``; they are seen through.
+
+Differences absorbed here:
+- ``aggregate`` is awaited in PyMongo async and returns a cursor directly in Motor/mongomock-motor;
+- ``to_list(0)`` is invalid in PyMongo async, so lists are read with an explicit ``limit`` and
+  ``to_list(None)``; mongomock-motor ignores ``to_list``'s length altogether;
+- mongomock rejects ``bulk_write`` with ``UpdateOne`` under pymongo >= 4.11 (pymongo passes a
+  ``sort`` argument it does not know); an ``UpdateMany`` filtered on ``_id`` is the same write,
+  so the embedded backend gets that instead;
+- the embedded backend has no ``hello`` command, hence no server clock;
+- mongomock's TTL emulation ignores ``partialFilterExpression`` (it would delete every document
+  older than the TTL, pending work included), so partial TTL indexes are not created there: the
+  embedded backend keeps tombstones until the process ends.
+Owns no collections.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import os
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from pymongo import UpdateMany, UpdateOne
+from pymongo.errors import (
+    ConnectionFailure,
+    ExecutionTimeout,
+    OperationFailure,
+    PyMongoError,
+    WTimeoutError,
+)
+
+from mongoq.errors import InvalidInput
+
+__all__ = ["TRANSIENT_ERRORS", "Backend", "backend_of", "connect"]
+
+#: Errors after which the outcome of the command is unknown (it may or may not have applied):
+#: worth logging and trying again later, never a reason to give up on a lease.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    ConnectionFailure,
+    ExecutionTimeout,
+    WTimeoutError,
+)
+#: Every driver error: what background loops (heartbeats, worker slots) survive and log.
+DRIVER_ERRORS: tuple[type[BaseException], ...] = (PyMongoError,)
+_INDEX_OPTIONS_CONFLICT = 85
+
+MEMORY_SCHEME = "memory://"
+
+
+class Backend(enum.Enum):
+    PYMONGO = "pymongo"
+    MOTOR = "motor"
+    MEMORY = "memory"
+
+
+def unwrap(db: Any) -> Any:
+    """The innermost database behind any number of instrumentation wrappers."""
+    # Look on the type: a database answers any attribute name with a collection of that name.
+    while getattr(type(db), "mongoq_wrapper", False):
+        db = db.mongoq_delegate
+    return db
+
+
+def backend_of(db: Any) -> Backend:
+    """Which driver `db` belongs to; `InvalidInput` for anything else (e.g. a blocking client)."""
+    kind = type(unwrap(db))
+    module = kind.__module__
+    # mongomock-motor masquerades as Motor (through `__class__`, and its wrapper classes copy
+    # Motor's `__module__`); its own base classes in the MRO give it away.
+    if any(base.__module__.startswith("mongomock_motor") for base in kind.__mro__):
+        return Backend.MEMORY
+    if module.startswith("motor"):
+        return Backend.MOTOR
+    if module.startswith("pymongo.asynchronous"):
+        return Backend.PYMONGO
+    raise InvalidInput(
+        "db",
+        "expected an async database (pymongo.AsyncMongoClient()[name], Motor, or "
+        f"mongoq.connect()), got {type(db).__module__}.{type(db).__qualname__}",
+    )
+
+
+def connect(uri: str | None = None, database: str = "mongoq", *, driver: str = "pymongo") -> Any:
+    """Build an async database handle; see `mongoq.connect`."""
+    if not isinstance(database, str) or not database:
+        raise InvalidInput("database", "must be a non-empty string")
+    if uri is None:
+        uri = os.environ.get("MONGOQ_URI") or None
+    if uri is None or uri == MEMORY_SCHEME:
+        from mongomock_motor import AsyncMongoMockClient
+
+        # Not tz_aware (PyMongo's default, as for the server clients below), so dates inside
+        # payloads read back alike on every backend; mongoq makes its own fields aware.
+        return AsyncMongoMockClient()[database]
+    if not isinstance(uri, str) or not uri.startswith(("mongodb://", "mongodb+srv://")):
+        raise InvalidInput("uri", "must start with mongodb://, mongodb+srv:// or memory://")
+    if driver == "pymongo":
+        from pymongo import AsyncMongoClient
+
+        return AsyncMongoClient(uri)[database]
+    if driver == "motor":
+        from motor.motor_asyncio import AsyncIOMotorClient
+
+        return AsyncIOMotorClient(uri)[database]
+    raise InvalidInput("driver", f"must be 'pymongo' or 'motor', got {driver!r}")
+
+
+async def find_list(
+    collection: Any,
+    filter: Mapping[str, Any],
+    *,
+    sort: Sequence[tuple[str, int]] | None = None,
+    limit: int = 0,
+    projection: Mapping[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Run a find and read all of it; `limit=0` means no limit."""
+    cursor = collection.find(filter, projection, sort=sort, limit=limit)
+    return list(await cursor.to_list(None))
+
+
+async def aggregate_list(collection: Any, pipeline: Sequence[Mapping[str, Any]]) -> list[Any]:
+    """Run an aggregation and read all of it, whichever driver."""
+    cursor = collection.aggregate(list(pipeline))
+    if inspect.isawaitable(cursor):
+        cursor = await cursor
+    return list(await cursor.to_list(None))
+
+
+def update_by_id(
+    db: Any, filter: Mapping[str, Any], update: Any, *, upsert: bool = False
+) -> UpdateOne | UpdateMany:
+    """A bulk-write operation updating the one document `filter` selects by ``_id``."""
+    if "_id" not in filter:
+        raise ValueError("update_by_id needs an _id in the filter")
+    if backend_of(db) is Backend.MEMORY:
+        return UpdateMany(dict(filter), update, upsert=upsert)
+    return UpdateOne(dict(filter), update, upsert=upsert)
+
+
+async def create_partial_ttl_index(
+    db: Any,
+    collection: Any,
+    field: str,
+    *,
+    name: str,
+    expire_after: int,
+    partial: Mapping[str, Any],
+) -> bool:
+    """Create a TTL index limited to `partial`; False where the backend cannot honour the limit."""
+    if backend_of(db) is Backend.MEMORY:
+        return False
+    try:
+        await collection.create_index(
+            [(field, 1)],
+            name=name,
+            expireAfterSeconds=expire_after,
+            partialFilterExpression=dict(partial),
+        )
+    except OperationFailure as exc:
+        if exc.code != _INDEX_OPTIONS_CONFLICT:
+            raise
+        # The index exists with another expiry: change it in place rather than fail.
+        await db.command(
+            "collMod", collection.name, index={"name": name, "expireAfterSeconds": expire_after}
+        )
+    return True
+
+
+async def close(db: Any) -> None:
+    """Close the client behind `db` (awaited in PyMongo async, a plain call in Motor)."""
+    outcome = unwrap(db).client.close()
+    if inspect.isawaitable(outcome):
+        await outcome
+
+
+async def server_local_time(db: Any) -> datetime | None:
+    """The server's clock from ``hello``, or None where the backend cannot tell."""
+    if backend_of(db) is Backend.MEMORY:
+        return None
+    reply = await db.command("hello")
+    local_time = reply.get("localTime")
+    return local_time if isinstance(local_time, datetime) else None

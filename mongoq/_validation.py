@@ -1,0 +1,117 @@
+"""Argument checks shared by every primitive; each failure is an `InvalidInput` naming the field.
+
+Checks run before anything is written, so a rejected call changes nothing. Ids must be plain
+strings or ints: a dict such as ``{"$gt": ""}`` in an ``_id`` filter would be operator injection.
+Owns no collections.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import bson
+from bson.errors import BSONError
+
+from mongoq.errors import InvalidInput
+
+#: The server's hard limit on a document.
+MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
+#: What a payload may take of it, leaving room for the bookkeeping fields around it.
+MAX_PAYLOAD_BYTES = MAX_DOCUMENT_BYTES - 64 * 1024
+MAX_ID_LENGTH = 1024
+#: Durations beyond ten years are mistakes (and overflow date arithmetic near year 9999).
+MAX_SECONDS = 10 * 365 * 24 * 3600
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _kind(value: Any) -> str:
+    return type(value).__name__
+
+
+def check_id(field: str, value: Any) -> str | int:
+    """A document id: a non-empty string of at most 1024 characters, or a 64-bit int."""
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise InvalidInput(field, f"must be a non-empty string or an int, got {_kind(value)}")
+    if isinstance(value, int):
+        if not _INT64[0] <= value <= _INT64[1]:
+            raise InvalidInput(field, "must fit in a signed 64-bit integer")
+        return value
+    if not value:
+        raise InvalidInput(field, "must not be empty")
+    if len(value) > MAX_ID_LENGTH:
+        raise InvalidInput(field, f"must be at most {MAX_ID_LENGTH} characters")
+    if "\x00" in value:
+        raise InvalidInput(field, "must not contain NUL characters")
+    return value
+
+
+def check_name(field: str, value: Any) -> str:
+    """A collection name or prefix chosen by the user."""
+    if not isinstance(value, str) or not value:
+        raise InvalidInput(field, f"must be a non-empty string, got {value!r}")
+    if "$" in value or "\x00" in value or value.startswith("system."):
+        raise InvalidInput(field, "must not contain '$' or NUL, nor start with 'system.'")
+    return value
+
+
+def check_worker_id(field: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidInput(field, "must be a non-empty string")
+    return value
+
+
+def check_int(field: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInput(field, f"must be an int, got {_kind(value)}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = (
+            f"between {low} and {high}"
+            if low is not None and high is not None
+            else (f"at least {low}" if low is not None else f"at most {high}")
+        )
+        raise InvalidInput(field, f"must be {bounds}, got {value}")
+    return value
+
+
+def check_seconds(field: str, value: Any, *, positive: bool = False) -> float:
+    """A duration in seconds: a finite number, >= 0 (or > 0 when `positive`), <= ten years."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidInput(field, f"must be a number of seconds, got {_kind(value)}")
+    if not math.isfinite(value) or value < 0 or (positive and value == 0) or value > MAX_SECONDS:
+        raise InvalidInput(
+            field, f"must be {'>' if positive else '>='} 0 and at most {MAX_SECONDS}, got {value}"
+        )
+    return float(value)
+
+
+def _check_field_names(field: str, value: Any) -> None:
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise InvalidInput(field, f"field names must be strings, got {_kind(key)}")
+            if key.startswith("$") or "." in key:
+                raise InvalidInput(
+                    f"{field}.{key}", "field names may not start with '$' or contain '.'"
+                )
+            _check_field_names(f"{field}.{key}", item)
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _check_field_names(f"{field}[{index}]", item)
+
+
+def check_payload(field: str, value: Any, *, limit: int = MAX_PAYLOAD_BYTES) -> int:
+    """A user value to store: BSON-encodable, with plain field names, and small enough.
+
+    Returns its encoded size. Field names starting with ``$`` or containing ``.`` are refused
+    rather than escaped: the server treats them specially in updates and queries.
+    """
+    _check_field_names(field, value)
+    try:
+        size = len(bson.encode({"v": value}))
+    except (BSONError, TypeError, OverflowError, ValueError) as exc:
+        raise InvalidInput(field, f"is not BSON-encodable: {exc}") from None
+    if size > limit:
+        raise InvalidInput(field, f"encodes to {size} bytes; the limit is {limit}")
+    return size

@@ -1,0 +1,863 @@
+"""`AsyncTaskQueue`: a task *is* a state document, claimed by one atomic `find_one_and_update`.
+
+Collection ``{name}``, one document per task::
+
+    {_id: task_id, payload, revision, priority,
+     status: "pending" | "processing" | "done" | "failed" | "tombstone",
+     attempts,          # claims so far, counted at claim; capped by max_attempts
+     lease_until,       # processing: the lease's end; pending: "not before" (when it is due)
+     worker_id, lease_token,   # the holder while processing (token is unique per claim)
+     error,             # last error text, the last 2,000 characters
+     result, created_at, updated_at}
+
+Queries and the indexes that serve them:
+
+- claim: ``{lease_until <= now, $or: [{status: pending},
+  {status: processing, lease_until < now, attempts < max}]}`` sorted by
+  ``priority desc, lease_until asc`` -> ``claim`` index ``{priority: -1, lease_until: 1}``,
+  hinted. Only pending and processing tasks carry a ``lease_until`` (it is null in every other
+  state), so the index range "lease_until <= now" holds exactly the claimable tasks, already in
+  sort order: the first key examined is the answer (exhausted expired leases, skipped by the
+  filter, are buried by reclaim_expired);
+- reclaim_expired: ``{status: processing, lease_until < now, attempts >= / < max}``, stats'
+  counts per status, due and expired counts, oldest due pending -> ``status_lease`` index
+  ``{status: 1, lease_until: 1}``;
+- settle / heartbeat / get / requeue / remove: by ``_id``;
+- tombstones are deleted by the *partial* TTL index ``tombstone_ttl`` on ``updated_at``
+  (``partialFilterExpression: {status: "tombstone"}``; a bare TTL index would empty the queue).
+  The embedded backend cannot honour the partial filter and gets no TTL index (see `_driver`).
+
+Differences from the seed, and why:
+- Time comes from the injected `Clock` (see `mongoq.clock`), not ``$$NOW``.
+- A pending task always carries its due time in ``lease_until`` (put time + delay) instead of
+  null, so the seed's first two claim branches are one, "oldest due first" is exact (a retry
+  whose backoff passed is not starved by a stream of fresh puts), and the claim is one index
+  range instead of an ``$or`` whose branches the server would plan apart and then sort.
+- ``attempts < max_attempts`` guards only the take-over of an expired lease. Every path that
+  makes a task pending leaves it with attempts to spare (``release_for_retry`` fails an
+  exhausted task), so a pending task is always claimable: no state that nothing leaves.
+- Settles are fenced on a per-claim ``lease_token`` besides ``worker_id``: the slots of one
+  worker share a worker id, and the same worker may re-claim a task it lost.
+- Revision race: a `put` with a new revision of a task being processed replaces its payload,
+  resets its attempts and leaves it with its holder; the holder's settle, filtered on the
+  revision it claimed, then finds a mismatch and returns the task to pending with fresh
+  attempts (never ``done`` for the old revision) and reports ``False``. If the holder crashes
+  instead, the new revision is taken over with fresh attempts.
+- The end of a `leased` block by cancellation counts as an attempt (released with backoff), like
+  a crash: a task that always times out ends ``failed`` instead of looping.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import traceback
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+import anyio
+import anyio.abc
+from pymongo import ReturnDocument
+
+from mongoq import _driver
+from mongoq._validation import (
+    check_id,
+    check_int,
+    check_name,
+    check_payload,
+    check_seconds,
+    check_worker_id,
+)
+from mongoq.clock import Clock, ServerClock, to_millis
+from mongoq.errors import InvalidInput, LeaseLost, PermanentError
+from mongoq.worker import WorkerLoop
+
+__all__ = [
+    "AsyncTaskQueue",
+    "NewTask",
+    "PutManyResult",
+    "PutOutcome",
+    "ReclaimResult",
+    "RunSummary",
+    "Task",
+    "TaskLease",
+    "TaskQueueStats",
+    "TaskStatus",
+    "default_worker_id",
+]
+
+log = logging.getLogger("mongoq.tasks")
+
+TaskStatus = Literal["pending", "processing", "done", "failed", "tombstone"]
+PENDING: TaskStatus = "pending"
+PROCESSING: TaskStatus = "processing"
+DONE: TaskStatus = "done"
+FAILED: TaskStatus = "failed"
+TOMBSTONE: TaskStatus = "tombstone"
+STATUSES: tuple[TaskStatus, ...] = (PENDING, PROCESSING, DONE, FAILED, TOMBSTONE)
+
+PutOutcome = Literal["inserted", "updated", "unchanged"]
+
+ERROR_LIMIT = 2000
+CLAIM_INDEX = "claim"
+NOT_AN_ATTEMPT_DELAY = 5.0
+TaskId = str | int
+
+
+def default_worker_id() -> str:
+    """``hostname:pid:uuid8``, as in the seed."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def error_text(error: BaseException | str | None) -> str | None:
+    """The text stored for an error: its traceback (or the string), last 2,000 characters."""
+    if error is None:
+        return None
+    if isinstance(error, BaseException):
+        text = "".join(traceback.format_exception(error)).rstrip()
+    else:
+        text = str(error)
+    return text[-ERROR_LIMIT:]
+
+
+def _utc(value: Any) -> datetime | None:
+    return to_millis(value) if isinstance(value, datetime) else None
+
+
+@dataclass(frozen=True)
+class Task:
+    """A snapshot of a task document; `claim` returns one with the lease fields set.
+
+    `error` is the last error recorded for the task; it is kept (for reference) when the task is
+    retried, requeued or completed later.
+    """
+
+    id: TaskId
+    payload: Any
+    status: TaskStatus
+    attempts: int
+    priority: int = 0
+    revision: str | int | None = None
+    lease_until: datetime | None = None
+    worker_id: str | None = None
+    lease_token: str | None = None
+    error: str | None = None
+    result: Any = None
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+
+    @classmethod
+    def from_document(cls, doc: Mapping[str, Any]) -> Task:
+        return cls(
+            id=doc["_id"],
+            payload=doc.get("payload"),
+            status=doc["status"],
+            attempts=int(doc.get("attempts", 0)),
+            priority=int(doc.get("priority", 0)),
+            revision=doc.get("revision"),
+            lease_until=_utc(doc.get("lease_until")),
+            worker_id=doc.get("worker_id"),
+            lease_token=doc.get("lease_token"),
+            error=doc.get("error"),
+            result=doc.get("result"),
+            created_at=_utc(doc.get("created_at")),
+            updated_at=_utc(doc.get("updated_at")),
+        )
+
+
+@dataclass(frozen=True)
+class NewTask:
+    """One task for `AsyncTaskQueue.put_many`; the fields mean what `put`'s arguments mean."""
+
+    task_id: TaskId
+    payload: Any = None
+    revision: str | int | None = None
+    priority: int = 0
+    delay: float = 0.0
+
+
+@dataclass(frozen=True)
+class PutManyResult:
+    inserted: int
+    updated: int
+    unchanged: int
+
+
+@dataclass(frozen=True)
+class ReclaimResult:
+    """What `reclaim_expired` did: tasks buried (attempts used up) and requeued."""
+
+    failed: int
+    requeued: int
+
+
+@dataclass(frozen=True)
+class TaskQueueStats:
+    """Counts per status, plus the signals an operator watches.
+
+    `due` of the pending tasks are claimable now; `expired` processing tasks have a lease that
+    ran out (their worker is gone or stuck); `oldest_due_age` is how long the oldest claimable
+    task has waited, in seconds (None when none is due): the "queue is stuck" signal.
+    """
+
+    counts: dict[str, int]
+    due: int
+    expired: int
+    oldest_due_age: float | None
+
+
+@dataclass
+class RunSummary:
+    """What a `run` loop did, by outcome."""
+
+    claimed: int = 0
+    completed: int = 0
+    retried: int = 0
+    failed: int = 0
+    released: int = 0
+    lost: int = 0
+    #: settles whose reply was lost: the task is settled or its lease will expire
+    unknown: int = 0
+
+
+@dataclass(eq=False)
+class TaskLease:
+    """The holder's side of a claimed task inside ``async with queue.leased(task)``.
+
+    `lost` turns True when a heartbeat finds the task taken over (or removed); from then on
+    nothing the holder does changes the task. `outcome` says how the lease ended: completed,
+    retried, released, failed, lost, or unknown (a settle whose reply was lost).
+    """
+
+    queue: AsyncTaskQueue
+    task: Task
+    lost: bool = False
+    heartbeats: int = 0
+    outcome: str | None = None
+    _group: Any = field(default=None, repr=False)
+
+    @property
+    def settled(self) -> bool:
+        return self.outcome not in (None, "unknown")
+
+    async def heartbeat(self) -> bool:
+        return await self.queue.heartbeat(self.task)
+
+    async def complete(self, result: Any = None) -> bool:
+        return await self.queue.complete(self.task, result)
+
+    async def release_for_retry(self, error: BaseException | str | None = None) -> bool:
+        return await self.queue.release_for_retry(self.task, error)
+
+    async def release_not_an_attempt(self, delay: float | None = None) -> bool:
+        return await self.queue.release_not_an_attempt(self.task, delay)
+
+    async def fail(self, error: BaseException | str | None = None) -> bool:
+        return await self.queue.fail(self.task, error)
+
+    async def __aenter__(self) -> TaskLease:
+        self._group = anyio.create_task_group()
+        await self._group.__aenter__()  # no checkpoint: a pending cancellation hits the block
+        self._group.start_soon(self.queue._heartbeat_loop, self)
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self._group.cancel_scope.cancel()
+        try:
+            # Raises the cancellation here when the block itself is being cancelled.
+            await self._group.__aexit__(None, None, None)
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.queue._settle_on_exit(self, exc)
+                finally:
+                    self.queue._leases.pop(self.task.lease_token or "", None)
+
+
+class AsyncTaskQueue:
+    """A durable task queue in one MongoDB collection (see the module docstring for its layout).
+
+    Guarantees: a task has at most one live holder (claims are one atomic command; every settle
+    is fenced on the claim's token); a holder that lost its task changes nothing and is told
+    (``False`` or `LeaseLost`); a crash at any point leaves every task claimable again after at
+    most one `lease_ttl`; a task that fails or crashes `max_attempts` times ends ``failed``.
+    Delivery is at least once: handlers must be idempotent.
+    """
+
+    def __init__(
+        self,
+        db: Any,
+        name: str,
+        *,
+        max_attempts: int = 5,
+        lease_ttl: float = 900,
+        backoff_base: float = 60,
+        backoff_cap: float = 3600,
+        tombstone_ttl: float = 30 * 24 * 3600,
+        clock: Clock | None = None,
+    ) -> None:
+        _driver.backend_of(db)
+        self.name = check_name("name", name)
+        self.max_attempts = check_int("max_attempts", max_attempts, low=1)
+        self.lease_ttl = check_seconds("lease_ttl", lease_ttl, positive=True)
+        self.backoff_base = check_seconds("backoff_base", backoff_base)
+        self.backoff_cap = check_seconds("backoff_cap", backoff_cap)
+        self.tombstone_ttl = int(check_seconds("tombstone_ttl", tombstone_ttl, positive=True))
+        self.clock: Clock = clock if clock is not None else ServerClock(db)
+        self.db = db
+        self.collection = db[name]
+        self._leases: dict[str, TaskLease] = {}
+        self._loops: set[WorkerLoop[Task]] = set()
+        self._last_reclaim: datetime | None = None
+        self._default_worker_id = default_worker_id()
+
+    # ------------------------------------------------------------------------------ set-up
+
+    async def ensure_indexes(self) -> None:
+        """Create the indexes every query needs; idempotent."""
+        await self.collection.create_index([("priority", -1), ("lease_until", 1)], name=CLAIM_INDEX)
+        await self.collection.create_index([("status", 1), ("lease_until", 1)], name="status_lease")
+        await _driver.create_partial_ttl_index(
+            self.db,
+            self.collection,
+            "updated_at",
+            name="tombstone_ttl",
+            expire_after=self.tombstone_ttl,
+            partial={"status": TOMBSTONE},
+        )
+
+    async def _now(self) -> datetime:
+        await self.clock.refresh()
+        return self.clock.now()
+
+    # ---------------------------------------------------------------------------- producer
+
+    def _put_update(self, spec: NewTask, now: datetime) -> list[dict[str, Any]]:
+        """The pipeline of an idempotent put (see `put`). User values go through ``$literal``:
+        a string such as ``"$x"`` would otherwise read a field."""
+        # Fields are read through $ifNull: comparisons with a missing field differ between
+        # the server and the embedded backend; with null they agree.
+        status = {"$ifNull": ["$status", None]}
+        is_new = {"$eq": [status, None]}
+        if spec.revision is None:
+            fresh: Any = is_new
+        else:
+            stored_revision = {"$ifNull": ["$revision", None]}
+            fresh = {"$or": [is_new, {"$ne": [stored_revision, {"$literal": spec.revision}]}]}
+        reset = {"$and": [fresh, {"$ne": [status, PROCESSING]}]}
+
+        def when(condition: Any, new: Any, current: str) -> dict[str, Any]:
+            return {"$cond": [condition, new, f"${current}"]}
+
+        due = now + timedelta(seconds=spec.delay)
+        return [
+            {
+                "$set": {
+                    "payload": when(fresh, {"$literal": spec.payload}, "payload"),
+                    "revision": when(fresh, {"$literal": spec.revision}, "revision"),
+                    "priority": when(fresh, spec.priority, "priority"),
+                    "status": when(reset, PENDING, "status"),
+                    # Fresh attempts for a new revision even while it is processing: should
+                    # the holder crash, the takeover runs the new revision with all its tries.
+                    "attempts": when(fresh, 0, "attempts"),
+                    "lease_until": when(reset, due, "lease_until"),
+                    "worker_id": when(reset, None, "worker_id"),
+                    "lease_token": when(reset, None, "lease_token"),
+                    "error": when(reset, None, "error"),
+                    "result": when(reset, None, "result"),
+                    "created_at": {"$ifNull": ["$created_at", now]},
+                    "updated_at": when(fresh, now, "updated_at"),
+                }
+            }
+        ]
+
+    @staticmethod
+    def _check_new_task(spec: NewTask, prefix: str = "") -> NewTask:
+        task_id = check_id(f"{prefix}task_id", spec.task_id)
+        check_payload(f"{prefix}payload", spec.payload)
+        if spec.revision is not None:
+            if isinstance(spec.revision, bool) or not isinstance(spec.revision, str | int):
+                raise InvalidInput(f"{prefix}revision", "must be a string, an int or None")
+            check_payload(f"{prefix}revision", spec.revision)
+        check_int(f"{prefix}priority", spec.priority, low=-(2**31), high=2**31 - 1)
+        delay = check_seconds(f"{prefix}delay", spec.delay)
+        return NewTask(task_id, spec.payload, spec.revision, spec.priority, delay)
+
+    async def put(
+        self,
+        task_id: TaskId,
+        payload: Any = None,
+        *,
+        revision: str | int | None = None,
+        priority: int = 0,
+        delay: float = 0,
+    ) -> PutOutcome:
+        """Add a task, idempotently (one command).
+
+        - A new id is inserted ``pending``, due after `delay` seconds.
+        - Replaying a put of an existing task with the same `revision` (or with none) changes
+          nothing.
+        - A put with a different `revision` replaces payload and priority and makes a pending,
+          done, failed or removed task pending again with fresh attempts; a task being
+          processed stays with its holder, whose settle then returns it to pending for the new
+          revision instead of completing it.
+        Higher `priority` is claimed first. Returns ``"inserted"``, ``"updated"`` or
+        ``"unchanged"``.
+        """
+        spec = self._check_new_task(NewTask(task_id, payload, revision, priority, delay))
+        now = await self._now()
+        result = await self.collection.update_one(
+            {"_id": spec.task_id}, self._put_update(spec, now), upsert=True
+        )
+        if result.upserted_id is not None:
+            return "inserted"
+        return "updated" if result.modified_count else "unchanged"
+
+    async def put_many(self, tasks: Iterable[NewTask]) -> PutManyResult:
+        """`put` for many tasks in one round trip (one unordered bulk write)."""
+        specs = list(tasks)
+        checked: list[NewTask] = []
+        seen: dict[TaskId, int] = {}
+        for index, spec in enumerate(specs):
+            if not isinstance(spec, NewTask):
+                raise InvalidInput(
+                    f"tasks[{index}]", f"must be a NewTask, got {type(spec).__name__}"
+                )
+            spec = self._check_new_task(spec, f"tasks[{index}].")
+            if spec.task_id in seen:
+                raise InvalidInput(
+                    f"tasks[{index}].task_id", f"repeats tasks[{seen[spec.task_id]}].task_id"
+                )
+            seen[spec.task_id] = index
+            checked.append(spec)
+        if not checked:
+            return PutManyResult(0, 0, 0)
+        now = await self._now()
+        ops = [
+            _driver.update_by_id(
+                self.db, {"_id": spec.task_id}, self._put_update(spec, now), upsert=True
+            )
+            for spec in checked
+        ]
+        result = await self.collection.bulk_write(ops, ordered=False)
+        inserted = result.upserted_count
+        updated = result.modified_count
+        return PutManyResult(inserted, updated, len(checked) - inserted - updated)
+
+    # ---------------------------------------------------------------------------- consumer
+
+    async def claim(self, worker_id: str | None = None) -> Task | None:
+        """Take the most urgent due task, atomically (one command); None when nothing is due.
+
+        Due means: pending and past its not-before time, or processing with an expired lease and
+        attempts to spare (a crashed holder's task is taken over). Highest priority first, then
+        the one due longest. The claim counts an attempt. Needs `ensure_indexes()` to have run
+        once (the claim names its index).
+        """
+        worker = self._worker(worker_id)
+        now = await self._now()
+        doc = await self.collection.find_one_and_update(
+            {
+                "lease_until": {"$lte": now},
+                "$or": [
+                    {"status": PENDING},
+                    {
+                        "status": PROCESSING,
+                        "lease_until": {"$lt": now},  # a lease ending at `now` still holds
+                        "attempts": {"$lt": self.max_attempts},
+                    },
+                ],
+            },
+            {
+                "$set": {
+                    "status": PROCESSING,
+                    "worker_id": worker,
+                    "lease_token": uuid.uuid4().hex,
+                    "lease_until": now + timedelta(seconds=self.lease_ttl),
+                    "updated_at": now,
+                },
+                "$inc": {"attempts": 1},
+            },
+            sort=[("priority", -1), ("lease_until", 1)],
+            hint=CLAIM_INDEX,
+            return_document=ReturnDocument.AFTER,
+        )
+        if doc is None:
+            return None
+        task = Task.from_document(doc)
+        log.debug("claimed %r (attempt %d) for %s", task.id, task.attempts, worker)
+        return task
+
+    def _worker(self, worker_id: str | None) -> str:
+        if worker_id is None:
+            return self._default_worker_id
+        return check_worker_id("worker_id", worker_id)
+
+    @staticmethod
+    def _fence(task: Task) -> dict[str, Any]:
+        if not isinstance(task, Task) or task.lease_token is None or task.worker_id is None:
+            raise InvalidInput("task", "must be a Task returned by claim()")
+        return {
+            "_id": task.id,
+            "status": PROCESSING,
+            "worker_id": task.worker_id,
+            "lease_token": task.lease_token,
+        }
+
+    async def _settle(self, task: Task, outcome: str, update: Any, now: datetime) -> bool:
+        """Apply a holder's final write, fenced on its lease and the revision it claimed."""
+        fence = self._fence(task)
+        lease = self._leases.get(task.lease_token or "")
+        try:
+            result = await self.collection.update_one({**fence, "revision": task.revision}, update)
+        except _driver.DRIVER_ERRORS:
+            # Applied or not, nobody can tell. The lease stays unsettled, so the exit of
+            # `leased` still releases the task: harmless if this write applied (the release
+            # then matches nothing), the fastest recovery if it did not.
+            if lease is not None:
+                lease.outcome = "unknown"
+            raise
+        took_effect = bool(result.matched_count == 1)
+        if not took_effect:
+            # Either the lease is gone (then this matches nothing either) or a put changed the
+            # revision under the holder: that work is stale, the new revision needs a fresh run.
+            requeued = await self.collection.update_one(fence, {"$set": self._pending(now, now, 0)})
+            if requeued.matched_count:
+                log.info("task %r changed revision while processing; requeued", task.id)
+            else:
+                log.info("task %r: %s ignored, the lease was lost", task.id, outcome)
+        if lease is not None and (took_effect or lease.outcome != "unknown"):
+            lease.outcome = outcome if took_effect else "lost"
+        return took_effect
+
+    @staticmethod
+    def _pending(now: datetime, due: datetime, attempts: int | None) -> dict[str, Any]:
+        """The fields of a pending task due at `due`, with `attempts` reset unless None."""
+        fields: dict[str, Any] = {
+            "status": PENDING,
+            "lease_until": due,
+            "worker_id": None,
+            "lease_token": None,
+            "updated_at": now,
+        }
+        if attempts is not None:
+            fields["attempts"] = attempts
+        return fields
+
+    async def heartbeat(self, task: Task) -> bool:
+        """Extend the lease by `lease_ttl` from now; False when the task is no longer held."""
+        fence = self._fence(task)
+        now = await self._now()
+        result = await self.collection.update_one(
+            fence,
+            {"$set": {"lease_until": now + timedelta(seconds=self.lease_ttl), "updated_at": now}},
+        )
+        return bool(result.matched_count == 1)
+
+    async def complete(self, task: Task, result: Any = None) -> bool:
+        """Mark the task ``done`` with `result`; False (and no change) if no longer held."""
+        self._fence(task)
+        check_payload("result", result)
+        now = await self._now()
+        update = {
+            "$set": {
+                "status": DONE,
+                "result": result,
+                "lease_until": None,
+                "lease_token": None,
+                "updated_at": now,
+            }
+        }
+        return await self._settle(task, "completed", update, now)
+
+    def backoff(self, attempts: int) -> float:
+        """Seconds before retry number `attempts`: ``min(base * 2^(attempts-1), cap)`` times a
+        uniform jitter in [1.0, 1.5) that keeps failed tasks from retrying in lockstep."""
+        exponent = min(max(attempts - 1, 0), 64)
+        return min(self.backoff_base * 2.0**exponent, self.backoff_cap) * random.uniform(1.0, 1.5)
+
+    async def release_for_retry(self, task: Task, error: BaseException | str | None = None) -> bool:
+        """Return the task to pending after a transient error, due after `backoff`.
+
+        A task whose attempts are used up is failed instead: no task is left pending and
+        unclaimable. False (and no change) if no longer held.
+        """
+        self._fence(task)
+        if task.attempts >= self.max_attempts:
+            return await self.fail(task, error)
+        now = await self._now()
+        due = now + timedelta(seconds=self.backoff(task.attempts))
+        fields = self._pending(now, due, None) | {"error": error_text(error)}
+        return await self._settle(task, "retried", {"$set": fields}, now)
+
+    async def release_not_an_attempt(self, task: Task, delay: float | None = None) -> bool:
+        """Return the task to pending without counting this claim as an attempt.
+
+        For work that stopped through no fault of the task (a shutdown, a revision race). It is
+        due again after `delay` seconds (default 5: not in a hot loop). False if no longer held.
+        """
+        self._fence(task)
+        wait = NOT_AN_ATTEMPT_DELAY if delay is None else check_seconds("delay", delay)
+        now = await self._now()
+        fields = self._pending(now, now + timedelta(seconds=wait), None)
+        # Never below 0: a revision reset may have zeroed the count since this claim.
+        fields["attempts"] = {"$max": [{"$subtract": ["$attempts", 1]}, 0]}
+        return await self._settle(task, "released", [{"$set": fields}], now)
+
+    async def fail(self, task: Task, error: BaseException | str | None = None) -> bool:
+        """Mark the task ``failed`` (terminal until an operator `requeue`s it)."""
+        self._fence(task)
+        now = await self._now()
+        update = {
+            "$set": {
+                "status": FAILED,
+                "error": error_text(error),
+                "lease_until": None,
+                "lease_token": None,
+                "updated_at": now,
+            }
+        }
+        return await self._settle(task, "failed", update, now)
+
+    def leased(self, task: Task) -> TaskLease:
+        """``async with queue.leased(task) as lease:`` holds `task` while the block runs.
+
+        A heartbeat extends the lease every ``lease_ttl / 3``. If a heartbeat finds the task
+        taken over, `lease.lost` turns True and the heartbeat stops (it never revives the task).
+        Unless the block settled the task itself (through `lease` or the queue), the exit does:
+        clean exit -> `complete` (raising `LeaseLost` if that no longer takes effect);
+        `PermanentError` -> `fail`; any other exception, cancellation included ->
+        `release_for_retry` (which fails the task once its attempts are used up). The exception
+        propagates.
+        """
+        self._fence(task)
+        assert task.lease_token is not None
+        lease = TaskLease(self, task)
+        self._leases[task.lease_token] = lease
+        return lease
+
+    async def _heartbeat_loop(self, lease: TaskLease) -> None:
+        # Beats are due a third of a lease after the previous one, counted from the lease the
+        # claim granted (not from when this task first runs), so a ManualClock test and a slow
+        # event loop see the same schedule.
+        interval = self.lease_ttl / 3
+        expires = lease.task.lease_until or self.clock.now()
+        next_beat = expires - timedelta(seconds=2 * interval)
+        while True:
+            await self.clock.sleep((next_beat - self.clock.now()).total_seconds())
+            if lease.settled:
+                return
+            try:
+                held = await self.heartbeat(lease.task)
+            except _driver.DRIVER_ERRORS as exc:
+                # Never let a heartbeat error reach the block; try again soon, well before the
+                # lease runs out.
+                log.warning("heartbeat of %r failed (%s); retrying", lease.task.id, exc)
+                next_beat = self.clock.now() + timedelta(seconds=interval / 3)
+                continue
+            if not held:
+                if not lease.settled:
+                    lease.lost = True
+                    log.warning("task %r is no longer held; heartbeat stopped", lease.task.id)
+                return
+            lease.heartbeats += 1
+            next_beat = self.clock.now() + timedelta(seconds=interval)
+
+    async def _settle_on_exit(self, lease: TaskLease, exc: BaseException | None) -> None:
+        if lease.settled:
+            return
+        lost = LeaseLost(
+            f"task {lease.task.id!r} is no longer held (taken over, removed, or re-put with a new "
+            "revision); the block's outcome was not recorded"
+        )
+        if lease.lost:
+            lease.outcome = "lost"
+            if exc is None:
+                raise lost
+            return
+        if exc is None:
+            if not await self.complete(lease.task):
+                raise lost
+            return
+        try:
+            if isinstance(exc, PermanentError):
+                await self.fail(lease.task, exc)
+            else:  # any other exception, cancellation included: counted, retried with backoff
+                await self.release_for_retry(lease.task, exc)
+        except _driver.DRIVER_ERRORS as settle_error:
+            # The block's own exception is what the caller needs to see; the lease expiring
+            # makes the task claimable again.
+            log.warning("could not release %r after %r: %s", lease.task.id, exc, settle_error)
+
+    # ---------------------------------------------------------------------------- operator
+
+    async def reclaim_expired(self) -> ReclaimResult:
+        """Clean up after crashed workers (two commands, in this order).
+
+        First bury expired tasks whose attempts are used up (``failed``), then return the other
+        expired ones to pending. Burying first means an exhausted task is never, even briefly,
+        pending. Claims take expired tasks over by themselves; this keeps the queue's state and
+        statistics honest when no worker is claiming.
+        """
+        now = await self._now()
+        expired = {"status": PROCESSING, "lease_until": {"$lt": now}}
+        buried = await self.collection.update_many(
+            {**expired, "attempts": {"$gte": self.max_attempts}},
+            {
+                "$set": {
+                    "status": FAILED,
+                    "error": "lease expired on the last attempt (worker crashed or stalled)",
+                    "lease_until": None,
+                    "lease_token": None,
+                    "updated_at": now,
+                }
+            },
+        )
+        requeued = await self.collection.update_many(
+            {**expired, "attempts": {"$lt": self.max_attempts}},
+            {"$set": self._pending(now, now, None)},
+        )
+        self._last_reclaim = now
+        if buried.modified_count or requeued.modified_count:
+            log.info("reclaimed expired leases: %d failed, %d requeued",
+                     buried.modified_count, requeued.modified_count)  # fmt: skip
+        return ReclaimResult(buried.modified_count, requeued.modified_count)
+
+    async def get(self, task_id: TaskId) -> Task | None:
+        """The task's current document, or None."""
+        doc = await self.collection.find_one({"_id": check_id("task_id", task_id)})
+        return None if doc is None else Task.from_document(doc)
+
+    async def requeue(self, task_id: TaskId) -> bool:
+        """Operator: put a ``failed`` task back to pending with fresh attempts."""
+        now = await self._now()
+        result = await self.collection.update_one(
+            {"_id": check_id("task_id", task_id), "status": FAILED},
+            {"$set": self._pending(now, now, 0)},
+        )
+        return bool(result.matched_count == 1)
+
+    async def remove(self, task_id: TaskId) -> bool:
+        """Tombstone a task: it is never claimed again (a holder loses it) and the TTL index
+        deletes it after `tombstone_ttl`. A put with a new revision revives it."""
+        now = await self._now()
+        result = await self.collection.update_one(
+            {"_id": check_id("task_id", task_id), "status": {"$ne": TOMBSTONE}},
+            {
+                "$set": {
+                    "status": TOMBSTONE,
+                    "lease_until": None,
+                    "lease_token": None,
+                    "updated_at": now,
+                }
+            },
+        )
+        return bool(result.matched_count == 1)
+
+    async def stats(self) -> TaskQueueStats:
+        """Counts per status, due, expired and the oldest due age (eight indexed commands)."""
+        now = await self._now()
+        counts: dict[str, int] = {
+            status: await self.collection.count_documents({"status": status}) for status in STATUSES
+        }
+        due = await self.collection.count_documents(
+            {"status": PENDING, "lease_until": {"$lte": now}}
+        )
+        expired = await self.collection.count_documents(
+            {"status": PROCESSING, "lease_until": {"$lt": now}}
+        )
+        oldest = await _driver.find_list(
+            self.collection,
+            {"status": PENDING, "lease_until": {"$lte": now}},
+            sort=[("lease_until", 1)],
+            limit=1,
+            projection={"lease_until": 1},
+        )
+        oldest_due = _utc(oldest[0]["lease_until"]) if oldest else None
+        age = (now - oldest_due).total_seconds() if oldest_due is not None else None
+        return TaskQueueStats(counts, due, expired, age)
+
+    # ------------------------------------------------------------------------------ worker
+
+    async def run(
+        self,
+        handler: Callable[[Task], Awaitable[Any]],
+        *,
+        concurrency: int = 1,
+        stop_when_empty: bool = False,
+        poll_interval: float = 1.0,
+        worker_id: str | None = None,
+        handle_signals: bool = False,
+    ) -> RunSummary:
+        """Claim and process tasks with `handler` until stopped.
+
+        Each task runs inside `leased`: its return value is the task's result (a result that
+        cannot be stored fails the task); a `PermanentError` fails it; another exception
+        releases it for retry. When nothing is
+        due the loop reclaims expired leases (at most once per ``lease_ttl / 3``) and sleeps
+        `poll_interval`; with `stop_when_empty` it returns instead. `stop()` (or, with
+        `handle_signals`, SIGTERM/SIGINT) stops gracefully: in-flight tasks finish; cancelling
+        the call (or a second signal) releases them for retry.
+        """
+        check_int("concurrency", concurrency, low=1)
+        poll = check_seconds("poll_interval", poll_interval, positive=True)
+        worker = self._worker(worker_id)
+        summary = RunSummary()
+
+        async def claim() -> Task | None:
+            task = await self.claim(worker)
+            if task is not None:
+                summary.claimed += 1
+            return task
+
+        async def process(task: Task) -> None:
+            lease = self.leased(task)
+            try:
+                async with lease:
+                    result = await handler(task)
+                    try:
+                        await lease.complete(result)
+                    except InvalidInput as exc:  # a result that cannot be stored: a bug
+                        await lease.fail(exc)
+            except LeaseLost:
+                pass
+            except _driver.DRIVER_ERRORS:
+                log.warning("settling %r failed; its lease will expire", task.id, exc_info=True)
+            except Exception:
+                log.info("task %r raised; %s", task.id, lease.outcome, exc_info=True)
+            outcome = lease.outcome or "unknown"
+            setattr(summary, outcome, getattr(summary, outcome) + 1)
+
+        loop: WorkerLoop[Task] = WorkerLoop(
+            claim=claim,
+            process=process,
+            clock=self.clock,
+            concurrency=concurrency,
+            poll_interval=poll,
+            stop_when_empty=stop_when_empty,
+            idle=self._reclaim_when_idle,
+            name=f"tasks:{self.name}",
+        )
+        self._loops.add(loop)
+        try:
+            await loop.run(handle_signals=handle_signals)
+        finally:
+            self._loops.discard(loop)
+        return summary
+
+    async def _reclaim_when_idle(self) -> None:
+        now = await self._now()
+        if self._last_reclaim is None or (now - self._last_reclaim).total_seconds() >= (
+            self.lease_ttl / 3
+        ):
+            await self.reclaim_expired()
+
+    def stop(self) -> None:
+        """Ask every `run` loop of this queue to stop gracefully."""
+        for loop in list(self._loops):
+            loop.stop()

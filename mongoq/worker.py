@@ -1,0 +1,130 @@
+"""Run loops shared by the primitives: concurrency, idle polling, graceful stop, signals.
+
+A `WorkerLoop` runs `concurrency` slots. Each slot claims one item, processes it, and claims
+again; when nothing is claimable it runs the primitive's idle hook (e.g. reclaiming expired
+leases) and sleeps `poll_interval` on the primitive's clock. `stop()` is graceful: no slot
+claims again, in-flight items finish, `run()` returns. Cancelling `run()` cancels in-flight
+items, whose lease handling releases them. With `handle_signals`, the first SIGTERM/SIGINT
+stops gracefully and a second one cancels. Owns no collections.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+import anyio
+
+from mongoq import _driver
+from mongoq.clock import Clock
+
+__all__ = ["WorkerLoop"]
+
+log = logging.getLogger("mongoq.worker")
+
+Item = TypeVar("Item")
+
+
+class WorkerLoop(Generic[Item]):
+    """Claim-process slots over a claim function and a process function."""
+
+    def __init__(
+        self,
+        *,
+        claim: Callable[[], Awaitable[Item | None]],
+        process: Callable[[Item], Awaitable[None]],
+        clock: Clock,
+        concurrency: int = 1,
+        poll_interval: float = 1.0,
+        stop_when_empty: bool = False,
+        idle: Callable[[], Awaitable[None]] | None = None,
+        name: str = "worker",
+    ) -> None:
+        self._claim = claim
+        self._process = process
+        self._clock = clock
+        self._concurrency = concurrency
+        self._poll_interval = poll_interval
+        self._stop_when_empty = stop_when_empty
+        self._idle = idle
+        self._name = name
+        self._stopping = False
+        self._naps: set[anyio.CancelScope] = set()
+        self.in_flight = 0
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def stop(self) -> None:
+        """Graceful stop: claim nothing more, let in-flight items finish."""
+        if not self._stopping:
+            log.info("%s: stopping after %d in-flight item(s)", self._name, self.in_flight)
+        self._stopping = True
+        for nap in list(self._naps):
+            nap.cancel()
+
+    async def run(self, *, handle_signals: bool = False) -> None:
+        async with anyio.create_task_group() as group:
+            if handle_signals:
+                group.start_soon(self._watch_signals, group.cancel_scope)
+            async with anyio.create_task_group() as slots:
+                for _ in range(self._concurrency):
+                    slots.start_soon(self._slot)
+            group.cancel_scope.cancel()  # the signal watcher, once every slot has returned
+
+    async def _watch_signals(self, scope: anyio.CancelScope) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                if self._stopping:
+                    log.warning(
+                        "%s: second signal %d, cancelling in-flight work", self._name, signum
+                    )
+                    scope.cancel()
+                    return
+                log.info("%s: signal %d, stopping gracefully", self._name, signum)
+                self.stop()
+
+    async def _nap(self) -> None:
+        with anyio.CancelScope() as scope:
+            self._naps.add(scope)
+            try:
+                if not self._stopping:
+                    await self._clock.sleep(self._poll_interval)
+            finally:
+                self._naps.discard(scope)
+
+    async def _slot(self) -> None:
+        while not self._stopping:
+            try:
+                # Shielded: a claim applied on the server but cancelled before its reply is read
+                # would hold the item, unseen, for a whole lease. Once it is back, the cancellation
+                # reaches the item's processing, whose lease handling releases it.
+                with anyio.CancelScope(shield=True):
+                    item = await self._claim()
+            except _driver.DRIVER_ERRORS as exc:
+                log.warning("%s: claim failed (%s); retrying after %.1fs", self._name, exc,
+                            self._poll_interval)  # fmt: skip
+                await self._nap()
+                continue
+            if item is None:
+                if self._idle is not None:
+                    try:
+                        await self._idle()
+                    except _driver.DRIVER_ERRORS as exc:
+                        log.warning("%s: idle work failed (%s)", self._name, exc)
+                if self._stop_when_empty:
+                    return
+                await self._nap()
+                continue
+            self.in_flight += 1
+            try:
+                await self._process(item)
+            except Exception:
+                # The primitive's process function settles its own item; anything that still
+                # escapes is logged rather than allowed to end the slot (the lease recovers it).
+                log.exception("%s: unexpected error while processing", self._name)
+            finally:
+                self.in_flight -= 1
