@@ -61,7 +61,6 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 
 import anyio
-import anyio.abc
 from pymongo import ReturnDocument
 
 from mongoq import _driver
@@ -75,7 +74,7 @@ from mongoq._validation import (
 )
 from mongoq.clock import Clock, ServerClock, to_millis
 from mongoq.errors import InvalidInput, LeaseLost, PermanentError
-from mongoq.worker import WorkerLoop
+from mongoq.worker import KeepAlive, WorkerLoop
 
 __all__ = [
     "AsyncTaskQueue",
@@ -236,10 +235,16 @@ class TaskLease:
 
     queue: AsyncTaskQueue
     task: Task
-    lost: bool = False
-    heartbeats: int = 0
     outcome: str | None = None
-    _group: Any = field(default=None, repr=False)
+    _keepalive: KeepAlive | None = field(default=None, repr=False)
+
+    @property
+    def lost(self) -> bool:
+        return self._keepalive is not None and self._keepalive.lost
+
+    @property
+    def heartbeats(self) -> int:
+        return 0 if self._keepalive is None else self._keepalive.renewals
 
     @property
     def settled(self) -> bool:
@@ -260,17 +265,29 @@ class TaskLease:
     async def fail(self, error: BaseException | str | None = None) -> bool:
         return await self.queue.fail(self.task, error)
 
+    async def _renew(self) -> bool | None:
+        if self.settled:
+            return None
+        held = await self.queue.heartbeat(self.task)
+        return None if self.settled else held
+
     async def __aenter__(self) -> TaskLease:
-        self._group = anyio.create_task_group()
-        await self._group.__aenter__()  # no checkpoint: a pending cancellation hits the block
-        self._group.start_soon(self.queue._heartbeat_loop, self)
+        interval = self.queue.lease_ttl / 3
+        expires = self.task.lease_until or self.queue.clock.now()
+        self._keepalive = KeepAlive(
+            clock=self.queue.clock,
+            interval=interval,
+            renew=self._renew,
+            first_at=expires - timedelta(seconds=2 * interval),
+            name=f"task {self.task.id!r}",
+        )
+        await self._keepalive.__aenter__()
         return self
 
     async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        self._group.cancel_scope.cancel()
         try:
-            # Raises the cancellation here when the block itself is being cancelled.
-            await self._group.__aexit__(None, None, None)
+            assert self._keepalive is not None
+            await self._keepalive.__aexit__(exc_type, exc, tb)
         finally:
             with anyio.CancelScope(shield=True):
                 try:
@@ -640,33 +657,6 @@ class AsyncTaskQueue:
         lease = TaskLease(self, task)
         self._leases[task.lease_token] = lease
         return lease
-
-    async def _heartbeat_loop(self, lease: TaskLease) -> None:
-        # Beats are due a third of a lease after the previous one, counted from the lease the
-        # claim granted (not from when this task first runs), so a ManualClock test and a slow
-        # event loop see the same schedule.
-        interval = self.lease_ttl / 3
-        expires = lease.task.lease_until or self.clock.now()
-        next_beat = expires - timedelta(seconds=2 * interval)
-        while True:
-            await self.clock.sleep((next_beat - self.clock.now()).total_seconds())
-            if lease.settled:
-                return
-            try:
-                held = await self.heartbeat(lease.task)
-            except _driver.DRIVER_ERRORS as exc:
-                # Never let a heartbeat error reach the block; try again soon, well before the
-                # lease runs out.
-                log.warning("heartbeat of %r failed (%s); retrying", lease.task.id, exc)
-                next_beat = self.clock.now() + timedelta(seconds=interval / 3)
-                continue
-            if not held:
-                if not lease.settled:
-                    lease.lost = True
-                    log.warning("task %r is no longer held; heartbeat stopped", lease.task.id)
-                return
-            lease.heartbeats += 1
-            next_beat = self.clock.now() + timedelta(seconds=interval)
 
     async def _settle_on_exit(self, lease: TaskLease, exc: BaseException | None) -> None:
         if lease.settled:
