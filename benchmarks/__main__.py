@@ -14,7 +14,7 @@ import sys
 from collections.abc import Awaitable
 from typing import Any, cast
 
-from benchmarks import tasks
+from benchmarks import groups, tasks
 from benchmarks.harness import Result
 
 
@@ -26,10 +26,20 @@ def main(argv: list[str] | None = None) -> int:
         "--backlogs", type=int, nargs="*", default=[10, 100, 1000, 5000],
         help="backlog sizes for the claim-cost scenario",
     )  # fmt: skip
+    parser.add_argument(
+        "--groups", type=int, nargs="*", default=[10, 100, 1000, 5000],
+        help="group counts for the group claim-cost scenario",
+    )  # fmt: skip
+    parser.add_argument("--only", choices=["tasks", "groups"], help="run one family")
     parser.add_argument("--json", action="store_true", help="print JSON instead of lines")
     args = parser.parse_args(argv)
     results: list[Result] = []
-    for label, run in tasks.scenarios(args.tasks, args.backlogs):
+    runs = []
+    if args.only in (None, "tasks"):
+        runs += tasks.scenarios(args.tasks, args.backlogs)
+    if args.only in (None, "groups"):
+        runs += groups.scenarios(args.tasks, args.groups)
+    for label, run in runs:
         if not args.json:
             print(f"... {label}", file=sys.stderr, flush=True)
         result = asyncio.run(cast(Awaitable[Result], run(args.uri)))

@@ -1,6 +1,7 @@
 """mongoq: durable work queues on MongoDB, asyncio-first.
 
-Public surface: `connect`, `AsyncTaskQueue` (and its result types), the clocks, the errors.
+Public surface: `connect`, `AsyncTaskQueue` and `AsyncGroupTransport` (and their result types),
+the clocks, the errors.
 Testing tools are in `mongoq.testing`; the blocking facade is the separate `mongoq_sync` package.
 """
 
@@ -11,6 +12,14 @@ from typing import Any
 from mongoq import _driver
 from mongoq.clock import Clock, ServerClock, SystemClock
 from mongoq.errors import InvalidInput, LeaseLost, MongoqError, PermanentError, UnsupportedByBackend
+from mongoq.groups import (
+    AsyncGroupTransport,
+    DeadLetter,
+    GroupLease,
+    GroupRunSummary,
+    GroupStats,
+    NewMessage,
+)
 from mongoq.tasks import (
     AsyncTaskQueue,
     NewTask,
@@ -23,11 +32,17 @@ from mongoq.tasks import (
 )
 
 __all__ = [
+    "AsyncGroupTransport",
     "AsyncTaskQueue",
     "Clock",
+    "DeadLetter",
+    "GroupLease",
+    "GroupRunSummary",
+    "GroupStats",
     "InvalidInput",
     "LeaseLost",
     "MongoqError",
+    "NewMessage",
     "NewTask",
     "PermanentError",
     "PutManyResult",

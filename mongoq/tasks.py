@@ -50,10 +50,7 @@ Differences from the seed, and why:
 from __future__ import annotations
 
 import logging
-import os
 import random
-import socket
-import traceback
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -74,7 +71,7 @@ from mongoq._validation import (
 )
 from mongoq.clock import Clock, ServerClock, to_millis
 from mongoq.errors import InvalidInput, LeaseLost, PermanentError
-from mongoq.worker import KeepAlive, WorkerLoop
+from mongoq.worker import KeepAlive, WorkerLoop, default_worker_id, error_text
 
 __all__ = [
     "AsyncTaskQueue",
@@ -102,26 +99,9 @@ STATUSES: tuple[TaskStatus, ...] = (PENDING, PROCESSING, DONE, FAILED, TOMBSTONE
 
 PutOutcome = Literal["inserted", "updated", "unchanged"]
 
-ERROR_LIMIT = 2000
 CLAIM_INDEX = "claim"
 NOT_AN_ATTEMPT_DELAY = 5.0
 TaskId = str | int
-
-
-def default_worker_id() -> str:
-    """``hostname:pid:uuid8``, as in the seed."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-
-
-def error_text(error: BaseException | str | None) -> str | None:
-    """The text stored for an error: its traceback (or the string), last 2,000 characters."""
-    if error is None:
-        return None
-    if isinstance(error, BaseException):
-        text = "".join(traceback.format_exception(error)).rstrip()
-    else:
-        text = str(error)
-    return text[-ERROR_LIMIT:]
 
 
 def _utc(value: Any) -> datetime | None:
@@ -251,18 +231,23 @@ class TaskLease:
         return self.outcome not in (None, "unknown")
 
     async def heartbeat(self) -> bool:
+        """Extend the lease now (the background heartbeat does this by itself)."""
         return await self.queue.heartbeat(self.task)
 
     async def complete(self, result: Any = None) -> bool:
+        """Mark the task ``done`` with `result`; False if it is no longer held."""
         return await self.queue.complete(self.task, result)
 
     async def release_for_retry(self, error: BaseException | str | None = None) -> bool:
+        """Back to pending after a backoff (failed once attempts are used up)."""
         return await self.queue.release_for_retry(self.task, error)
 
     async def release_not_an_attempt(self, delay: float | None = None) -> bool:
+        """Back to pending without counting this claim as an attempt."""
         return await self.queue.release_not_an_attempt(self.task, delay)
 
     async def fail(self, error: BaseException | str | None = None) -> bool:
+        """Mark the task ``failed`` now."""
         return await self.queue.fail(self.task, error)
 
     async def _renew(self) -> bool | None:

@@ -16,7 +16,11 @@ gone. Owns no collections.
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
+import traceback
+import uuid
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar
@@ -26,11 +30,30 @@ import anyio
 from mongoq import _driver
 from mongoq.clock import Clock
 
-__all__ = ["KeepAlive", "WorkerLoop"]
+__all__ = ["KeepAlive", "WorkerLoop", "default_worker_id", "error_text"]
 
 log = logging.getLogger("mongoq.worker")
 
 Item = TypeVar("Item")
+
+#: How much of an error's text is stored: the end, where the exception's own line is.
+ERROR_LIMIT = 2000
+
+
+def default_worker_id() -> str:
+    """``hostname:pid:uuid8``, as in the seed."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def error_text(error: BaseException | str | None) -> str | None:
+    """The text stored for an error: its traceback (or the string), last 2,000 characters."""
+    if error is None:
+        return None
+    if isinstance(error, BaseException):
+        text = "".join(traceback.format_exception(error)).rstrip()
+    else:
+        text = str(error)
+    return text[-ERROR_LIMIT:]
 
 
 class WorkerLoop(Generic[Item]):

@@ -1,0 +1,92 @@
+"""Group-transport benchmarks: the lifecycle (publish, claim, ack) and claim cost against the
+number of groups.
+
+Targets (issue #3): at most 5 commands per message unbatched, at most 3.2 with
+``publish_many`` batches of 100; commands per claim constant from 10 to 100,000 groups. As for
+the task queue, times on the embedded backend measure mongomock's full scans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from benchmarks.harness import Result, counted_database
+from mongoq import AsyncGroupTransport, NewMessage
+from mongoq.testing import ManualClock
+
+
+async def _transport(db: object, clock: ManualClock) -> AsyncGroupTransport:
+    transport = AsyncGroupTransport(db, "bench", clock=clock)
+    await transport.ensure_indexes()
+    return transport
+
+
+async def _drain(transport: AsyncGroupTransport, clock: ManualClock) -> int:
+    acked = 0
+    while (lease := await transport.claim("bench")) is not None:
+        await transport.ack(lease)
+        clock.advance(0.001)  # acks in distinct milliseconds, as on a live system
+        acked += 1
+    return acked
+
+
+def _messages(count: int, groups: int) -> list[NewMessage]:
+    return [NewMessage(f"g{number % groups}", {"n": number}) for number in range(count)]
+
+
+async def lifecycle_single(uri: str | None, count: int, groups: int) -> Result:
+    async with counted_database(uri) as bench:
+        clock = ManualClock()
+        transport = await _transport(bench.db, clock)
+        bench.start()
+        for message in _messages(count, groups):
+            await transport.publish(message.group_id, message.event)
+        assert await _drain(transport, clock) == count
+        return bench.stop(f"groups: publish + claim + ack ({count // groups}/group)", count)
+
+
+async def lifecycle_publish_many(uri: str | None, count: int, groups: int) -> Result:
+    async with counted_database(uri) as bench:
+        clock = ManualClock()
+        transport = await _transport(bench.db, clock)
+        bench.start()
+        batch = _messages(count, groups)
+        for start in range(0, count, 100):
+            await transport.publish_many(batch[start : start + 100])
+        assert await _drain(transport, clock) == count
+        return bench.stop(
+            f"groups: publish_many(100) + claim + ack ({count // groups}/group)", count
+        )
+
+
+async def claim_cost(uri: str | None, groups: int, claims: int = 20) -> Result:
+    async with counted_database(uri) as bench:
+        clock = ManualClock()
+        transport = await _transport(bench.db, clock)
+        messages = _messages(groups * 2, groups)
+        for start in range(0, len(messages), 1000):
+            await transport.publish_many(messages[start : start + 1000])
+        claims = min(claims, groups)
+        bench.start()
+        for _ in range(claims):
+            lease = await transport.claim("bench")
+            assert lease is not None
+            await transport.ack(lease)
+        return bench.stop(f"groups: claim + ack, {groups} groups", claims)
+
+
+def scenarios(
+    count: int, groups_list: list[int]
+) -> list[tuple[str, Callable[[str | None], object]]]:
+    runs: list[tuple[str, Callable[[str | None], object]]] = [
+        ("group lifecycle single", lambda uri: lifecycle_single(uri, count, count // 10)),
+        (
+            "group lifecycle publish_many",
+            lambda uri: lifecycle_publish_many(uri, count, count // 10),
+        ),
+    ]
+    for groups in groups_list:
+        runs.append(
+            (f"group claim cost {groups}", lambda uri, groups=groups: claim_cost(uri, groups))
+        )
+    return runs

@@ -1,0 +1,679 @@
+"""`AsyncGroupTransport`: per-group FIFO messages, one consumer per group (seed 000).
+
+Collections (names start with ``{prefix}``):
+
+- ``{prefix}_messages``: one document per message,
+  ``{_id: seq, group_id, event, priority, published_at, deliveries, token, last_error}``;
+  ``seq`` is a global monotonic number, so a group's head is its smallest ``_id``. ``token`` is
+  the lease that last delivered it; ``deliveries`` counts those deliveries.
+- ``{prefix}_locks``: one document per active group, the ready-index and the lease in one,
+  ``{_id: group_id, available_at, token, priority, version, parked}``. ``available_at`` is when
+  the group is next claimable: the epoch for a group never claimed (or nacked for an immediate
+  retry), ``now`` after an ack (round-robin: behind never-claimed groups), ``now + visibility``
+  while in flight, ``now + delay`` while parked. ``priority`` (0-4) is fixed by the first
+  publish. ``version`` counts publishes into the group.
+- ``{prefix}_counters``: ``{_id: "seq", value}``, the sequence allocator (``$inc n``).
+- ``{prefix}_dead``: dead letters, ``{_id: seq, group_id, event, priority, published_at,
+  deliveries, error, dead_at, token}``.
+
+Queries and the indexes that serve them:
+
+- claim: locks ``{available_at <= now, priority >= floor}`` sorted by ``available_at`` ->
+  ``claim`` ``{available_at: 1, priority: 1}`` (hinted; the floor is checked on index keys);
+- a group's head: messages ``{group_id}`` sorted by ``_id`` -> ``group_head``
+  ``{group_id: 1, _id: 1}`` (hinted); ack / nack / dead-lettering: by ``_id``;
+- stats: ``claim`` for the lock counts, ``_id`` for the oldest message; dead letters by
+  group -> ``group`` ``{group_id: 1, _id: 1}`` on ``{prefix}_dead``;
+- `recover_orphans` groups the old messages by group: a scan, run rarely.
+
+Differences from the seed, and why:
+
+- The seed's ack checks "more messages?" and then deletes the lock; a publish landing between
+  the two strands its message with no lock. Here an ack never deletes the lock: it deletes the
+  head (fenced on the token the claim stamped on it) and releases the lock (fenced on the lock's
+  token), two commands and no read. A group found empty by a later claim is dropped with a
+  delete fenced on its ``version``: a publish in between bumps it, so the drop fails and the
+  group is released instead. Every interleaving of a publish with that drop keeps the message
+  reachable (tests/test_groups_races.py runs them all).
+- The claim stamps its token on the head and counts the delivery (``find_one_and_update``
+  instead of the seed's ``find_one``: same cost), which fences the ack's delete atomically and
+  gives ``max_deliveries``: a head delivered more often than that moves to ``{prefix}_dead``.
+- A publisher that dies between writing its message and readying its group leaves an orphan;
+  `recover_orphans` (run by workers when idle) readies such groups after ``visibility``.
+- Events are stored as BSON (validated like task payloads) and handed back as published.
+- Instants are datetimes from the injected `Clock` (the seed used float epochs).
+
+Cost per message, unbatched: publish 3 (allocate, insert, ready), claim 2, ack 2; a drained
+group costs its next claimer 3 more. ``publish_many`` spends 3 commands per batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import anyio
+from pymongo import ReturnDocument
+
+from mongoq import _driver
+from mongoq._validation import check_id, check_int, check_name, check_payload, check_seconds
+from mongoq._validation import check_worker_id as _check_worker_id
+from mongoq.clock import Clock, ServerClock, to_millis
+from mongoq.errors import InvalidInput, PermanentError
+from mongoq.worker import KeepAlive, WorkerLoop, default_worker_id, error_text
+
+__all__ = [
+    "AsyncGroupTransport",
+    "DeadLetter",
+    "GroupLease",
+    "GroupRunSummary",
+    "GroupStats",
+    "NewMessage",
+]
+
+log = logging.getLogger("mongoq.groups")
+
+#: `available_at` of a group nobody has claimed yet: sorts before every real instant.
+NEVER_CLAIMED = datetime(1970, 1, 1, tzinfo=UTC)
+PRIORITIES = (0, 4)
+CLAIM_INDEX = "claim"
+HEAD_INDEX = "group_head"
+SEQ_COUNTER = "seq"
+GroupId = str | int
+
+
+def _utc(value: Any) -> datetime | None:
+    return to_millis(value) if isinstance(value, datetime) else None
+
+
+@dataclass(frozen=True)
+class NewMessage:
+    """One message for `AsyncGroupTransport.publish_many`."""
+
+    group_id: GroupId
+    event: Any
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class GroupLease:
+    """A claimed group and its head message. `event` is what the publisher passed."""
+
+    seq: int
+    group_id: GroupId
+    event: Any
+    token: str
+    worker_id: str
+    deliveries: int
+    priority: int
+    lease_until: datetime
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    seq: int
+    group_id: GroupId
+    event: Any
+    priority: int
+    deliveries: int
+    error: str | None
+    published_at: datetime | None
+    dead_at: datetime | None
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """Groups by state, messages waiting, dead letters, and the age in seconds of the oldest
+    message not yet acked (None when there is none): the "something is stuck" signal."""
+
+    ready: int
+    in_flight: int
+    parked: int
+    messages: int
+    dead: int
+    oldest_message_age: float | None
+
+
+@dataclass
+class GroupRunSummary:
+    claimed: int = 0
+    acked: int = 0
+    retried: int = 0
+    dead: int = 0
+    lost: int = 0
+    #: settles that raised a driver error: applied or not, the lease expiry recovers the group
+    unknown: int = 0
+
+
+class AsyncGroupTransport:
+    """Per-group FIFO over MongoDB (see the module docstring for the layout).
+
+    Guarantees: a group has at most one live holder (the claim is one atomic sorted
+    ``find_one_and_update``); messages of a group are delivered in ``seq`` order, the next only
+    after the previous was acked or dead-lettered; every ack/nack/extend is fenced on the lease
+    token, so a holder that lost the group changes nothing and gets ``False``; a consumer that
+    dies leaves its group claimable again after `visibility` with the same head. Delivery is at
+    least once. Without `max_deliveries`, a head that always fails blocks its group (FIFO): set it
+    to move such heads to the dead letters.
+    """
+
+    def __init__(
+        self,
+        db: Any,
+        prefix: str = "mongoq",
+        *,
+        visibility: float = 30,
+        max_deliveries: int | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        _driver.backend_of(db)
+        self.prefix = check_name("prefix", prefix)
+        self.visibility = check_seconds("visibility", visibility, positive=True)
+        if max_deliveries is not None:
+            check_int("max_deliveries", max_deliveries, low=1)
+        self.max_deliveries = max_deliveries
+        self.clock: Clock = clock if clock is not None else ServerClock(db)
+        self.db = db
+        self.messages = db[f"{prefix}_messages"]
+        self.locks = db[f"{prefix}_locks"]
+        self.counters = db[f"{prefix}_counters"]
+        self.dead = db[f"{prefix}_dead"]
+        self._default_worker_id = default_worker_id()
+        self._loops: set[WorkerLoop[GroupLease]] = set()
+        self._last_recovery: datetime | None = None
+
+    async def ensure_indexes(self) -> None:
+        """Create the indexes every query needs; idempotent."""
+        await self.locks.create_index([("available_at", 1), ("priority", 1)], name=CLAIM_INDEX)
+        await self.messages.create_index([("group_id", 1), ("_id", 1)], name=HEAD_INDEX)
+        await self.dead.create_index([("group_id", 1), ("_id", 1)], name="group")
+
+    async def _now(self) -> datetime:
+        await self.clock.refresh()
+        return self.clock.now()
+
+    def _worker(self, worker_id: str | None) -> str:
+        if worker_id is None:
+            return self._default_worker_id
+        return _check_worker_id("worker_id", worker_id)
+
+    # ---------------------------------------------------------------------------- publish
+
+    @staticmethod
+    def _check_message(message: NewMessage, prefix: str = "") -> NewMessage:
+        group_id = check_id(f"{prefix}group_id", message.group_id)
+        check_payload(f"{prefix}event", message.event)
+        check_int(f"{prefix}priority", message.priority, low=PRIORITIES[0], high=PRIORITIES[1])
+        return NewMessage(group_id, message.event, message.priority)
+
+    async def _allocate(self, count: int) -> int:
+        """Reserve `count` consecutive sequence numbers; returns the first."""
+        counter = await self.counters.find_one_and_update(
+            {"_id": SEQ_COUNTER},
+            {"$inc": {"value": count}},
+            upsert=True,
+            return_document=ReturnDocument.AFTER,
+        )
+        return int(counter["value"]) - count + 1
+
+    @staticmethod
+    def _message_document(seq: int, message: NewMessage, now: datetime) -> dict[str, Any]:
+        return {
+            "_id": seq,
+            "group_id": message.group_id,
+            "event": message.event,
+            "priority": message.priority,
+            "published_at": now,
+            "deliveries": 0,
+            "token": None,
+            "last_error": None,
+        }
+
+    @staticmethod
+    def _ready(priority: int) -> dict[str, Any]:
+        """The upsert that readies a group only if it is new (never pulls an in-flight or
+        parked group's available_at back; the first publish fixes the priority), and counts the
+        publish in ``version`` so that a concurrent drop of the group fails."""
+        return {
+            "$setOnInsert": {
+                "available_at": NEVER_CLAIMED,
+                "token": None,
+                "priority": priority,
+                "parked": False,
+            },
+            "$inc": {"version": 1},
+        }
+
+    async def publish(self, group_id: GroupId, event: Any, *, priority: int = 0) -> int:
+        """Append `event` to `group_id`'s FIFO; returns its sequence number (3 commands).
+
+        The message is written before its group is readied, so a claimer never finds a ready
+        group whose message is not there yet. A publish whose reply is lost may have applied:
+        publishing again can deliver the event twice (delivery is at least once).
+        """
+        message = self._check_message(NewMessage(group_id, event, priority))
+        now = await self._now()
+        seq = await self._allocate(1)
+        await self.messages.insert_one(self._message_document(seq, message, now))
+        await self.locks.update_one({"_id": message.group_id}, self._ready(priority), upsert=True)
+        return seq
+
+    async def publish_many(self, messages: Iterable[NewMessage]) -> list[int]:
+        """Publish a batch in 3 commands whatever its size; returns the sequence numbers.
+
+        Order within the batch is the FIFO order for each group. A group new to the transport
+        takes the priority of its first message in the batch.
+        """
+        checked: list[NewMessage] = []
+        for index, message in enumerate(messages):
+            if not isinstance(message, NewMessage):
+                raise InvalidInput(
+                    f"messages[{index}]", f"must be a NewMessage, got {type(message).__name__}"
+                )
+            checked.append(self._check_message(message, f"messages[{index}]."))
+        if not checked:
+            return []
+        now = await self._now()
+        first = await self._allocate(len(checked))
+        seqs = list(range(first, first + len(checked)))
+        await self.messages.insert_many(
+            [self._message_document(seq, m, now) for seq, m in zip(seqs, checked, strict=True)]
+        )
+        groups: dict[GroupId, int] = {}
+        for message in checked:
+            groups.setdefault(message.group_id, message.priority)
+        await self.locks.bulk_write(
+            [
+                _driver.update_by_id(self.db, {"_id": group}, self._ready(priority), upsert=True)
+                for group, priority in groups.items()
+            ],
+            ordered=False,
+        )
+        return seqs
+
+    # ------------------------------------------------------------------------------ claim
+
+    async def claim(
+        self, worker_id: str | None = None, *, min_priority: int = 0
+    ) -> GroupLease | None:
+        """Lease the due group that has waited longest at or above `min_priority`, with its head.
+
+        Two commands: the lease (one atomic sorted ``find_one_and_update``, so concurrent
+        claimers get distinct groups) and the head (stamped with the lease's token, its
+        delivery counted). A group found empty is dropped and the claim goes on; a head
+        delivered more than `max_deliveries` times is dead-lettered and the next one taken.
+        """
+        worker = self._worker(worker_id)
+        check_int("min_priority", min_priority, low=PRIORITIES[0], high=PRIORITIES[1])
+        while True:
+            now = await self._now()
+            token = f"{worker}:{uuid.uuid4().hex}"
+            lease_until = now + timedelta(seconds=self.visibility)
+            lock = await self.locks.find_one_and_update(
+                {"available_at": {"$lte": now}, "priority": {"$gte": min_priority}},
+                {"$set": {"token": token, "available_at": lease_until, "parked": False}},
+                sort=[("available_at", 1)],
+                hint=CLAIM_INDEX,
+                return_document=ReturnDocument.AFTER,
+            )
+            if lock is None:
+                return None
+            head = await self._take_head(lock["_id"], token, now)
+            if head is None:
+                await self._drop_if_empty(lock["_id"], token, lock.get("version", 0))
+                continue
+            return GroupLease(
+                seq=head["_id"],
+                group_id=lock["_id"],
+                event=head.get("event"),
+                token=token,
+                worker_id=worker,
+                deliveries=int(head["deliveries"]),
+                priority=int(lock.get("priority", 0)),
+                lease_until=lease_until,
+            )
+
+    async def _take_head(self, group_id: GroupId, token: str, now: datetime) -> Any:
+        """Stamp and return the group's head, dead-lettering heads past `max_deliveries`."""
+        while True:
+            head = await self.messages.find_one_and_update(
+                {"group_id": group_id},
+                {"$set": {"token": token}, "$inc": {"deliveries": 1}},
+                sort=[("_id", 1)],
+                hint=HEAD_INDEX,
+                return_document=ReturnDocument.AFTER,
+            )
+            if head is None or self.max_deliveries is None:
+                return head
+            if head["deliveries"] <= self.max_deliveries:
+                return head
+            error = head.get("last_error") or (f"not acked after {self.max_deliveries} deliveries")
+            await self._bury(head, token, now, error)
+
+    async def _drop_if_empty(self, group_id: GroupId, token: str, version: int) -> None:
+        dropped = await self.locks.delete_one({"_id": group_id, "token": token, "version": version})
+        if dropped.deleted_count:
+            return
+        # A publish counted itself since this claim read the lock: its message was written
+        # before that, so the group is not empty. Give it back, claimable at once.
+        await self.locks.update_one(
+            {"_id": group_id, "token": token},
+            {"$set": {"available_at": NEVER_CLAIMED, "token": None, "parked": False}},
+        )
+
+    async def _bury(self, head: Mapping[str, Any], token: str, now: datetime, error: str) -> bool:
+        """Move a stamped head to the dead letters; False if `token` no longer owns it."""
+        seq = head["_id"]
+        dead = {
+            "group_id": head["group_id"],
+            "event": head.get("event"),
+            "priority": head.get("priority", 0),
+            "published_at": head.get("published_at"),
+            "deliveries": head.get("deliveries", 0),
+            "error": error,
+            "dead_at": now,
+            "token": token,
+        }
+        # Copy first, then delete fenced on the token: a crash in between leaves the message
+        # live (and the copy is rewritten next time), never gone from both.
+        await self.dead.replace_one({"_id": seq}, dead, upsert=True)
+        removed = await self.messages.delete_one({"_id": seq, "token": token})
+        if removed.deleted_count:
+            log.warning("message %d of group %r moved to the dead letters: %s",
+                        seq, head["group_id"], error.splitlines()[-1] if error else "")  # fmt: skip
+            return True
+        await self.dead.delete_one({"_id": seq, "token": token})  # not ours: undo the copy
+        return False
+
+    # ----------------------------------------------------------------------------- settle
+
+    @staticmethod
+    def _check_lease(lease: GroupLease) -> None:
+        if not isinstance(lease, GroupLease):
+            raise InvalidInput("lease", "must be a GroupLease returned by claim()")
+
+    async def ack(self, lease: GroupLease) -> bool:
+        """Remove the head and release the group (round-robin: behind never-claimed groups).
+
+        False, and nothing changed, when the head is no longer this lease's (taken over).
+        """
+        self._check_lease(lease)
+        removed = await self.messages.delete_one({"_id": lease.seq, "token": lease.token})
+        if not removed.deleted_count:
+            return False
+        now = await self._now()
+        await self.locks.update_one(
+            {"_id": lease.group_id, "token": lease.token},
+            {"$set": {"available_at": now, "token": None, "parked": False}},
+        )
+        # Had the lock been taken over in between, its new holder has not read the head yet
+        # (it stamps the head it reads): the ack landed first, and that holder gets the next.
+        return True
+
+    async def nack(
+        self, lease: GroupLease, delay: float = 0, *, error: BaseException | str | None = None
+    ) -> bool:
+        """Give the head back. `delay` > 0 parks the group until then (keeping the token, so
+        the parked holder may still ack); 0 makes it claimable at once. `error` is recorded on
+        the message (a dead letter carries the last one). False if no longer held."""
+        self._check_lease(lease)
+        wait = check_seconds("delay", delay)
+        now = await self._now()
+        if wait > 0:
+            update = {"$set": {"available_at": now + timedelta(seconds=wait), "parked": True}}
+        else:
+            update = {"$set": {"available_at": NEVER_CLAIMED, "token": None, "parked": False}}
+        result = await self.locks.update_one({"_id": lease.group_id, "token": lease.token}, update)
+        if result.matched_count != 1:
+            return False  # not ours: touch nothing, not even the error
+        # Fenced on the head's token: a new holder may already have stamped it.
+        head: dict[str, Any] = {}
+        if error is not None:
+            head["last_error"] = error_text(error)
+        if wait == 0:
+            head["token"] = None  # released: this lease may no longer ack or bury the head
+        if head:
+            await self.messages.update_one({"_id": lease.seq, "token": lease.token}, {"$set": head})
+        return True
+
+    async def extend(self, lease: GroupLease, visibility: float | None = None) -> bool:
+        """Keep the group for `visibility` (default: the transport's) more seconds from now."""
+        self._check_lease(lease)
+        seconds = self.visibility if visibility is None else check_seconds(
+            "visibility", visibility, positive=True
+        )  # fmt: skip
+        now = await self._now()
+        result = await self.locks.update_one(
+            {"_id": lease.group_id, "token": lease.token},
+            {"$set": {"available_at": now + timedelta(seconds=seconds), "parked": False}},
+        )
+        return bool(result.matched_count == 1)
+
+    async def dead_letter(self, lease: GroupLease, error: BaseException | str | None) -> bool:
+        """Move the head to the dead letters now and release the group (a permanent failure)."""
+        self._check_lease(lease)
+        now = await self._now()
+        head = await self.messages.find_one({"_id": lease.seq, "token": lease.token})
+        if head is None or not await self._bury(head, lease.token, now, error_text(error) or ""):
+            return False
+        await self.locks.update_one(
+            {"_id": lease.group_id, "token": lease.token},
+            {"$set": {"available_at": now, "token": None, "parked": False}},
+        )
+        return True
+
+    # --------------------------------------------------------------------------- operators
+
+    async def dead_letters(
+        self, *, group_id: GroupId | None = None, limit: int = 100
+    ) -> list[DeadLetter]:
+        """Dead letters, oldest first, optionally of one group."""
+        check_int("limit", limit, low=1)
+        query: dict[str, Any] = {}
+        if group_id is not None:
+            query["group_id"] = check_id("group_id", group_id)
+        docs = await _driver.find_list(self.dead, query, sort=[("_id", 1)], limit=limit)
+        return [
+            DeadLetter(
+                seq=doc["_id"],
+                group_id=doc["group_id"],
+                event=doc.get("event"),
+                priority=int(doc.get("priority", 0)),
+                deliveries=int(doc.get("deliveries", 0)),
+                error=doc.get("error"),
+                published_at=_utc(doc.get("published_at")),
+                dead_at=_utc(doc.get("dead_at")),
+            )
+            for doc in docs
+        ]
+
+    async def redrive(
+        self, seqs: Iterable[int] | None = None, *, group_id: GroupId | None = None,
+        limit: int = 1000,
+    ) -> int:  # fmt: skip
+        """Publish dead letters again, at the tail of their groups, and remove them from the
+        dead letters; returns how many. Select by `seqs`, or by `group_id`, or the oldest
+        `limit`. A redrive interrupted midway may publish a message twice (at least once)."""
+        check_int("limit", limit, low=1)
+        query: dict[str, Any] = {}
+        if seqs is not None:
+            wanted = [check_int(f"seqs[{i}]", seq, low=1) for i, seq in enumerate(seqs)]
+            query["_id"] = {"$in": wanted}
+        if group_id is not None:
+            query["group_id"] = check_id("group_id", group_id)
+        docs = await _driver.find_list(self.dead, query, sort=[("_id", 1)], limit=limit)
+        if not docs:
+            return 0
+        await self.publish_many(
+            NewMessage(doc["group_id"], doc.get("event"), int(doc.get("priority", 0)))
+            for doc in docs
+        )
+        await self.dead.delete_many({"_id": {"$in": [doc["_id"] for doc in docs]}})
+        log.info("redrove %d dead letter(s)", len(docs))
+        return len(docs)
+
+    async def recover_orphans(self, *, older_than: float | None = None) -> int:
+        """Ready the groups of messages whose publisher died before readying the group.
+
+        Looks at messages older than `older_than` seconds (default: `visibility`) whose group
+        has no lock document; returns how many groups it readied. One aggregation (a scan of
+        the old messages) and, if any, one bulk upsert.
+        """
+        seconds = self.visibility if older_than is None else check_seconds("older_than", older_than)
+        now = await self._now()
+        self._last_recovery = now
+        orphans = await _driver.aggregate_list(
+            self.messages,
+            [
+                {"$match": {"published_at": {"$lt": now - timedelta(seconds=seconds)}}},
+                {"$sort": {"_id": 1}},
+                {"$group": {"_id": "$group_id", "priority": {"$first": "$priority"}}},
+                {
+                    "$lookup": {
+                        "from": self.locks.name,
+                        "localField": "_id",
+                        "foreignField": "_id",
+                        "as": "lock",
+                    }
+                },
+                {"$match": {"lock": {"$size": 0}}},
+            ],
+        )
+        if not orphans:
+            return 0
+        await self.locks.bulk_write(
+            [
+                _driver.update_by_id(
+                    self.db, {"_id": doc["_id"]}, self._ready(int(doc.get("priority") or 0)),
+                    upsert=True,
+                )
+                for doc in orphans
+            ],
+            ordered=False,
+        )  # fmt: skip
+        log.warning("readied %d orphaned group(s)", len(orphans))
+        return len(orphans)
+
+    async def stats(self) -> GroupStats:
+        """Groups ready / in flight / parked, messages, dead letters, oldest message age
+        (six commands)."""
+        now = await self._now()
+        ready = await self.locks.count_documents({"available_at": {"$lte": now}})
+        later = {"available_at": {"$gt": now}}
+        parked = await self.locks.count_documents({**later, "parked": True})
+        in_flight = await self.locks.count_documents({**later, "parked": False})
+        messages = await self.messages.count_documents({})
+        dead = await self.dead.count_documents({})
+        oldest = await _driver.find_list(
+            self.messages, {}, sort=[("_id", 1)], limit=1, projection={"published_at": 1}
+        )
+        published = _utc(oldest[0].get("published_at")) if oldest else None
+        age = (now - published).total_seconds() if published is not None else None
+        return GroupStats(ready, in_flight, parked, messages, dead, age)
+
+    # ------------------------------------------------------------------------------ worker
+
+    async def run(
+        self,
+        handler: Callable[[GroupLease], Awaitable[Any]],
+        *,
+        worker_id: str | None = None,
+        concurrency: int = 1,
+        min_priority: int = 0,
+        stop_when_empty: bool = False,
+        poll_interval: float = 1.0,
+        retry_delay: float = 1.0,
+        handle_signals: bool = False,
+    ) -> GroupRunSummary:
+        """Claim groups and process their heads with `handler` until stopped.
+
+        The lease is extended every ``visibility / 3`` while the handler runs. A clean return
+        acks; `PermanentError` dead-letters the head; any other exception (cancellation
+        included) nacks with `retry_delay` and records the error. When idle the loop readies
+        orphaned groups (at most once per ``visibility``). `stop()` stops gracefully.
+        """
+        check_int("concurrency", concurrency, low=1)
+        check_int("min_priority", min_priority, low=PRIORITIES[0], high=PRIORITIES[1])
+        poll = check_seconds("poll_interval", poll_interval, positive=True)
+        retry = check_seconds("retry_delay", retry_delay)
+        worker = self._worker(worker_id)
+        summary = GroupRunSummary()
+
+        async def claim() -> GroupLease | None:
+            lease = await self.claim(worker, min_priority=min_priority)
+            if lease is not None:
+                summary.claimed += 1
+            return lease
+
+        async def process(lease: GroupLease) -> None:
+            settled = False
+
+            async def renew() -> bool | None:
+                return None if settled else await self.extend(lease)
+
+            interval = self.visibility / 3
+            keepalive = KeepAlive(
+                clock=self.clock,
+                interval=interval,
+                renew=renew,
+                first_at=lease.lease_until - timedelta(seconds=2 * interval),
+                name=f"group {lease.group_id!r}",
+            )
+            outcome = "unknown"
+            failure: BaseException | None = None
+            try:
+                async with keepalive:
+                    await handler(lease)
+            except BaseException as exc:
+                failure = exc
+            settled = True
+            with anyio.CancelScope(shield=True):
+                try:
+                    if keepalive.lost:
+                        outcome = "lost"
+                    elif failure is None:
+                        outcome = "acked" if await self.ack(lease) else "lost"
+                    elif isinstance(failure, PermanentError):
+                        outcome = "dead" if await self.dead_letter(lease, failure) else "lost"
+                    else:
+                        held = await self.nack(lease, retry, error=failure)
+                        outcome = "retried" if held else "lost"
+                except _driver.DRIVER_ERRORS:
+                    log.warning("settling group %r failed; its lease will expire",
+                                lease.group_id, exc_info=True)  # fmt: skip
+            setattr(summary, outcome, getattr(summary, outcome) + 1)
+            if failure is not None and not isinstance(failure, Exception):
+                raise failure  # cancellation and interpreter exits go on up
+
+        loop: WorkerLoop[GroupLease] = WorkerLoop(
+            claim=claim,
+            process=process,
+            clock=self.clock,
+            concurrency=concurrency,
+            poll_interval=poll,
+            stop_when_empty=stop_when_empty,
+            idle=self._recover_when_idle,
+            name=f"groups:{self.prefix}",
+        )
+        self._loops.add(loop)
+        try:
+            await loop.run(handle_signals=handle_signals)
+        finally:
+            self._loops.discard(loop)
+        return summary
+
+    async def _recover_when_idle(self) -> None:
+        now = await self._now()
+        if self._last_recovery is None or (now - self._last_recovery).total_seconds() >= (
+            self.visibility
+        ):
+            await self.recover_orphans()
+
+    def stop(self) -> None:
+        """Ask every `run` loop of this transport to stop gracefully."""
+        for loop in list(self._loops):
+            loop.stop()

@@ -1,0 +1,182 @@
+"""Helpers shared by the group-transport tests.
+
+Backend-neutral like `tests.helpers`: reads go straight to the collections
+(``{prefix}_messages``, ``{prefix}_locks``, ``{prefix}_counters``, ``{prefix}_dead``), so the
+assertions see what is stored, with every datetime made UTC-aware.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import anyio.lowlevel
+import bson
+
+from mongoq import AsyncGroupTransport, GroupLease
+from mongoq.testing import ManualClock, settle
+from tests.helpers import utc
+
+#: The visibility of the tests' transports: a lease lasts 30 s, run() renews it every 10 s.
+VISIBILITY = 30.0
+PREFIX = "mq"
+#: `available_at` of a group nobody has claimed yet.
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+KINDS = ("messages", "locks", "counters", "dead")
+
+
+async def new_transport(
+    db: Any, clock: ManualClock, prefix: str = PREFIX, **options: Any
+) -> AsyncGroupTransport:
+    """A transport driven by the test's clock, with the tests' visibility, and its indexes
+    (claims hint their indexes: a real server refuses a hint to a missing one)."""
+    options.setdefault("visibility", VISIBILITY)
+    transport = AsyncGroupTransport(db, prefix, clock=clock, **options)
+    await transport.ensure_indexes()
+    return transport
+
+
+async def docs(db: Any, kind: str, prefix: str = PREFIX) -> dict[Any, dict[str, Any]]:
+    """Every document of ``{prefix}_{kind}``, by id."""
+    found = await db[f"{prefix}_{kind}"].find({}).to_list(None)
+    return {doc["_id"]: utc(dict(doc)) for doc in found}
+
+
+async def messages(db: Any, prefix: str = PREFIX) -> dict[Any, dict[str, Any]]:
+    return await docs(db, "messages", prefix)
+
+
+async def locks(db: Any, prefix: str = PREFIX) -> dict[Any, dict[str, Any]]:
+    return await docs(db, "locks", prefix)
+
+
+async def dead(db: Any, prefix: str = PREFIX) -> dict[Any, dict[str, Any]]:
+    return await docs(db, "dead", prefix)
+
+
+async def lock(db: Any, group_id: Any, prefix: str = PREFIX) -> dict[str, Any] | None:
+    doc = await db[f"{prefix}_locks"].find_one({"_id": group_id})
+    return None if doc is None else utc(dict(doc))
+
+
+async def message(db: Any, seq: int, prefix: str = PREFIX) -> dict[str, Any] | None:
+    doc = await db[f"{prefix}_messages"].find_one({"_id": seq})
+    return None if doc is None else utc(dict(doc))
+
+
+async def counter_value(db: Any, prefix: str = PREFIX) -> int | None:
+    doc = await db[f"{prefix}_counters"].find_one({"_id": "seq"})
+    return None if doc is None else int(doc["value"])
+
+
+async def snapshot(db: Any, prefix: str = PREFIX) -> dict[str, dict[Any, bytes]]:
+    """The BSON bytes of every document of the four collections: equal snapshots mean nothing
+    was written (same fields, values and field order)."""
+    return {
+        kind: {key: bson.encode(doc) for key, doc in (await docs(db, kind, prefix)).items()}
+        for kind in KINDS
+    }
+
+
+async def group_messages(db: Any, prefix: str = PREFIX) -> dict[Any, list[Any]]:
+    """The stored events of each group, in seq (FIFO) order."""
+    by_group: dict[Any, list[Any]] = defaultdict(list)
+    for _, doc in sorted((await messages(db, prefix)).items()):
+        by_group[doc["group_id"]].append(doc["event"])
+    return dict(by_group)
+
+
+async def claim_one(
+    transport: AsyncGroupTransport,
+    worker: str = "w",
+    *,
+    group: Any = None,
+    event: Any = None,
+    min_priority: int = 0,
+) -> GroupLease:
+    """Claim a group that must be claimable (and be `group` / carry `event`, when given)."""
+    lease = await transport.claim(worker, min_priority=min_priority)
+    assert lease is not None, "nothing was claimable"
+    if group is not None:
+        assert lease.group_id == group, f"claimed {lease.group_id!r}, expected {group!r}"
+    if event is not None:
+        assert lease.event == event, f"got {lease.event!r}, expected {event!r}"
+    return lease
+
+
+async def drain(
+    transport: AsyncGroupTransport, clock: ManualClock, worker: str = "rescuer"
+) -> list[GroupLease]:
+    """Claim and ack until nothing is claimable, a millisecond apart; the leases, in order."""
+    delivered: list[GroupLease] = []
+    for _ in range(10_000):
+        lease = await transport.claim(worker)
+        if lease is None:
+            return delivered
+        delivered.append(lease)
+        clock.advance(0.001)
+        assert await transport.ack(lease)
+        clock.advance(0.001)
+    raise AssertionError("drain did not end")
+
+
+def by_group(leases: list[GroupLease]) -> dict[Any, list[Any]]:
+    """The events delivered to each group, in delivery order."""
+    found: dict[Any, list[Any]] = defaultdict(list)
+    for lease in leases:
+        found[lease.group_id].append(lease.event)
+    return dict(found)
+
+
+def first_occurrences(events: list[Any]) -> list[Any]:
+    """`events` without the repeats (an at-least-once delivery may repeat an event)."""
+    seen: list[Any] = []
+    for event in events:
+        if event not in seen:
+            seen.append(event)
+    return seen
+
+
+async def assert_empty(db: Any, prefix: str = PREFIX) -> None:
+    """No message waits and no group is left (every drained group's lock was dropped)."""
+    assert await messages(db, prefix) == {}
+    assert await locks(db, prefix) == {}
+
+
+class Bookkeeping:
+    """A handler that notices two runs on one group overlapping (exclusivity), records what each
+    group processed in order (FIFO), and fails the first delivery of the `flaky` seqs."""
+
+    def __init__(self, flaky: frozenset[int] = frozenset(), yields: int = 3) -> None:
+        self.flaky = flaky
+        self.yields = yields
+        self.in_flight: set[Any] = set()
+        self.overlaps: list[Any] = []
+        self.processed: dict[Any, list[Any]] = defaultdict(list)
+        self.runs: dict[int, int] = defaultdict(int)
+
+    async def handler(self, lease: GroupLease) -> None:
+        if lease.group_id in self.in_flight:
+            self.overlaps.append(lease.group_id)
+        self.in_flight.add(lease.group_id)
+        try:
+            for _ in range(self.yields):
+                await anyio.lowlevel.checkpoint()  # let the other workers interleave
+            self.runs[lease.seq] += 1
+            if lease.seq in self.flaky and lease.deliveries == 1:
+                raise RuntimeError(f"transient failure of {lease.seq}")
+            self.processed[lease.group_id].append(lease.event)
+        finally:
+            self.in_flight.discard(lease.group_id)
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], what: str, rounds: int = 10_000) -> None:
+    """Let other tasks run until the async `check()` holds (event-loop turns only, no clock
+    time): on the embedded backend the first `settle()` is enough; a real server needs I/O."""
+    for _ in range(rounds):
+        await settle()
+        if await check():
+            return
+    raise AssertionError(f"timed out waiting for {what}")

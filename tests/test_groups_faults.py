@@ -1,0 +1,585 @@
+"""AsyncGroupTransport under crashes, lost replies, takeovers and poison messages.
+
+A consumer may die holding a group, a command may fail before it applied or apply and lose its
+reply, a publisher may die between its commands. Each test checks the stored state right after
+the failure, then that the state recovers within one visibility: every published message is
+delivered at least once, in per-group order, and a stale holder changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+from pymongo.errors import AutoReconnect, NetworkTimeout
+
+from mongoq import AsyncGroupTransport, GroupLease, GroupRunSummary, PermanentError
+from mongoq.testing import FaultInjector, ManualClock, instrument
+from tests.group_helpers import (
+    EPOCH,
+    VISIBILITY,
+    assert_empty,
+    by_group,
+    claim_one,
+    counter_value,
+    dead,
+    drain,
+    eventually,
+    first_occurrences,
+    group_messages,
+    lock,
+    locks,
+    message,
+    messages,
+    new_transport,
+    snapshot,
+)
+from tests.helpers import later, wait_for
+
+
+@pytest.fixture
+def faults() -> FaultInjector:
+    return FaultInjector()
+
+
+@pytest.fixture
+async def transport(db: Any, clock: ManualClock, faults: FaultInjector) -> AsyncGroupTransport:
+    return await new_transport(instrument(db, faults), clock)
+
+
+async def recover(transport: AsyncGroupTransport, clock: ManualClock) -> list[GroupLease]:
+    """One visibility later (and after the orphan sweep), deliver everything that is left."""
+    clock.advance(VISIBILITY + 0.001)
+    await transport.recover_orphans()
+    return await drain(transport, clock)
+
+
+# ---------------------------------------------------------------------- a consumer that dies
+
+
+async def test_a_consumer_that_dies_mid_message_gets_its_head_redelivered_after_visibility(
+    db: Any, transport: AsyncGroupTransport, clock: ManualClock
+) -> None:
+    for event in ("g0", "g1", "g2"):
+        await transport.publish("g", event)
+    dying = await claim_one(transport, "A", group="g", event="g0")  # then A dies
+    await transport.publish("h", "h0")
+    other = await claim_one(transport, "B", group="h")
+    clock.advance(1)
+    assert await transport.ack(other)
+
+    clock.advance(VISIBILITY - 1.001)
+    assert await transport.claim("C") is None  # "h" was dropped; "g" is still A's
+    held = await lock(db, "g")
+    assert held is not None and (held["token"], held["available_at"]) == (
+        dying.token,
+        dying.lease_until,
+    )
+    clock.advance(0.001)
+    second = await claim_one(transport, "C", group="g", event="g0")  # C dies too
+    assert (second.seq, second.deliveries) == (dying.seq, 2)
+    assert (await message(db, dying.seq) or {})["token"] == second.token
+    clock.advance(VISIBILITY)
+    third = await claim_one(transport, "D", group="g", event="g0")
+    assert (third.seq, third.deliveries) == (dying.seq, 3)
+    assert await transport.ack(third)
+
+    rest = await drain(transport, clock)
+
+    assert [(lease.event, lease.deliveries) for lease in rest] == [("g1", 1), ("g2", 1)]
+    await assert_empty(db)
+    assert await dead(db) == {}
+
+
+STALE_CALLS = {
+    "ack": lambda transport, lease: transport.ack(lease),
+    "nack": lambda transport, lease: transport.nack(lease),
+    "nack-delay": lambda transport, lease: transport.nack(lease, delay=60),
+    "nack-error": lambda transport, lease: transport.nack(lease, error=RuntimeError("late")),
+    "extend": lambda transport, lease: transport.extend(lease),
+    "extend-long": lambda transport, lease: transport.extend(lease, visibility=600),
+    "dead_letter": lambda transport, lease: transport.dead_letter(lease, "late"),
+}
+
+
+@pytest.mark.parametrize("stage", ["same-head", "next-head", "parked"])
+@pytest.mark.parametrize("call", list(STALE_CALLS))
+async def test_a_stale_holder_after_takeover_gets_false_and_changes_nothing(
+    db: Any, transport: AsyncGroupTransport, clock: ManualClock, call: str, stage: str
+) -> None:
+    await transport.publish("g", "g0")
+    await transport.publish("g", "g1")
+    stale = await claim_one(transport, "A", group="g", event="g0")
+    clock.advance(VISIBILITY + 1)
+    new = await claim_one(transport, "B", group="g", event="g0")
+    if stage == "next-head":
+        assert await transport.ack(new)
+        new = await claim_one(transport, "B", group="g", event="g1")
+    elif stage == "parked":
+        assert await transport.nack(new, delay=60)
+    clock.advance(1)
+    before = await snapshot(db)
+
+    assert await STALE_CALLS[call](transport, stale) is False
+
+    assert await snapshot(db) == before
+    # The new holder is untouched and settles normally.
+    assert await transport.ack(new)
+    assert (await lock(db, "g") or {})["token"] is None
+
+
+@pytest.mark.parametrize("call", list(STALE_CALLS))
+async def test_a_holder_that_released_with_nack_can_no_longer_settle(
+    db: Any, transport: AsyncGroupTransport, clock: ManualClock, call: str
+) -> None:
+    """nack(0) gives the group back: the former holder no longer holds it, so a late settle
+    must be refused and change nothing, as after a takeover."""
+    await transport.publish("g", "g0")
+    lease = await claim_one(transport, "A", group="g")
+    assert await transport.nack(lease)
+    released = await lock(db, "g")
+    assert released is not None and released["token"] is None
+    before = await snapshot(db)
+
+    assert await STALE_CALLS[call](transport, lease) is False
+
+    assert await snapshot(db) == before
+    again = await claim_one(transport, "B", group="g", event="g0")
+    assert again.deliveries == 2
+
+
+# ---------------------------------------------------------------------- faults on commands
+
+PUBLISH_COMMANDS = [
+    ("mq_counters", "find_one_and_update"),
+    ("mq_messages", "insert_one"),
+    ("mq_locks", "update_one"),
+]
+
+
+@pytest.mark.parametrize("new_group", [False, True], ids=["existing-group", "new-group"])
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize(("collection", "name"), PUBLISH_COMMANDS)
+async def test_a_publish_that_failed_on_any_command_is_recoverable(
+    db: Any,
+    transport: AsyncGroupTransport,
+    clock: ManualClock,
+    faults: FaultInjector,
+    collection: str,
+    name: str,
+    when: str,
+    new_group: bool,
+) -> None:
+    """The publisher sees an error and publishes again (at least once): nothing is lost and
+    per-group order holds; an event whose message was written the first time comes twice."""
+    await transport.publish("g", "g0")
+    await transport.publish("h", "h0")
+    group = "n" if new_group else "g"
+    counter_before = await counter_value(db)
+    version_before = (await lock(db, group) or {}).get("version")
+    inject = faults.fail_before if when == "before" else faults.fail_after
+    inject(name, collection=collection)
+
+    with pytest.raises(AutoReconnect if when == "before" else NetworkTimeout):
+        await transport.publish(group, f"{group}1")
+
+    assert len(faults.triggered) == 1
+    allocated = not (collection == "mq_counters" and when == "before")
+    assert await counter_value(db) == (counter_before or 0) + allocated
+    written = collection == "mq_locks" or (collection == "mq_messages" and when == "after")
+    assert await group_messages(db) == (
+        {"g": ["g0", *(["g1"] if written and not new_group else [])], "h": ["h0"]}
+        | ({"n": ["n1"]} if written and new_group else {})
+    )
+    readied = collection == "mq_locks" and when == "after"
+    stored = await lock(db, group)
+    if new_group and not readied:
+        assert stored is None  # an orphan until the publisher retries or the sweep
+    else:
+        assert stored is not None
+        assert stored["version"] == (version_before or 0) + readied
+        assert (stored["available_at"], stored["token"]) == (EPOCH, None)
+
+    await transport.publish(group, f"{group}1")  # the publisher's retry
+    await transport.publish(group, f"{group}2")
+    delivered = await recover(transport, clock)
+
+    got = by_group(delivered)
+    assert first_occurrences(got[group]) == [f"{group}0"] * (not new_group) + [
+        f"{group}1",
+        f"{group}2",
+    ]
+    assert got[group].count(f"{group}1") == (2 if written else 1)
+    assert first_occurrences(got["h"]) == ["h0"]
+    if new_group:
+        assert got["g"] == ["g0"]
+    await assert_empty(db)
+
+
+CLAIM_COMMANDS = [("mq_locks", "find_one_and_update"), ("mq_messages", "find_one_and_update")]
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize(("collection", "name"), CLAIM_COMMANDS)
+async def test_a_claim_that_failed_on_any_command_is_recoverable(
+    db: Any,
+    transport: AsyncGroupTransport,
+    clock: ManualClock,
+    faults: FaultInjector,
+    collection: str,
+    name: str,
+    when: str,
+) -> None:
+    await transport.publish("g", "g0")
+    await transport.publish("g", "g1")
+    before = await snapshot(db)
+    inject = faults.fail_before if when == "before" else faults.fail_after
+    inject(name, collection=collection)
+
+    with pytest.raises(AutoReconnect if when == "before" else NetworkTimeout):
+        await transport.claim("A")
+
+    leased = not (collection == "mq_locks" and when == "before")
+    stamped = collection == "mq_messages" and when == "after"
+    stored = await lock(db, "g")
+    head = await message(db, 1)
+    assert stored is not None and head is not None
+    if not leased:
+        assert await snapshot(db) == before
+    else:
+        # A holds the group without knowing it: nobody else gets it until the lease ends.
+        assert stored["available_at"] == later(clock, VISIBILITY)
+        assert stored["token"] is not None and stored["token"].startswith("A:")
+        assert head["deliveries"] == stamped
+        assert head["token"] == (stored["token"] if stamped else None)
+        assert await transport.claim("B") is None
+        clock.advance(VISIBILITY - 0.001)
+        assert await transport.claim("B") is None
+
+    delivered = await recover(transport, clock)
+
+    assert [(lease.event, lease.deliveries) for lease in delivered] == [
+        ("g0", 1 + stamped),
+        ("g1", 1),
+    ]
+    await assert_empty(db)
+
+
+ACK_COMMANDS = [("mq_messages", "delete_one"), ("mq_locks", "update_one")]
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize(("collection", "name"), ACK_COMMANDS)
+async def test_an_ack_that_failed_on_any_command_is_recoverable(
+    db: Any,
+    transport: AsyncGroupTransport,
+    clock: ManualClock,
+    faults: FaultInjector,
+    collection: str,
+    name: str,
+    when: str,
+) -> None:
+    await transport.publish("g", "g0")
+    await transport.publish("g", "g1")
+    lease = await claim_one(transport, "A", group="g", event="g0")
+    before = await snapshot(db)
+    clock.advance(1)
+    inject = faults.fail_before if when == "before" else faults.fail_after
+    inject(name, collection=collection)
+
+    with pytest.raises(AutoReconnect if when == "before" else NetworkTimeout):
+        await transport.ack(lease)
+
+    removed = not (collection == "mq_messages" and when == "before")
+    released = collection == "mq_locks" and when == "after"
+    if not removed:
+        assert await snapshot(db) == before
+    assert list(await messages(db)) == ([2] if removed else [1, 2])
+    stored = await lock(db, "g")
+    assert stored is not None
+    if released:
+        assert (stored["available_at"], stored["token"]) == (clock.now(), None)
+        delivered = await drain(transport, clock)  # no need to wait
+    else:
+        assert (stored["available_at"], stored["token"]) == (lease.lease_until, lease.token)
+        assert await transport.claim("B") is None
+        delivered = await recover(transport, clock)
+
+    assert [(x.event, x.deliveries) for x in delivered] == [("g0", 2)] * (not removed) + [("g1", 1)]
+    await assert_empty(db)
+
+
+# --------------------------------------------------------------------------------- orphans
+
+
+async def test_a_publisher_that_dies_before_readying_leaves_an_orphan_the_sweep_readies(
+    db: Any, transport: AsyncGroupTransport, clock: ManualClock, faults: FaultInjector
+) -> None:
+    await transport.publish("g", "g0")
+    faults.fail_before("update_one", collection="mq_locks")
+    with pytest.raises(AutoReconnect):
+        await transport.publish("n", "n0", priority=3)  # the publisher dies here
+    await transport.publish("g", "g1")  # an orphan is only a message whose group has no lock
+    assert list(await locks(db)) == ["g"]
+    assert await group_messages(db) == {"g": ["g0", "g1"], "n": ["n0"]}
+    before = await snapshot(db)
+
+    clock.advance(VISIBILITY)
+    assert await transport.recover_orphans() == 0  # not older than the visibility yet
+    assert await snapshot(db) == before
+
+    clock.advance(0.001)
+    assert await transport.recover_orphans() == 1
+
+    assert await lock(db, "n") == {
+        "_id": "n",
+        "available_at": EPOCH,
+        "token": None,
+        "priority": 3,
+        "parked": False,
+        "version": 1,
+    }
+    assert await transport.recover_orphans() == 0
+    delivered = await drain(transport, clock)
+    assert by_group(delivered) == {"g": ["g0", "g1"], "n": ["n0"]}
+    assert next(x for x in delivered if x.group_id == "n").priority == 3
+    await assert_empty(db)
+
+
+async def test_run_readies_orphans_when_idle(
+    db: Any, transport: AsyncGroupTransport, clock: ManualClock, faults: FaultInjector
+) -> None:
+    faults.fail_before("update_one", collection="mq_locks")
+    with pytest.raises(AutoReconnect):
+        await transport.publish("n", "n0")
+    clock.advance(VISIBILITY + 1)
+    handled: list[Any] = []
+
+    async def handler(lease: GroupLease) -> None:
+        handled.append(lease.event)
+
+    first = await transport.run(handler, stop_when_empty=True)
+
+    assert (first.claimed, handled) == (0, [])  # nothing was claimable: the idle sweep ran
+    assert (await lock(db, "n") or {})["available_at"] == EPOCH
+    second = await transport.run(handler, stop_when_empty=True)
+    assert (second.claimed, second.acked, handled) == (1, 1, ["n0"])
+    await assert_empty(db)
+
+
+# ---------------------------------------------------------------------------- dead letters
+
+
+async def test_a_poison_message_goes_to_the_dead_letters_with_its_last_error(
+    db: Any, clock: ManualClock
+) -> None:
+    transport = await new_transport(db, clock, max_deliveries=2)
+    await transport.publish("g", {"poison": True}, priority=1)
+    await transport.publish("g", "g1", priority=1)
+
+    first = await claim_one(transport, "A", group="g")
+    assert await transport.nack(first, error="boom 1")
+    second = await claim_one(transport, "A", group="g", event={"poison": True})
+    assert second.deliveries == 2
+    assert await transport.nack(second, error=RuntimeError("boom 2"))
+    assert (await message(db, 1) or {})["last_error"].endswith("RuntimeError: boom 2")
+    clock.advance(3)
+
+    nxt = await claim_one(transport, "A", group="g")  # the head is over the limit: buried
+
+    assert (nxt.seq, nxt.event, nxt.deliveries) == (2, "g1", 1)
+    assert list(await messages(db)) == [2]
+    (stored,) = (await dead(db)).values()
+    assert stored["_id"] == 1
+    assert (stored["group_id"], stored["event"], stored["priority"]) == ("g", {"poison": True}, 1)
+    assert stored["error"].endswith("RuntimeError: boom 2")
+    assert stored["dead_at"] == clock.now()
+    assert stored["published_at"] == later(clock, -3)
+    # The count includes the claim that found the head over the limit.
+    assert stored["deliveries"] == 3
+    (letter,) = await transport.dead_letters()
+    assert (letter.seq, letter.group_id, letter.event, letter.priority) == (
+        1,
+        "g",
+        {"poison": True},
+        1,
+    )
+    assert letter.error is not None and letter.error.endswith("RuntimeError: boom 2")
+    assert (letter.deliveries, letter.dead_at) == (3, clock.now())
+    assert await transport.dead_letters(group_id="other") == []
+
+    assert await transport.ack(nxt)
+    assert await transport.redrive() == 1
+
+    assert await dead(db) == {}
+    assert await group_messages(db) == {"g": [{"poison": True}]}
+    (redriven,) = (await messages(db)).values()
+    assert (redriven["_id"], redriven["deliveries"], redriven["priority"]) == (3, 0, 1)
+    again = await claim_one(transport, "A", group="g", event={"poison": True})
+    assert again.deliveries == 1
+    assert await transport.ack(again)
+    assert await drain(transport, clock) == []
+    await assert_empty(db)
+
+
+async def test_a_consumer_that_keeps_dying_sends_the_head_to_the_dead_letters(
+    db: Any, clock: ManualClock
+) -> None:
+    transport = await new_transport(db, clock, max_deliveries=1)
+    await transport.publish("g", "g0")
+    await claim_one(transport, "A", group="g", event="g0")  # A dies
+    clock.advance(VISIBILITY)
+
+    assert await transport.claim("B") is None  # g0 buried, the group found empty and dropped
+
+    assert await messages(db) == {} and await locks(db) == {}
+    (stored,) = (await dead(db)).values()
+    assert stored["event"] == "g0"
+    assert stored["error"] == "not acked after 1 deliveries"
+
+
+async def test_redrive_puts_dead_letters_back_at_the_tail_of_their_groups(
+    db: Any, clock: ManualClock
+) -> None:
+    transport = await new_transport(db, clock)
+    await transport.publish("g", "g0")
+    await transport.publish("g", "g1")
+    lease = await claim_one(transport, "A", group="g", event="g0")
+    assert await transport.dead_letter(lease, "bad g0")
+    await transport.publish("h", "h0")  # never claimed: before "g", just released
+    lease = await claim_one(transport, "A", group="h", event="h0")
+    assert await transport.dead_letter(lease, "bad h0")
+    await transport.publish("g", "g2")
+    assert sorted(await dead(db)) == [1, 3]
+    assert (await dead(db))[3]["error"] == "bad h0"
+
+    assert await transport.redrive(group_id="g") == 1
+
+    assert list(await dead(db)) == [3]
+    assert await group_messages(db) == {"g": ["g1", "g2", "g0"]}
+    assert await transport.redrive([3]) == 1
+    assert await transport.redrive() == 0
+    assert await dead(db) == {}
+    assert by_group(await drain(transport, clock)) == {"g": ["g1", "g2", "g0"], "h": ["h0"]}
+    await assert_empty(db)
+
+
+async def test_dead_letter_moves_the_head_at_once_and_releases_the_group(
+    db: Any, clock: ManualClock
+) -> None:
+    transport = await new_transport(db, clock)
+    await transport.publish("g", "g0", priority=2)
+    await transport.publish("g", "g1", priority=2)
+    lease = await claim_one(transport, "A", group="g", event="g0")
+    clock.advance(2)
+
+    assert await transport.dead_letter(lease, ValueError("bad input"))
+
+    assert list(await messages(db)) == [2]
+    (stored,) = (await dead(db)).values()
+    assert (stored["_id"], stored["event"], stored["deliveries"], stored["priority"]) == (
+        1,
+        "g0",
+        1,
+        2,
+    )
+    assert stored["error"].endswith("ValueError: bad input")
+    assert stored["dead_at"] == clock.now()
+    released = await lock(db, "g")
+    assert released is not None
+    assert (released["available_at"], released["token"]) == (clock.now(), None)
+    assert not await transport.dead_letter(lease, "again")
+    assert len(await dead(db)) == 1
+    (letter,) = await transport.dead_letters(group_id="g")
+    assert letter.error is not None and "bad input" in letter.error
+    await claim_one(transport, "B", group="g", event="g1")
+
+
+# -------------------------------------------------------------------------------------- run
+
+
+async def test_run_dead_letters_permanent_errors_and_nacks_the_rest_with_retry_delay(
+    db: Any, clock: ManualClock
+) -> None:
+    transport = await new_transport(db, clock)
+    await transport.publish("g", "permanent")
+    await transport.publish("g", "g-ok")
+    await transport.publish("h", "flaky")
+    await transport.publish("h", "h-ok")
+    handled: list[tuple[Any, int]] = []
+
+    async def handler(lease: GroupLease) -> None:
+        handled.append((lease.event, lease.deliveries))
+        if lease.event == "permanent":
+            raise PermanentError("cannot ever work")
+        if lease.event == "flaky" and lease.deliveries == 1:
+            raise RuntimeError("try later")
+
+    first = await transport.run(handler, retry_delay=5, stop_when_empty=True)
+
+    assert (first.claimed, first.acked, first.dead, first.retried, first.lost) == (3, 1, 1, 1, 0)
+    assert sorted(handled) == [("flaky", 1), ("g-ok", 1), ("permanent", 1)]
+    (buried,) = (await dead(db)).values()
+    assert buried["event"] == "permanent"
+    assert buried["error"].endswith("PermanentError: cannot ever work")
+    assert await group_messages(db) == {"h": ["flaky", "h-ok"]}
+    parked = await lock(db, "h")
+    assert parked is not None
+    assert (parked["available_at"], parked["parked"]) == (later(clock, 5), True)
+    assert (await message(db, 3) or {})["last_error"].endswith("RuntimeError: try later")
+
+    clock.advance(5)
+    second = await transport.run(handler, retry_delay=5, stop_when_empty=True)
+
+    assert (second.claimed, second.acked, second.retried) == (2, 2, 0)
+    assert handled[3:] == [("flaky", 2), ("h-ok", 1)]
+    await assert_empty(db)
+    assert list(await dead(db)) == [1]
+
+
+async def test_a_handler_longer_than_visibility_keeps_its_group_through_extensions(
+    db: Any, transport: AsyncGroupTransport, clock: ManualClock
+) -> None:
+    await transport.publish("g", "slow")
+    await transport.publish("g", "next")
+    rival = await new_transport(db, clock)  # another process
+    started = anyio.Event()
+    finish = anyio.Event()
+    summaries: list[GroupRunSummary] = []
+
+    async def handler(lease: GroupLease) -> None:
+        if lease.event == "slow":
+            started.set()
+            await finish.wait()
+
+    async def worker() -> None:
+        summaries.append(await transport.run(handler, worker_id="slow-worker", poll_interval=5))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(worker)
+        await wait_for(started.is_set, "the handler to start")
+        token = (await lock(db, "g") or {})["token"]
+        assert token.startswith("slow-worker:")
+        for _ in range(9):  # 90 s, three times the visibility
+            clock.advance(VISIBILITY / 3)
+            expected = later(clock, VISIBILITY)
+
+            async def renewed(expected: Any = expected) -> bool:
+                return (await lock(db, "g") or {}).get("available_at") == expected
+
+            await eventually(renewed, "the renewal")
+            assert await rival.claim("rival") is None
+            stored = await lock(db, "g")
+            assert stored is not None and stored["token"] == token
+        finish.set()
+        await eventually(lambda: _drained(db), "the worker to finish both messages")
+        transport.stop()
+
+    (summary,) = summaries
+    assert (summary.claimed, summary.acked, summary.lost, summary.unknown) == (2, 2, 0, 0)
+    assert await messages(db) == {}
+
+
+async def _drained(db: Any) -> bool:
+    return await messages(db) == {}
