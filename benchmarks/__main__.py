@@ -14,8 +14,9 @@ import sys
 from collections.abc import Awaitable
 from typing import Any, cast
 
-from benchmarks import groups, tasks
+from benchmarks import groups, sync_facade, tasks
 from benchmarks.harness import Result
+from benchmarks.sync_facade import Overhead
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,19 +31,21 @@ def main(argv: list[str] | None = None) -> int:
         "--groups", type=int, nargs="*", default=[10, 100, 1000, 5000],
         help="group counts for the group claim-cost scenario",
     )  # fmt: skip
-    parser.add_argument("--only", choices=["tasks", "groups"], help="run one family")
+    parser.add_argument("--only", choices=["tasks", "groups", "sync"], help="run one family")
     parser.add_argument("--json", action="store_true", help="print JSON instead of lines")
     args = parser.parse_args(argv)
-    results: list[Result] = []
+    results: list[Result | Overhead] = []
     runs = []
     if args.only in (None, "tasks"):
         runs += tasks.scenarios(args.tasks, args.backlogs)
     if args.only in (None, "groups"):
         runs += groups.scenarios(args.tasks, args.groups)
+    if args.only in (None, "sync") and not args.uri:
+        runs += sync_facade.scenarios()
     for label, run in runs:
         if not args.json:
             print(f"... {label}", file=sys.stderr, flush=True)
-        result = asyncio.run(cast(Awaitable[Result], run(args.uri)))
+        result = asyncio.run(cast(Awaitable[Result | Overhead], run(args.uri)))
         results.append(result)
         if not args.json:
             print(result.line(), flush=True)

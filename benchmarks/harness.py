@@ -36,7 +36,7 @@ class Result:
 
     def line(self) -> str:
         return (
-            f"{self.scenario:<44} {self.backend:<8} {self.items:>7} items  "
+            f"{self.scenario:<50} {self.backend:<8} {self.items:>7} items  "
             f"{self.per_second:>10.0f} /s  {self.commands_per_item:>6.2f} commands/item"
         )
 

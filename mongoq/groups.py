@@ -2,49 +2,60 @@
 
 Collections (names start with ``{prefix}``):
 
-- ``{prefix}_messages``: one document per message,
-  ``{_id: seq, group_id, event, priority, published_at, deliveries, token, last_error}``;
-  ``seq`` is a global monotonic number, so a group's head is its smallest ``_id``. ``token`` is
-  the lease that last delivered it; ``deliveries`` counts those deliveries.
+- ``{prefix}_messages``: one document per message, ``{_id: seq, group_id, event, priority,
+  published_at, deliveries, token, stamp_until, last_error, dead}``; ``seq`` is a global
+  monotonic number, so a group's head is its smallest ``_id``. ``token`` / ``stamp_until`` are
+  the lease that holds the head and until when; ``deliveries`` counts the deliveries; ``dead``
+  marks a head on its way to the dead letters.
 - ``{prefix}_locks``: one document per active group, the ready-index and the lease in one,
-  ``{_id: group_id, available_at, token, priority, version, parked}``. ``available_at`` is when
-  the group is next claimable: the epoch for a group never claimed (or nacked for an immediate
-  retry), ``now`` after an ack (round-robin: behind never-claimed groups), ``now + visibility``
-  while in flight, ``now + delay`` while parked. ``priority`` (0-4) is fixed by the first
-  publish. ``version`` counts publishes into the group.
+  ``{_id: group_id, available_at, token, priority, version, last_seq, parked}``.
+  ``available_at`` is when the group is next claimable: the epoch for a group never claimed,
+  ``now`` after an ack or an immediate nack (round-robin: behind never-claimed groups and groups
+  already waiting), ``now + visibility`` while in flight, ``now + delay`` while parked.
+  ``priority`` (0-4) is fixed by the first publish. ``version`` counts the publishes that readied
+  the group and ``last_seq`` is the largest seq they readied: together they fence the drop of a
+  drained group.
 - ``{prefix}_counters``: ``{_id: "seq", value}``, the sequence allocator (``$inc n``).
 - ``{prefix}_dead``: dead letters, ``{_id: seq, group_id, event, priority, published_at,
-  deliveries, error, dead_at, token}``.
+  deliveries, error, dead_at}``.
 
 Queries and the indexes that serve them:
 
-- claim: locks ``{available_at <= now, priority >= floor}`` sorted by ``available_at`` ->
-  ``claim`` ``{available_at: 1, priority: 1}`` (hinted; the floor is checked on index keys);
+- claim: locks ``{priority: {$in: [floor..4]}, available_at <= now}`` sorted by
+  ``available_at`` -> ``claim`` ``{priority: 1, available_at: 1}`` (hinted): at most five index
+  ranges merged in ``available_at`` order, so the floor never scans lower groups;
 - a group's head: messages ``{group_id}`` sorted by ``_id`` -> ``group_head``
-  ``{group_id: 1, _id: 1}`` (hinted); ack / nack / dead-lettering: by ``_id``;
-- stats: ``claim`` for the lock counts, ``_id`` for the oldest message; dead letters by
-  group -> ``group`` ``{group_id: 1, _id: 1}`` on ``{prefix}_dead``;
-- `recover_orphans` groups the old messages by group: a scan, run rarely.
+  ``{group_id: 1, _id: 1}`` (hinted); ack / nack / extend / dead-lettering: by ``_id``;
+- stats: ``claim`` for the lock counts, ``_id`` for the oldest message, collection metadata for
+  the totals; dead letters by group -> ``group`` ``{group_id: 1, _id: 1}`` on ``{prefix}_dead``;
+- `recover_orphans`: messages by ``published_at`` in a sliding window -> ``published``
+  ``{published_at: 1}``.
 
 Differences from the seed, and why:
 
 - The seed's ack checks "more messages?" and then deletes the lock; a publish landing between
-  the two strands its message with no lock. Here an ack never deletes the lock: it deletes the
-  head (fenced on the token the claim stamped on it) and releases the lock (fenced on the lock's
-  token), two commands and no read. A group found empty by a later claim is dropped with a
-  delete fenced on its ``version``: a publish in between bumps it, so the drop fails and the
-  group is released instead. Every interleaving of a publish with that drop keeps the message
-  reachable (tests/test_groups_races.py runs them all).
+  the two strands its message with no lock. Here the ack deletes the head (fenced on the token
+  the claim stamped on it) and then either drops the lock, if the head was the group's last
+  message when claimed and no other message is there, with a delete fenced on the lock's token,
+  ``version`` and ``last_seq`` (any publish since bumps ``version``), or releases it. A group
+  a claim finds empty is dropped with the same ``version`` fence. Every interleaving of a
+  publish with these drops keeps the message reachable (tests/test_groups_races.py runs them).
 - The claim stamps its token on the head and counts the delivery (``find_one_and_update``
   instead of the seed's ``find_one``: same cost), which fences the ack's delete atomically and
-  gives ``max_deliveries``: a head delivered more often than that moves to ``{prefix}_dead``.
-- A publisher that dies between writing its message and readying its group leaves an orphan;
-  `recover_orphans` (run by workers when idle) readies such groups after ``visibility``.
+  gives ``max_deliveries``. The stamp itself is fenced: a head stamped by a lease that is still
+  live (``stamp_until``) is not restamped, so a claimer that stalled past its lock lease cannot
+  take the head from the group's new holder.
+- Dead-lettering marks the head (fenced on the token) before copying it to ``{prefix}_dead`` and
+  deleting it; whoever next finds a marked head finishes the move, so a crash midway neither
+  loses nor duplicates it.
+- A publisher that dies (or is cancelled) between writing its message and readying its group
+  leaves an orphan; `recover_orphans`, run by workers every ``visibility``, readies such groups.
 - Events are stored as BSON (validated like task payloads) and handed back as published.
 - Instants are datetimes from the injected `Clock` (the seed used float epochs).
 
-Cost per message, unbatched: publish 3 (allocate, insert, ready), claim 2, ack 2; a drained
-group costs its next claimer 3 more. ``publish_many`` spends 3 commands per batch.
+Cost per message, unbatched: publish 3 (allocate, insert, ready), claim 2, ack 2 (3 for the
+last message of a group: the drop is preceded by a check that nothing else is there).
+``publish_many`` spends 3 commands per batch.
 """
 
 from __future__ import annotations
@@ -52,7 +63,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -61,10 +72,9 @@ from pymongo import ReturnDocument
 
 from mongoq import _driver
 from mongoq._validation import check_id, check_int, check_name, check_payload, check_seconds
-from mongoq._validation import check_worker_id as _check_worker_id
 from mongoq.clock import Clock, ServerClock, to_millis
 from mongoq.errors import InvalidInput, PermanentError
-from mongoq.worker import KeepAlive, WorkerLoop, default_worker_id, error_text
+from mongoq.worker import KeepAlive, WorkerHost, WorkerLoop, error_text
 
 __all__ = [
     "AsyncGroupTransport",
@@ -80,10 +90,13 @@ log = logging.getLogger("mongoq.groups")
 #: `available_at` of a group nobody has claimed yet: sorts before every real instant.
 NEVER_CLAIMED = datetime(1970, 1, 1, tzinfo=UTC)
 PRIORITIES = (0, 4)
+ALL_PRIORITIES = range(PRIORITIES[0], PRIORITIES[1] + 1)
 CLAIM_INDEX = "claim"
 HEAD_INDEX = "group_head"
 SEQ_COUNTER = "seq"
 GroupId = str | int
+#: `_take_head`'s answer when the head belongs to another live lease.
+_REFUSED = object()
 
 
 def _utc(value: Any) -> datetime | None:
@@ -101,7 +114,8 @@ class NewMessage:
 
 @dataclass(frozen=True)
 class GroupLease:
-    """A claimed group and its head message. `event` is what the publisher passed."""
+    """A claimed group and its head message. `event` is what the publisher passed (as BSON
+    round-trips it: tuples come back as lists, datetimes as naive UTC to the millisecond)."""
 
     seq: int
     group_id: GroupId
@@ -111,6 +125,10 @@ class GroupLease:
     deliveries: int
     priority: int
     lease_until: datetime
+    #: the group's publish count when claimed, and whether this head was its last message:
+    #: what lets `ack` drop a drained group safely
+    group_version: int | None = field(default=None, repr=False)
+    was_last: bool = field(default=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -149,7 +167,7 @@ class GroupRunSummary:
     unknown: int = 0
 
 
-class AsyncGroupTransport:
+class AsyncGroupTransport(WorkerHost):
     """Per-group FIFO over MongoDB (see the module docstring for the layout).
 
     Guarantees: a group has at most one live holder (the claim is one atomic sorted
@@ -170,6 +188,7 @@ class AsyncGroupTransport:
         max_deliveries: int | None = None,
         clock: Clock | None = None,
     ) -> None:
+        super().__init__()
         _driver.backend_of(db)
         self.prefix = check_name("prefix", prefix)
         self.visibility = check_seconds("visibility", visibility, positive=True)
@@ -182,24 +201,18 @@ class AsyncGroupTransport:
         self.locks = db[f"{prefix}_locks"]
         self.counters = db[f"{prefix}_counters"]
         self.dead = db[f"{prefix}_dead"]
-        self._default_worker_id = default_worker_id()
-        self._loops: set[WorkerLoop[GroupLease]] = set()
-        self._last_recovery: datetime | None = None
+        self._recovered_until: datetime | None = None
 
     async def ensure_indexes(self) -> None:
         """Create the indexes every query needs; idempotent."""
-        await self.locks.create_index([("available_at", 1), ("priority", 1)], name=CLAIM_INDEX)
+        await self.locks.create_index([("priority", 1), ("available_at", 1)], name=CLAIM_INDEX)
         await self.messages.create_index([("group_id", 1), ("_id", 1)], name=HEAD_INDEX)
+        await self.messages.create_index([("published_at", 1)], name="published")
         await self.dead.create_index([("group_id", 1), ("_id", 1)], name="group")
 
     async def _now(self) -> datetime:
         await self.clock.refresh()
         return self.clock.now()
-
-    def _worker(self, worker_id: str | None) -> str:
-        if worker_id is None:
-            return self._default_worker_id
-        return _check_worker_id("worker_id", worker_id)
 
     # ---------------------------------------------------------------------------- publish
 
@@ -230,14 +243,16 @@ class AsyncGroupTransport:
             "published_at": now,
             "deliveries": 0,
             "token": None,
+            "stamp_until": None,
             "last_error": None,
+            "dead": None,
         }
 
     @staticmethod
-    def _ready(priority: int) -> dict[str, Any]:
+    def _ready(priority: int, last_seq: int) -> dict[str, Any]:
         """The upsert that readies a group only if it is new (never pulls an in-flight or
-        parked group's available_at back; the first publish fixes the priority), and counts the
-        publish in ``version`` so that a concurrent drop of the group fails."""
+        parked group's available_at back; the first publish fixes the priority), and records
+        the publish in ``version`` / ``last_seq`` so that a concurrent drop of the group fails."""
         return {
             "$setOnInsert": {
                 "available_at": NEVER_CLAIMED,
@@ -246,6 +261,7 @@ class AsyncGroupTransport:
                 "parked": False,
             },
             "$inc": {"version": 1},
+            "$max": {"last_seq": last_seq},
         }
 
     async def publish(self, group_id: GroupId, event: Any, *, priority: int = 0) -> int:
@@ -258,8 +274,13 @@ class AsyncGroupTransport:
         message = self._check_message(NewMessage(group_id, event, priority))
         now = await self._now()
         seq = await self._allocate(1)
-        await self.messages.insert_one(self._message_document(seq, message, now))
-        await self.locks.update_one({"_id": message.group_id}, self._ready(priority), upsert=True)
+        # Shielded: a cancellation (a request timeout) between the two writes would leave the
+        # message without a ready group until `recover_orphans` finds it.
+        with anyio.CancelScope(shield=True):
+            await self.messages.insert_one(self._message_document(seq, message, now))
+            await self.locks.update_one(
+                {"_id": message.group_id}, self._ready(priority, seq), upsert=True
+            )
         return seq
 
     async def publish_many(self, messages: Iterable[NewMessage]) -> list[int]:
@@ -280,19 +301,23 @@ class AsyncGroupTransport:
         now = await self._now()
         first = await self._allocate(len(checked))
         seqs = list(range(first, first + len(checked)))
-        await self.messages.insert_many(
-            [self._message_document(seq, m, now) for seq, m in zip(seqs, checked, strict=True)]
-        )
-        groups: dict[GroupId, int] = {}
-        for message in checked:
-            groups.setdefault(message.group_id, message.priority)
-        await self.locks.bulk_write(
-            [
-                _driver.update_by_id(self.db, {"_id": group}, self._ready(priority), upsert=True)
-                for group, priority in groups.items()
-            ],
-            ordered=False,
-        )
+        groups: dict[GroupId, tuple[int, int]] = {}  # group -> (priority, last seq)
+        for seq, message in zip(seqs, checked, strict=True):
+            priority = groups.get(message.group_id, (message.priority, 0))[0]
+            groups[message.group_id] = (priority, seq)
+        with anyio.CancelScope(shield=True):  # as in `publish`
+            await self.messages.insert_many(
+                [self._message_document(seq, m, now) for seq, m in zip(seqs, checked, strict=True)]
+            )
+            await self.locks.bulk_write(
+                [
+                    _driver.update_by_id(
+                        self.db, {"_id": group}, self._ready(priority, last), upsert=True
+                    )
+                    for group, (priority, last) in groups.items()
+                ],
+                ordered=False,
+            )
         return seqs
 
     # ------------------------------------------------------------------------------ claim
@@ -309,12 +334,13 @@ class AsyncGroupTransport:
         """
         worker = self._worker(worker_id)
         check_int("min_priority", min_priority, low=PRIORITIES[0], high=PRIORITIES[1])
+        floor = list(ALL_PRIORITIES)[min_priority:]
         while True:
             now = await self._now()
             token = f"{worker}:{uuid.uuid4().hex}"
             lease_until = now + timedelta(seconds=self.visibility)
             lock = await self.locks.find_one_and_update(
-                {"available_at": {"$lte": now}, "priority": {"$gte": min_priority}},
+                {"priority": {"$in": floor}, "available_at": {"$lte": now}},
                 {"$set": {"token": token, "available_at": lease_until, "parked": False}},
                 sort=[("available_at", 1)],
                 hint=CLAIM_INDEX,
@@ -322,9 +348,14 @@ class AsyncGroupTransport:
             )
             if lock is None:
                 return None
-            head = await self._take_head(lock["_id"], token, now)
+            head = await self._take_head(lock["_id"], token, now, lease_until)
+            if head is _REFUSED:
+                # Another lease holds the head: ours is stale, or the holder is between the two
+                # writes of a nack. Give our lease back (a no-op if it is stale) and move on.
+                await self._release(lock["_id"], token, now)
+                continue
             if head is None:
-                await self._drop_if_empty(lock["_id"], token, lock.get("version", 0))
+                await self._drop_if_empty(lock["_id"], token, lock.get("version"), now)
                 continue
             return GroupLease(
                 seq=head["_id"],
@@ -335,61 +366,111 @@ class AsyncGroupTransport:
                 deliveries=int(head["deliveries"]),
                 priority=int(lock.get("priority", 0)),
                 lease_until=lease_until,
+                group_version=lock.get("version"),
+                was_last=head["_id"] == lock.get("last_seq"),
             )
 
-    async def _take_head(self, group_id: GroupId, token: str, now: datetime) -> Any:
-        """Stamp and return the group's head, dead-lettering heads past `max_deliveries`."""
+    async def _take_head(
+        self, group_id: GroupId, token: str, now: datetime, lease_until: datetime
+    ) -> Any:
+        """Stamp and return the group's head; None if the group is empty, `_REFUSED` if the
+        head is stamped by another lease that is still live. Heads marked dead are moved on,
+        and heads past `max_deliveries` are dead-lettered, before the next one is taken."""
+        free = {
+            "$or": [
+                {"$eq": [{"$ifNull": ["$token", None]}, None]},
+                {"$lte": [{"$ifNull": ["$stamp_until", NEVER_CLAIMED]}, now]},
+            ]
+        }
+        stamp = [
+            {
+                "$set": {
+                    "token": {"$cond": [free, {"$literal": token}, "$token"]},
+                    "stamp_until": {"$cond": [free, lease_until, "$stamp_until"]},
+                    "deliveries": {
+                        "$cond": [
+                            free,
+                            {"$add": [{"$ifNull": ["$deliveries", 0]}, 1]},
+                            "$deliveries",
+                        ]
+                    },
+                }
+            }
+        ]
         while True:
             head = await self.messages.find_one_and_update(
                 {"group_id": group_id},
-                {"$set": {"token": token}, "$inc": {"deliveries": 1}},
+                stamp,
                 sort=[("_id", 1)],
                 hint=HEAD_INDEX,
                 return_document=ReturnDocument.AFTER,
             )
-            if head is None or self.max_deliveries is None:
+            if head is None:
+                return None
+            if head.get("token") != token:
+                return _REFUSED
+            if head.get("dead") is not None:  # someone's burial stopped midway: finish it
+                await self._finish_burial(head)
+                continue
+            if self.max_deliveries is None or head["deliveries"] <= self.max_deliveries:
                 return head
-            if head["deliveries"] <= self.max_deliveries:
-                return head
-            error = head.get("last_error") or (f"not acked after {self.max_deliveries} deliveries")
-            await self._bury(head, token, now, error)
+            error = head.get("last_error") or f"not acked after {self.max_deliveries} deliveries"
+            if not await self._bury(head["_id"], token, now, error):
+                return _REFUSED
 
-    async def _drop_if_empty(self, group_id: GroupId, token: str, version: int) -> None:
+    async def _drop_if_empty(
+        self, group_id: GroupId, token: str, version: int | None, now: datetime
+    ) -> None:
         dropped = await self.locks.delete_one({"_id": group_id, "token": token, "version": version})
         if dropped.deleted_count:
             return
         # A publish counted itself since this claim read the lock: its message was written
         # before that, so the group is not empty. Give it back, claimable at once.
-        await self.locks.update_one(
-            {"_id": group_id, "token": token},
-            {"$set": {"available_at": NEVER_CLAIMED, "token": None, "parked": False}},
+        await self._release(group_id, token, now)
+
+    async def _bury(self, seq: int, token: str, now: datetime, error: str) -> bool:
+        """Move the head `seq` to the dead letters; False if `token` does not hold it.
+
+        The mark (fenced on the token) is the commit point; copying and deleting after it are
+        idempotent, and a claim that finds a marked head finishes them.
+        """
+        marked = await self.messages.find_one_and_update(
+            {"_id": seq, "token": token, "dead": None},
+            {"$set": {"dead": {"error": error, "at": now}}},
+            return_document=ReturnDocument.AFTER,
         )
+        if marked is None:
+            return False
+        await self._finish_burial(marked)
+        log.warning("message %d of group %r moved to the dead letters: %s",
+                    seq, marked["group_id"], error.splitlines()[-1] if error else "")  # fmt: skip
+        return True
 
-    async def _bury(self, head: Mapping[str, Any], token: str, now: datetime, error: str) -> bool:
-        """Move a stamped head to the dead letters; False if `token` no longer owns it."""
-        seq = head["_id"]
-        dead = {
-            "group_id": head["group_id"],
-            "event": head.get("event"),
-            "priority": head.get("priority", 0),
-            "published_at": head.get("published_at"),
-            "deliveries": head.get("deliveries", 0),
-            "error": error,
-            "dead_at": now,
-            "token": token,
-        }
-        # Copy first, then delete fenced on the token: a crash in between leaves the message
-        # live (and the copy is rewritten next time), never gone from both.
-        await self.dead.replace_one({"_id": seq}, dead, upsert=True)
-        removed = await self.messages.delete_one({"_id": seq, "token": token})
-        if removed.deleted_count:
-            log.warning("message %d of group %r moved to the dead letters: %s",
-                        seq, head["group_id"], error.splitlines()[-1] if error else "")  # fmt: skip
-            return True
-        await self.dead.delete_one({"_id": seq, "token": token})  # not ours: undo the copy
-        return False
+    async def _finish_burial(self, head: Mapping[str, Any]) -> None:
+        mark = head["dead"]
+        await self.dead.replace_one(
+            {"_id": head["_id"]},
+            {
+                "group_id": head["group_id"],
+                "event": head.get("event"),
+                "priority": head.get("priority", 0),
+                "published_at": head.get("published_at"),
+                "deliveries": head.get("deliveries", 0),
+                "error": mark.get("error"),
+                "dead_at": mark.get("at"),
+            },
+            upsert=True,
+        )
+        await self.messages.delete_one({"_id": head["_id"], "dead": {"$ne": None}})
 
-    # ----------------------------------------------------------------------------- settle
+    async def _release(self, group_id: GroupId, token: str, now: datetime) -> bool:
+        """Give the group back, claimable now behind the groups already waiting (round-robin);
+        fenced on the lock's token."""
+        released = await self.locks.update_one(
+            {"_id": group_id, "token": token},
+            {"$set": {"available_at": now, "token": None, "parked": False}},
+        )
+        return bool(released.matched_count == 1)
 
     @staticmethod
     def _check_lease(lease: GroupLease) -> None:
@@ -397,7 +478,8 @@ class AsyncGroupTransport:
             raise InvalidInput("lease", "must be a GroupLease returned by claim()")
 
     async def ack(self, lease: GroupLease) -> bool:
-        """Remove the head and release the group (round-robin: behind never-claimed groups).
+        """Remove the head and release the group (round-robin: behind the groups waiting), or
+        drop the group if the head was its last message and nothing was published since.
 
         False, and nothing changed, when the head is no longer this lease's (taken over).
         """
@@ -406,64 +488,87 @@ class AsyncGroupTransport:
         if not removed.deleted_count:
             return False
         now = await self._now()
-        await self.locks.update_one(
-            {"_id": lease.group_id, "token": lease.token},
-            {"$set": {"available_at": now, "token": None, "parked": False}},
-        )
-        # Had the lock been taken over in between, its new holder has not read the head yet
-        # (it stamps the head it reads): the ack landed first, and that holder gets the next.
+        # Drop a group whose last message this was. The read catches a message written by a
+        # publisher that died before readying the group (it would be orphaned by the drop, and
+        # older than the orphan sweep's window); a publish after it bumps the version.
+        if (
+            lease.was_last
+            and await self.messages.find_one({"group_id": lease.group_id}, {"_id": 1}) is None
+        ):
+            dropped = await self.locks.delete_one(
+                {
+                    "_id": lease.group_id,
+                    "token": lease.token,
+                    "version": lease.group_version,
+                    "last_seq": lease.seq,
+                }
+            )
+            if dropped.deleted_count:
+                return True
+        await self._release(lease.group_id, lease.token, now)
+        # Had the lock been taken over in between, its new holder stamps the head only after
+        # this lease's stamp expired; the ack landed first, and that holder gets the next.
         return True
 
     async def nack(
         self, lease: GroupLease, delay: float = 0, *, error: BaseException | str | None = None
     ) -> bool:
         """Give the head back. `delay` > 0 parks the group until then (keeping the token, so
-        the parked holder may still ack); 0 makes it claimable at once. `error` is recorded on
-        the message (a dead letter carries the last one). False if no longer held."""
+        the parked holder may still ack); 0 makes it claimable at once, behind the groups
+        already waiting. `error` is recorded on the message (a dead letter carries the last
+        one). False, and nothing changed, if no longer held."""
         self._check_lease(lease)
         wait = check_seconds("delay", delay)
         now = await self._now()
+        until = now + timedelta(seconds=wait)
         if wait > 0:
-            update = {"$set": {"available_at": now + timedelta(seconds=wait), "parked": True}}
+            parked = await self.locks.update_one(
+                {"_id": lease.group_id, "token": lease.token},
+                {"$set": {"available_at": until, "parked": True}},
+            )
+            held = parked.matched_count == 1
         else:
-            update = {"$set": {"available_at": NEVER_CLAIMED, "token": None, "parked": False}}
-        result = await self.locks.update_one({"_id": lease.group_id, "token": lease.token}, update)
-        if result.matched_count != 1:
+            held = await self._release(lease.group_id, lease.token, now)
+        if not held:
             return False  # not ours: touch nothing, not even the error
-        # Fenced on the head's token: a new holder may already have stamped it.
-        head: dict[str, Any] = {}
+        # Fenced on the head's token; a released head may be stamped by the next claimer.
+        head: dict[str, Any] = {"stamp_until": until} if wait > 0 else {
+            "token": None,
+            "stamp_until": None,
+        }  # fmt: skip
         if error is not None:
             head["last_error"] = error_text(error)
-        if wait == 0:
-            head["token"] = None  # released: this lease may no longer ack or bury the head
-        if head:
-            await self.messages.update_one({"_id": lease.seq, "token": lease.token}, {"$set": head})
+        await self.messages.update_one({"_id": lease.seq, "token": lease.token}, {"$set": head})
         return True
 
     async def extend(self, lease: GroupLease, visibility: float | None = None) -> bool:
-        """Keep the group for `visibility` (default: the transport's) more seconds from now."""
+        """Keep the group for `visibility` (default: the transport's) more seconds from now,
+        the head's stamp with it. False if no longer held."""
         self._check_lease(lease)
         seconds = self.visibility if visibility is None else check_seconds(
             "visibility", visibility, positive=True
         )  # fmt: skip
         now = await self._now()
+        until = now + timedelta(seconds=seconds)
         result = await self.locks.update_one(
             {"_id": lease.group_id, "token": lease.token},
-            {"$set": {"available_at": now + timedelta(seconds=seconds), "parked": False}},
+            {"$set": {"available_at": until, "parked": False}},
         )
-        return bool(result.matched_count == 1)
+        if result.matched_count != 1:
+            return False
+        await self.messages.update_one(
+            {"_id": lease.seq, "token": lease.token}, {"$set": {"stamp_until": until}}
+        )
+        return True
 
     async def dead_letter(self, lease: GroupLease, error: BaseException | str | None) -> bool:
-        """Move the head to the dead letters now and release the group (a permanent failure)."""
+        """Move the head to the dead letters now and release the group (a permanent failure).
+        False, and nothing changed, if no longer held."""
         self._check_lease(lease)
         now = await self._now()
-        head = await self.messages.find_one({"_id": lease.seq, "token": lease.token})
-        if head is None or not await self._bury(head, lease.token, now, error_text(error) or ""):
+        if not await self._bury(lease.seq, lease.token, now, error_text(error) or ""):
             return False
-        await self.locks.update_one(
-            {"_id": lease.group_id, "token": lease.token},
-            {"$set": {"available_at": now, "token": None, "parked": False}},
-        )
+        await self._release(lease.group_id, lease.token, now)
         return True
 
     # --------------------------------------------------------------------------- operators
@@ -520,18 +625,28 @@ class AsyncGroupTransport:
         """Ready the groups of messages whose publisher died before readying the group.
 
         Looks at messages older than `older_than` seconds (default: `visibility`) whose group
-        has no lock document; returns how many groups it readied. One aggregation (a scan of
-        the old messages) and, if any, one bulk upsert.
+        has no lock document; returns how many groups it readied. One aggregation and, if any,
+        one bulk upsert. After its first run, a transport looks only at the messages published
+        since the previous run (less a margin of `visibility`), through the ``published`` index.
         """
         seconds = self.visibility if older_than is None else check_seconds("older_than", older_than)
         now = await self._now()
-        self._last_recovery = now
+        cutoff = now - timedelta(seconds=seconds)
+        window: dict[str, Any] = {"$lt": cutoff}
+        if self._recovered_until is not None:
+            window["$gte"] = self._recovered_until - timedelta(seconds=self.visibility)
         orphans = await _driver.aggregate_list(
             self.messages,
             [
-                {"$match": {"published_at": {"$lt": now - timedelta(seconds=seconds)}}},
+                {"$match": {"published_at": window}},
                 {"$sort": {"_id": 1}},
-                {"$group": {"_id": "$group_id", "priority": {"$first": "$priority"}}},
+                {
+                    "$group": {
+                        "_id": "$group_id",
+                        "priority": {"$first": "$priority"},
+                        "last_seq": {"$last": "$_id"},
+                    }
+                },
                 {
                     "$lookup": {
                         "from": self.locks.name,
@@ -543,12 +658,14 @@ class AsyncGroupTransport:
                 {"$match": {"lock": {"$size": 0}}},
             ],
         )
+        self._recovered_until = cutoff
         if not orphans:
             return 0
         await self.locks.bulk_write(
             [
                 _driver.update_by_id(
-                    self.db, {"_id": doc["_id"]}, self._ready(int(doc.get("priority") or 0)),
+                    self.db, {"_id": doc["_id"]},
+                    self._ready(int(doc.get("priority") or 0), int(doc.get("last_seq") or 0)),
                     upsert=True,
                 )
                 for doc in orphans
@@ -560,14 +677,14 @@ class AsyncGroupTransport:
 
     async def stats(self) -> GroupStats:
         """Groups ready / in flight / parked, messages, dead letters, oldest message age
-        (six commands)."""
+        (six commands; the message and dead-letter totals come from collection metadata)."""
         now = await self._now()
         ready = await self.locks.count_documents({"available_at": {"$lte": now}})
         later = {"available_at": {"$gt": now}}
         parked = await self.locks.count_documents({**later, "parked": True})
         in_flight = await self.locks.count_documents({**later, "parked": False})
-        messages = await self.messages.count_documents({})
-        dead = await self.dead.count_documents({})
+        messages = await self.messages.estimated_document_count()
+        dead = await self.dead.estimated_document_count()
         oldest = await _driver.find_list(
             self.messages, {}, sort=[("_id", 1)], limit=1, projection={"published_at": 1}
         )
@@ -594,7 +711,7 @@ class AsyncGroupTransport:
         The lease is extended every ``visibility / 3`` while the handler runs. A clean return
         acks; `PermanentError` dead-letters the head; any other exception (cancellation
         included) nacks with `retry_delay` and records the error. When idle the loop readies
-        orphaned groups (at most once per ``visibility``). `stop()` stops gracefully.
+        orphaned groups every ``visibility`` (and when idle). `stop()` stops gracefully.
         """
         check_int("concurrency", concurrency, low=1)
         check_int("min_priority", min_priority, low=PRIORITIES[0], high=PRIORITIES[1])
@@ -623,24 +740,29 @@ class AsyncGroupTransport:
                 first_at=lease.lease_until - timedelta(seconds=2 * interval),
                 name=f"group {lease.group_id!r}",
             )
-            outcome = "unknown"
+            handled = False
             failure: BaseException | None = None
             try:
                 async with keepalive:
                     await handler(lease)
+                    handled = True  # a cancellation arriving after this still acks
             except BaseException as exc:
                 failure = exc
             settled = True
-            with anyio.CancelScope(shield=True):
+            outcome = "unknown"
+            # Shielded, so a cancelled worker still settles what it holds; bounded, so a dead
+            # server cannot hold the shutdown for longer than the lease would have lasted.
+            with anyio.move_on_after(self.visibility, shield=True):
                 try:
                     if keepalive.lost:
                         outcome = "lost"
-                    elif failure is None:
+                    elif handled:
                         outcome = "acked" if await self.ack(lease) else "lost"
                     elif isinstance(failure, PermanentError):
                         outcome = "dead" if await self.dead_letter(lease, failure) else "lost"
-                    else:
-                        held = await self.nack(lease, retry, error=failure)
+                    else:  # a failure, or a cancellation (not the message's fault: no error)
+                        error = failure if isinstance(failure, Exception) else None
+                        held = await self.nack(lease, retry, error=error)
                         outcome = "retried" if held else "lost"
                 except _driver.DRIVER_ERRORS:
                     log.warning("settling group %r failed; its lease will expire",
@@ -656,24 +778,9 @@ class AsyncGroupTransport:
             concurrency=concurrency,
             poll_interval=poll,
             stop_when_empty=stop_when_empty,
-            idle=self._recover_when_idle,
+            housekeeping=self.recover_orphans,
+            housekeeping_interval=self.visibility,
             name=f"groups:{self.prefix}",
         )
-        self._loops.add(loop)
-        try:
-            await loop.run(handle_signals=handle_signals)
-        finally:
-            self._loops.discard(loop)
+        await self._run_loop(loop, handle_signals=handle_signals)
         return summary
-
-    async def _recover_when_idle(self) -> None:
-        now = await self._now()
-        if self._last_recovery is None or (now - self._last_recovery).total_seconds() >= (
-            self.visibility
-        ):
-            await self.recover_orphans()
-
-    def stop(self) -> None:
-        """Ask every `run` loop of this transport to stop gracefully."""
-        for loop in list(self._loops):
-            loop.stop()

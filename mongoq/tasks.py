@@ -67,11 +67,10 @@ from mongoq._validation import (
     check_name,
     check_payload,
     check_seconds,
-    check_worker_id,
 )
 from mongoq.clock import Clock, ServerClock, to_millis
 from mongoq.errors import InvalidInput, LeaseLost, PermanentError
-from mongoq.worker import KeepAlive, WorkerLoop, default_worker_id, error_text
+from mongoq.worker import KeepAlive, WorkerHost, WorkerLoop, error_text
 
 __all__ = [
     "AsyncTaskQueue",
@@ -84,7 +83,6 @@ __all__ = [
     "TaskLease",
     "TaskQueueStats",
     "TaskStatus",
-    "default_worker_id",
 ]
 
 log = logging.getLogger("mongoq.tasks")
@@ -281,7 +279,7 @@ class TaskLease:
                     self.queue._leases.pop(self.task.lease_token or "", None)
 
 
-class AsyncTaskQueue:
+class AsyncTaskQueue(WorkerHost):
     """A durable task queue in one MongoDB collection (see the module docstring for its layout).
 
     Guarantees: a task has at most one live holder (claims are one atomic command; every settle
@@ -303,6 +301,7 @@ class AsyncTaskQueue:
         tombstone_ttl: float = 30 * 24 * 3600,
         clock: Clock | None = None,
     ) -> None:
+        super().__init__()
         _driver.backend_of(db)
         self.name = check_name("name", name)
         self.max_attempts = check_int("max_attempts", max_attempts, low=1)
@@ -314,9 +313,6 @@ class AsyncTaskQueue:
         self.db = db
         self.collection = db[name]
         self._leases: dict[str, TaskLease] = {}
-        self._loops: set[WorkerLoop[Task]] = set()
-        self._last_reclaim: datetime | None = None
-        self._default_worker_id = default_worker_id()
 
     # ------------------------------------------------------------------------------ set-up
 
@@ -494,11 +490,6 @@ class AsyncTaskQueue:
         task = Task.from_document(doc)
         log.debug("claimed %r (attempt %d) for %s", task.id, task.attempts, worker)
         return task
-
-    def _worker(self, worker_id: str | None) -> str:
-        if worker_id is None:
-            return self._default_worker_id
-        return check_worker_id("worker_id", worker_id)
 
     @staticmethod
     def _fence(task: Task) -> dict[str, Any]:
@@ -697,7 +688,6 @@ class AsyncTaskQueue:
             {**expired, "attempts": {"$lt": self.max_attempts}},
             {"$set": self._pending(now, now, None)},
         )
-        self._last_reclaim = now
         if buried.modified_count or requeued.modified_count:
             log.info("reclaimed expired leases: %d failed, %d requeued",
                      buried.modified_count, requeued.modified_count)  # fmt: skip
@@ -773,9 +763,9 @@ class AsyncTaskQueue:
 
         Each task runs inside `leased`: its return value is the task's result (a result that
         cannot be stored fails the task); a `PermanentError` fails it; another exception
-        releases it for retry. When nothing is
-        due the loop reclaims expired leases (at most once per ``lease_ttl / 3``) and sleeps
-        `poll_interval`; with `stop_when_empty` it returns instead. `stop()` (or, with
+        releases it for retry. Expired leases are reclaimed every ``lease_ttl / 3``, and when
+        nothing is due (at most that often); then the loop sleeps `poll_interval`, or with
+        `stop_when_empty` returns. `stop()` (or, with
         `handle_signals`, SIGTERM/SIGINT) stops gracefully: in-flight tasks finish; cancelling
         the call (or a second signal) releases them for retry.
         """
@@ -815,24 +805,9 @@ class AsyncTaskQueue:
             concurrency=concurrency,
             poll_interval=poll,
             stop_when_empty=stop_when_empty,
-            idle=self._reclaim_when_idle,
+            housekeeping=self.reclaim_expired,
+            housekeeping_interval=self.lease_ttl / 3,
             name=f"tasks:{self.name}",
         )
-        self._loops.add(loop)
-        try:
-            await loop.run(handle_signals=handle_signals)
-        finally:
-            self._loops.discard(loop)
+        await self._run_loop(loop, handle_signals=handle_signals)
         return summary
-
-    async def _reclaim_when_idle(self) -> None:
-        now = await self._now()
-        if self._last_reclaim is None or (now - self._last_reclaim).total_seconds() >= (
-            self.lease_ttl / 3
-        ):
-            await self.reclaim_expired()
-
-    def stop(self) -> None:
-        """Ask every `run` loop of this queue to stop gracefully."""
-        for loop in list(self._loops):
-            loop.stop()

@@ -16,9 +16,11 @@ them; these tools force those orders and crashes. Owns no collections.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import heapq
 import itertools
+import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,8 +62,9 @@ class ManualClock:
 
     def __init__(self, start: datetime | None = None) -> None:
         self._now = to_millis(start if start is not None else datetime.now(UTC))
-        self._sleepers: list[tuple[datetime, int, anyio.Event]] = []
+        self._sleepers: list[tuple[datetime, int, anyio.Event, asyncio.AbstractEventLoop]] = []
         self._counter = itertools.count()
+        self._lock = threading.Lock()
 
     def now(self) -> datetime:
         return self._now
@@ -74,14 +77,17 @@ class ManualClock:
             await anyio.lowlevel.checkpoint()
             return
         wake = anyio.Event()
-        entry = (self._now + timedelta(seconds=seconds), next(self._counter), wake)
-        heapq.heappush(self._sleepers, entry)
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            entry = (self._now + timedelta(seconds=seconds), next(self._counter), wake, loop)
+            heapq.heappush(self._sleepers, entry)
         try:
             await wake.wait()
         finally:
-            if not wake.is_set():
-                self._sleepers.remove(entry)
-                heapq.heapify(self._sleepers)
+            with self._lock:
+                if entry in self._sleepers:
+                    self._sleepers.remove(entry)
+                    heapq.heapify(self._sleepers)
 
     def advance(self, seconds: float) -> None:
         """Move time forward and wake every sleeper whose deadline has come."""
@@ -90,12 +96,23 @@ class ManualClock:
         self.set(self._now + timedelta(seconds=seconds))
 
     def set(self, instant: datetime) -> None:
+        """Move time to `instant` (never backwards) and wake the sleepers that are due.
+
+        Safe from any thread: a sleeper in another thread's event loop (the `mongoq_sync`
+        portal) is woken through that loop."""
         instant = to_millis(instant)
-        if instant < self._now:
-            raise ValueError("a clock does not go backwards")
-        self._now = instant
-        while self._sleepers and self._sleepers[0][0] <= self._now:
-            heapq.heappop(self._sleepers)[2].set()
+        with self._lock:
+            if instant < self._now:
+                raise ValueError("a clock does not go backwards")
+            self._now = instant
+            due = []
+            while self._sleepers and self._sleepers[0][0] <= self._now:
+                due.append(heapq.heappop(self._sleepers))
+        for _, _, wake, loop in due:
+            if _running_loop() is loop:
+                wake.set()
+            else:
+                loop.call_soon_threadsafe(wake.set)
 
     @property
     def sleepers(self) -> int:
@@ -105,6 +122,13 @@ class ManualClock:
     def next_wakeup(self) -> datetime | None:
         """The earliest deadline of a sleeping task, if any."""
         return self._sleepers[0][0] if self._sleepers else None
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 async def settle(rounds: int = 50) -> None:

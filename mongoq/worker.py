@@ -2,8 +2,10 @@
 the keep-alive that renews a lease while its holder works.
 
 A `WorkerLoop` runs `concurrency` slots. Each slot claims one item, processes it, and claims
-again; when nothing is claimable it runs the primitive's idle hook (e.g. reclaiming expired
-leases) and sleeps `poll_interval` on the primitive's clock. `stop()` is graceful: no slot
+again; when nothing is claimable it sleeps `poll_interval` on the primitive's clock. The
+primitive's housekeeping (reclaiming expired leases, readying orphaned groups) runs every
+`housekeeping_interval`, busy or not, and when a slot finds nothing to claim unless it ran within
+that interval. `stop()` is graceful: no slot
 claims again, in-flight items finish, `run()` returns. Cancelling `run()` cancels in-flight
 items, whose lease handling releases them. With `handle_signals`, the first SIGTERM/SIGINT
 stops gracefully and a second one cancels.
@@ -26,11 +28,13 @@ from datetime import datetime, timedelta
 from typing import Any, Generic, TypeVar
 
 import anyio
+import anyio.lowlevel
 
 from mongoq import _driver
+from mongoq._validation import check_worker_id
 from mongoq.clock import Clock
 
-__all__ = ["KeepAlive", "WorkerLoop", "default_worker_id", "error_text"]
+__all__ = ["KeepAlive", "WorkerHost", "WorkerLoop", "default_worker_id", "error_text"]
 
 log = logging.getLogger("mongoq.worker")
 
@@ -68,7 +72,8 @@ class WorkerLoop(Generic[Item]):
         concurrency: int = 1,
         poll_interval: float = 1.0,
         stop_when_empty: bool = False,
-        idle: Callable[[], Awaitable[None]] | None = None,
+        housekeeping: Callable[[], Awaitable[Any]] | None = None,
+        housekeeping_interval: float = 60.0,
         name: str = "worker",
     ) -> None:
         self._claim = claim
@@ -77,7 +82,9 @@ class WorkerLoop(Generic[Item]):
         self._concurrency = concurrency
         self._poll_interval = poll_interval
         self._stop_when_empty = stop_when_empty
-        self._idle = idle
+        self._housekeeping = housekeeping
+        self._housekeeping_interval = housekeeping_interval
+        self._housekept_at: datetime | None = None
         self._name = name
         self._stopping = False
         self._naps: set[anyio.CancelScope] = set()
@@ -99,6 +106,8 @@ class WorkerLoop(Generic[Item]):
         async with anyio.create_task_group() as group:
             if handle_signals:
                 group.start_soon(self._watch_signals, group.cancel_scope)
+            if self._housekeeping is not None:
+                group.start_soon(self._housekeep)
             async with anyio.create_task_group() as slots:
                 for _ in range(self._concurrency):
                     slots.start_soon(self._slot)
@@ -116,6 +125,27 @@ class WorkerLoop(Generic[Item]):
                 log.info("%s: signal %d, stopping gracefully", self._name, signum)
                 self.stop()
 
+    async def _housekeep(self) -> None:
+        while True:
+            await self._clock.sleep(self._housekeeping_interval)
+            await self._run_housekeeping()
+
+    async def _run_housekeeping(self, *, unless_recent: bool = False) -> None:
+        if self._housekeeping is None:
+            return
+        now = self._clock.now()
+        if (
+            unless_recent
+            and self._housekept_at is not None
+            and ((now - self._housekept_at).total_seconds() < self._housekeeping_interval)
+        ):
+            return
+        self._housekept_at = now
+        try:
+            await self._housekeeping()
+        except _driver.DRIVER_ERRORS as exc:
+            log.warning("%s: housekeeping failed (%s)", self._name, exc)
+
     async def _nap(self) -> None:
         with anyio.CancelScope() as scope:
             self._naps.add(scope)
@@ -127,6 +157,7 @@ class WorkerLoop(Generic[Item]):
 
     async def _slot(self) -> None:
         while not self._stopping:
+            await anyio.lowlevel.checkpoint_if_cancelled()  # the shield below would hide it
             try:
                 # Shielded: a claim applied on the server but cancelled before its reply is read
                 # would hold the item, unseen, for a whole lease. Once it is back, the cancellation
@@ -139,11 +170,7 @@ class WorkerLoop(Generic[Item]):
                 await self._nap()
                 continue
             if item is None:
-                if self._idle is not None:
-                    try:
-                        await self._idle()
-                    except _driver.DRIVER_ERRORS as exc:
-                        log.warning("%s: idle work failed (%s)", self._name, exc)
+                await self._run_housekeeping(unless_recent=True)
                 if self._stop_when_empty:
                     return
                 await self._nap()
@@ -157,6 +184,35 @@ class WorkerLoop(Generic[Item]):
                 log.exception("%s: unexpected error while processing", self._name)
             finally:
                 self.in_flight -= 1
+
+
+class WorkerHost:
+    """Base of a primitive that runs `WorkerLoop`s: keeps them for `stop()`, and names the
+    worker when the caller does not (``hostname:pid:uuid8``, renewed in a forked child)."""
+
+    def __init__(self) -> None:
+        self._loops: set[WorkerLoop[Any]] = set()
+        self._identity = (os.getpid(), default_worker_id())
+
+    def _worker(self, worker_id: str | None) -> str:
+        if worker_id is not None:
+            return check_worker_id("worker_id", worker_id)
+        if self._identity[0] != os.getpid():
+            self._identity = (os.getpid(), default_worker_id())
+        return self._identity[1]
+
+    async def _run_loop(self, loop: WorkerLoop[Any], *, handle_signals: bool) -> None:
+        self._loops.add(loop)
+        try:
+            await loop.run(handle_signals=handle_signals)
+        finally:
+            self._loops.discard(loop)
+
+    def stop(self) -> None:
+        """Ask every `run` loop of this instance to stop gracefully: they claim nothing more,
+        let in-flight work finish, and return."""
+        for loop in list(self._loops):
+            loop.stop()
 
 
 class KeepAlive:

@@ -52,30 +52,35 @@ async def test_publish_returns_increasing_seqs_and_writes_the_message_and_its_lo
 
     assert seqs == [1, 2, 3]
     assert await counter_value(db) == 3
+    # Unstamped (no token, no stamp_until), not on its way to the dead letters.
     assert await messages(db) == {
         1: {
             "_id": 1, "group_id": "g", "event": {"n": 0}, "priority": 2,
-            "published_at": first_at, "deliveries": 0, "token": None, "last_error": None,
+            "published_at": first_at, "deliveries": 0, "token": None, "stamp_until": None,
+            "last_error": None, "dead": None,
         },
         2: {
             "_id": 2, "group_id": "h", "event": "h0", "priority": 3,
-            "published_at": clock.now(), "deliveries": 0, "token": None, "last_error": None,
+            "published_at": clock.now(), "deliveries": 0, "token": None, "stamp_until": None,
+            "last_error": None, "dead": None,
         },
         3: {
             "_id": 3, "group_id": "g", "event": {"n": 1}, "priority": 4,
-            "published_at": clock.now(), "deliveries": 0, "token": None, "last_error": None,
+            "published_at": clock.now(), "deliveries": 0, "token": None, "stamp_until": None,
+            "last_error": None, "dead": None,
         },
     }  # fmt: skip
     # A new group is claimable at once (the epoch sorts before every real instant); its
-    # priority is the first publish's (2, not 4); version counts the publishes into it.
+    # priority is the first publish's (2, not 4); version counts the publishes into it and
+    # last_seq is the largest seq they readied it with.
     assert await locks(db) == {
         "g": {
             "_id": "g", "available_at": EPOCH, "token": None, "priority": 2, "parked": False,
-            "version": 2,
+            "version": 2, "last_seq": 3,
         },
         "h": {
             "_id": "h", "available_at": EPOCH, "token": None, "priority": 3, "parked": False,
-            "version": 1,
+            "version": 1, "last_seq": 2,
         },
     }  # fmt: skip
 
@@ -107,8 +112,8 @@ async def test_a_publish_never_pulls_an_in_flight_or_parked_group_back(
 
     await transport.publish("g", "g1")
 
-    # Only the publish count moved: the group stays leased to A, not claimable.
-    assert await lock(db, "g") == {**in_flight, "version": 2}
+    # Only the publish count and last seq moved: the group stays leased to A, not claimable.
+    assert await lock(db, "g") == {**in_flight, "version": 2, "last_seq": 2}
     assert await transport.claim("B") is None
 
     assert await transport.nack(lease, delay=60)
@@ -122,7 +127,7 @@ async def test_a_publish_never_pulls_an_in_flight_or_parked_group_back(
 
     await transport.publish("g", "g2")
 
-    assert await lock(db, "g") == {**parked, "version": 3}
+    assert await lock(db, "g") == {**parked, "version": 3, "last_seq": 3}
     clock.advance(59)
     assert await transport.claim("B") is None
     clock.advance(1)
@@ -169,11 +174,12 @@ async def test_publish_many_allocates_a_contiguous_range_in_three_commands(
     ]
     groups = await locks(db)
     # A group new to the transport takes its first message's priority; an existing one keeps
-    # its own. A batch counts once in the version of each group it touches.
-    assert {g: (doc["priority"], doc["version"]) for g, doc in groups.items()} == {
-        "a": (1, 2),
-        "b": (3, 1),
-        7: (0, 1),
+    # its own. A batch counts once in the version of each group it touches, and records the
+    # group's largest seq in it as last_seq.
+    assert {g: (doc["priority"], doc["version"], doc["last_seq"]) for g, doc in groups.items()} == {
+        "a": (1, 2, 4),
+        "b": (3, 1, 6),
+        7: (0, 1, 5),
     }
     assert {doc["available_at"] for doc in groups.values()} == {EPOCH}
 
@@ -190,7 +196,7 @@ async def test_publish_many_allocates_a_contiguous_range_in_three_commands(
     assert await counter_value(db) == 106
 
 
-async def test_publish_claim_and_ack_cost_three_two_and_two_commands(
+async def test_publish_claim_and_ack_cost_three_two_and_two_or_three_commands(
     db: Any, clock: ManualClock
 ) -> None:
     counter = CommandCounter()
@@ -203,17 +209,35 @@ async def test_publish_claim_and_ack_cost_three_two_and_two_commands(
         "mq_messages.insert_one": 1,
         "mq_locks.update_one": 1,
     }
+    await transport.publish("g", "g1")
     counter.reset()
-    lease = await claim_one(transport, group="g")
+    lease = await claim_one(transport, group="g", event="g0")
     assert counter.counts == {
         "mq_locks.find_one_and_update": 1,
         "mq_messages.find_one_and_update": 1,
     }
     counter.reset()
+    # g1 waits behind g0: the ack deletes the head and releases the group.
     assert await transport.ack(lease)
     assert counter.counts == {"mq_messages.delete_one": 1, "mq_locks.update_one": 1}
-    assert await messages(db) == {}
-    assert (await lock(db, "g") or {})["token"] is None
+    assert list(await messages(db)) == [2]
+    released = await lock(db, "g")
+    assert released is not None
+    assert (released["available_at"], released["token"]) == (clock.now(), None)
+    lease = await claim_one(transport, group="g", event="g1")
+    counter.reset()
+    # g1 was the group's last message and nothing was published since: the ack deletes the
+    # head, checks that no other message is there, drops the lock, and leaves nothing behind.
+    assert await transport.ack(lease)
+    assert counter.counts == {
+        "mq_messages.delete_one": 1,
+        "mq_messages.find_one": 1,
+        "mq_locks.delete_one": 1,
+    }
+    await assert_empty(db)
+    counter.reset()
+    assert await transport.claim("w") is None
+    assert counter.counts == {"mq_locks.find_one_and_update": 1}
 
 
 # --------------------------------------------------------------------------- FIFO, fairness
@@ -273,25 +297,31 @@ async def test_round_robin_a_backlog_delays_later_groups_by_at_most_one_turn(
     await turn()  # a0: published after big's turn, served before big's next one
     await transport.publish("c", "c0")
     await turn()  # c0
+    assert sorted(await locks(db)) == ["a", "big"]  # c0's ack dropped the drained "c"
     for _ in range(6):
         await turn()
 
     assert order == ["b0", "a0", "c0", "b1", "a1", "b2", "b3", "b4", "b5"]
-    assert await messages(db) == {}
-    # "c" and "a" drained and were dropped by the claims after them; "big" is the last acked.
-    assert list(await locks(db)) == ["big"]
-    assert await transport.claim("w") is None
+    # Each group's last ack dropped its lock ("c", then "a", then "big"): nothing is left.
     await assert_empty(db)
+    assert await transport.claim("w") is None
 
 
-async def test_the_priority_floor_excludes_lower_groups(
-    db: Any, transport: AsyncGroupTransport
-) -> None:
+async def test_the_priority_floor_excludes_lower_groups(db: Any, clock: ManualClock) -> None:
+    counter = CommandCounter()
+    counter.record = True
+    transport = await new_transport(instrument(db, counter), clock)
     await transport.publish("low", "l0", priority=0)
     await transport.publish("mid", "m0", priority=2)
     await transport.publish("high", "h0", priority=4)
+    counter.reset()
 
     high = await claim_one(transport, "A", min_priority=3, group="high")
+    # The floor is an `$in` over the claim index's leading key, and the claim hints that index.
+    lease_op = counter.operations[0]
+    assert (lease_op.collection, lease_op.name) == ("mq_locks", "find_one_and_update")
+    assert lease_op.filter["priority"] == {"$in": [3, 4]}
+    assert lease_op.kwargs["hint"] == "claim"
     assert await transport.claim("B", min_priority=3) is None  # high is in flight
     stored = await locks(db)
     assert {g: doc["token"] for g, doc in stored.items()} == {
@@ -358,31 +388,41 @@ async def test_ack_removes_the_head_and_releases_the_group(
     assert (nxt.seq, nxt.deliveries) == (2, 1)
 
 
-async def test_nack_without_delay_makes_the_group_claimable_at_once(
+async def test_nack_without_delay_makes_the_group_claimable_at_once_behind_those_waiting(
     db: Any, transport: AsyncGroupTransport, clock: ManualClock
 ) -> None:
     await transport.publish("g", "g0")
     lease = await claim_one(transport, "A", group="g")
-    await transport.publish("h", "h0")  # never claimed: ties with "g" once nacked
+    await transport.publish("w", "w0")
+    await transport.publish("w", "w1")
+    assert await transport.ack(await claim_one(transport, "B", group="w", event="w0"))
+    await transport.publish("h", "h0")  # never claimed
+    clock.advance(1)
 
     assert await transport.nack(lease)
 
     released = await lock(db, "g")
     assert released is not None
     assert (released["available_at"], released["token"], released["parked"]) == (
-        EPOCH,
+        clock.now(),
         None,
         False,
     )
+    # The head is given back too: no token, no stamp; the delivery stays counted.
     head = await message(db, 1)
-    assert head is not None and (head["deliveries"], head["last_error"]) == (1, None)
+    assert head is not None
+    assert (head["token"], head["stamp_until"], head["deliveries"], head["last_error"]) == (
+        None,
+        None,
+        1,
+        None,
+    )
     assert not await transport.extend(lease)  # released: no longer held
-    again = await claim_one(transport, "B")
-    if again.group_id == "h":  # the tie may go either way
-        again = await claim_one(transport, "C", group="g")
-    assert again.event == "g0"
-    assert (again.seq, again.deliveries) == (1, 2)
-    assert (await message(db, 1) or {})["token"] == again.token
+    # Claimable at once, but behind the never-claimed "h" and "w", released a second earlier.
+    assert [(await claim_one(transport, "C")).event for _ in range(3)] == ["h0", "w1", "g0"]
+    again = await message(db, 1)
+    assert again is not None and again["deliveries"] == 2
+    assert (await lock(db, "g") or {})["token"] == again["token"]
 
 
 async def test_nack_with_a_delay_parks_the_group_until_then(
@@ -400,7 +440,14 @@ async def test_nack_with_a_delay_parks_the_group_until_then(
         lease.token,
         True,
     )
-    assert (await message(db, 1) or {})["last_error"] == "busy"
+    # The head keeps the lease's token; its stamp lasts as long as the parking.
+    head = await message(db, 1)
+    assert head is not None
+    assert (head["token"], head["stamp_until"], head["last_error"]) == (
+        lease.token,
+        later(clock, 60),
+        "busy",
+    )
     clock.advance(59.999)
     assert await transport.claim("B") is None
     assert await lock(db, "g") == parked
@@ -410,6 +457,9 @@ async def test_nack_with_a_delay_parks_the_group_until_then(
     taken = await lock(db, "g")
     assert taken is not None
     assert (taken["token"], taken["parked"]) == (again.token, False)
+    restamped = await message(db, 1)
+    assert restamped is not None
+    assert (restamped["token"], restamped["stamp_until"]) == (again.token, again.lease_until)
     assert not await transport.ack(lease)  # the parked holder lost it to B
     assert list(await messages(db)) == [1]
 
@@ -436,51 +486,123 @@ async def test_the_parked_holder_can_still_ack(
     await claim_one(transport, "B", group="g", event="g1")
 
 
-async def test_extend_pushes_available_at(
-    db: Any, transport: AsyncGroupTransport, clock: ManualClock
+async def test_extend_pushes_available_at_and_the_heads_stamp_in_two_commands(
+    db: Any, clock: ManualClock
 ) -> None:
+    counter = CommandCounter()
+    transport = await new_transport(instrument(db, counter), clock)
     await transport.publish("g", "g0")
     lease = await claim_one(transport, "A", group="g")
     clock.advance(20)
+    counter.reset()
 
     assert await transport.extend(lease)
 
+    assert counter.counts == {"mq_locks.update_one": 1, "mq_messages.update_one": 1}
     assert (await lock(db, "g") or {})["available_at"] == later(clock, VISIBILITY)
+    head = await message(db, 1)
+    assert head is not None
+    assert (head["token"], head["stamp_until"]) == (lease.token, later(clock, VISIBILITY))
     clock.advance(15)  # past the claim's own lease
     assert await transport.claim("B") is None
     assert await transport.extend(lease, visibility=100)
     assert (await lock(db, "g") or {})["available_at"] == later(clock, 100)
+    assert (await message(db, 1) or {})["stamp_until"] == later(clock, 100)
     clock.advance(99)
     assert await transport.claim("B") is None
     assert (await lock(db, "g") or {})["token"] == lease.token
+    assert (await message(db, 1) or {})["deliveries"] == 1
     assert await transport.ack(lease)
-    assert await messages(db) == {}
+    await assert_empty(db)
 
 
-async def test_a_drained_groups_lock_is_dropped_by_the_next_claim(
+async def test_the_ack_of_a_groups_last_message_drops_its_lock(
     db: Any, transport: AsyncGroupTransport, clock: ManualClock
 ) -> None:
+    await transport.publish("g", "g0")
+    await transport.publish("h", "h0")
+    await transport.publish("h", "h1")
+    g = await claim_one(transport, "A", group="g", event="g0")
+    h = await claim_one(transport, "B", group="h", event="h0")
+    clock.advance(1)
+
+    assert await transport.ack(g)
+
+    assert list(await locks(db)) == ["h"]  # "g" drained: gone at once, no claim needed
+    assert await transport.ack(h)
+    released = await lock(db, "h")  # h1 waits: released, not dropped
+    assert released is not None
+    assert (released["available_at"], released["token"]) == (clock.now(), None)
+    last = await claim_one(transport, "C", group="h", event="h1")
+    assert await transport.ack(last)
+    await assert_empty(db)
+
+
+async def test_an_ack_whose_group_got_a_publish_since_the_claim_releases_it(
+    db: Any, clock: ManualClock
+) -> None:
+    counter = CommandCounter()
+    transport = await new_transport(instrument(db, counter), clock)
+    await transport.publish("g", "g0")
+    lease = await claim_one(transport, "A", group="g", event="g0")  # the last message, then
+    await transport.publish("g", "g1")
+    clock.advance(1)
+    counter.reset()
+
+    assert await transport.ack(lease)
+
+    # The check before the drop sees g1: no drop; the group is released.
+    assert counter.counts == {
+        "mq_messages.delete_one": 1,
+        "mq_messages.find_one": 1,
+        "mq_locks.update_one": 1,
+    }
+    assert await group_messages(db) == {"g": ["g1"]}
+    released = await lock(db, "g")
+    assert released is not None
+    assert (released["available_at"], released["token"]) == (clock.now(), None)
+    assert (released["version"], released["last_seq"]) == (2, 2)
+    nxt = await claim_one(transport, "B", group="g", event="g1")
+    assert await transport.ack(nxt)
+    await assert_empty(db)
+
+
+async def test_a_drained_group_left_with_its_lock_is_dropped_by_the_next_claim(
+    db: Any, clock: ManualClock
+) -> None:
+    """dead_letter releases the group without looking for more messages: a group whose last
+    message went to the dead letters keeps an empty lock until a claim drops it."""
+    counter = CommandCounter()
+    transport = await new_transport(instrument(db, counter), clock)
     await transport.publish("g", "g0")
     g = await claim_one(transport, "A", group="g")
     await transport.publish("h", "h0")
     await transport.publish("h", "h1")
     h = await claim_one(transport, "B", group="h")
-    assert await transport.ack(g)
+    assert await transport.dead_letter(g, "bad")
     clock.advance(0.001)
     assert await transport.ack(h)
     clock.advance(0.001)
-    # The ack does not delete the lock: "g" waits, empty, before "h" in the claim order.
+    # "g" waits, empty, before "h" in the claim order.
     assert {key: doc["available_at"] for key, doc in (await locks(db)).items()} == {
         "g": later(clock, -0.002),
         "h": later(clock, -0.001),
     }
+    assert list(await messages(db)) == [3]
+    counter.reset()
 
     lease = await claim_one(transport, "C", group="h", event="h1")  # "g" was dropped on the way
 
+    assert counter.counts == {
+        "mq_locks.find_one_and_update": 2,
+        "mq_messages.find_one_and_update": 2,
+        "mq_locks.delete_one": 1,
+    }
     assert list(await locks(db)) == ["h"]
     assert await transport.ack(lease)
     assert await transport.claim("C") is None
     await assert_empty(db)
+    assert list(await dead(db)) == [1]
 
 
 # ------------------------------------------------------------------------------ operators
@@ -491,7 +613,13 @@ async def test_stats_counts_groups_messages_and_dead_letters(db: Any, clock: Man
     transport = await new_transport(instrument(db, counter), clock)
     counter.reset()
     assert await transport.stats() == GroupStats(0, 0, 0, 0, 0, None)
-    assert counter.total == 6
+    # The totals come from collection metadata, not from counting documents.
+    assert counter.counts == {
+        "mq_locks.count_documents": 3,
+        "mq_messages.estimated_document_count": 1,
+        "mq_dead.estimated_document_count": 1,
+        "mq_messages.find": 1,
+    }
 
     # Each group is claimed while it is the only claimable one: no tie to break.
     await transport.publish("flight", "f0")
@@ -538,10 +666,12 @@ async def test_ensure_indexes_creates_the_claim_head_and_dead_indexes_idempotent
 
     lock_indexes = await db["mq_locks"].index_information()
     assert set(lock_indexes) == {"_id_", "claim"}
-    assert list(lock_indexes["claim"]["key"]) == [("available_at", 1), ("priority", 1)]
+    # Priority first: the floor's `$in` becomes at most five ranges walked in available_at order.
+    assert list(lock_indexes["claim"]["key"]) == [("priority", 1), ("available_at", 1)]
     message_indexes = await db["mq_messages"].index_information()
-    assert set(message_indexes) == {"_id_", "group_head"}
+    assert set(message_indexes) == {"_id_", "group_head", "published"}
     assert list(message_indexes["group_head"]["key"]) == [("group_id", 1), ("_id", 1)]
+    assert list(message_indexes["published"]["key"]) == [("published_at", 1)]
     dead_indexes = await db["mq_dead"].index_information()
     assert set(dead_indexes) == {"_id_", "group"}
     assert list(dead_indexes["group"]["key"]) == [("group_id", 1), ("_id", 1)]
@@ -592,4 +722,12 @@ async def test_the_lease_until_matches_the_stored_lock(
     assert stored is not None
     assert (
         stored["available_at"] == lease.lease_until == clock.now() + timedelta(seconds=VISIBILITY)
+    )
+    # The head carries the same lease: its token, stamped until the lock's lease ends.
+    head = await message(db, lease.seq)
+    assert head is not None
+    assert (head["token"], head["stamp_until"], head["deliveries"]) == (
+        lease.token,
+        lease.lease_until,
+        1,
     )

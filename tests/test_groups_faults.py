@@ -14,8 +14,8 @@ import anyio
 import pytest
 from pymongo.errors import AutoReconnect, NetworkTimeout
 
-from mongoq import AsyncGroupTransport, GroupLease, GroupRunSummary, PermanentError
-from mongoq.testing import FaultInjector, ManualClock, instrument
+from mongoq import AsyncGroupTransport, GroupLease, GroupRunSummary, NewMessage, PermanentError
+from mongoq.testing import FaultInjector, ManualClock, Operation, instrument, settle
 from tests.group_helpers import (
     EPOCH,
     VISIBILITY,
@@ -126,7 +126,13 @@ async def test_a_stale_holder_after_takeover_gets_false_and_changes_nothing(
     assert await snapshot(db) == before
     # The new holder is untouched and settles normally.
     assert await transport.ack(new)
-    assert (await lock(db, "g") or {})["token"] is None
+    if stage == "next-head":  # g1 was the last message: B's ack dropped the drained group
+        await assert_empty(db)
+    else:  # g1 waits: the group is released
+        assert list(await messages(db)) == [2]
+        released = await lock(db, "g")
+        assert released is not None
+        assert (released["available_at"], released["token"]) == (clock.now(), None)
 
 
 @pytest.mark.parametrize("call", list(STALE_CALLS))
@@ -147,6 +153,66 @@ async def test_a_holder_that_released_with_nack_can_no_longer_settle(
     assert await snapshot(db) == before
     again = await claim_one(transport, "B", group="g", event="g0")
     assert again.deliveries == 2
+
+
+@pytest.mark.parametrize("extended", [False, True], ids=["holder-in-lease", "holder-extended"])
+async def test_a_claimer_stalled_past_its_lease_cannot_restamp_the_new_holders_head(
+    db: Any, transport: AsyncGroupTransport, clock: ManualClock, faults: FaultInjector,
+    extended: bool,
+) -> None:  # fmt: skip
+    """A leases the group, then stalls before stamping the head, past the end of its lease. B
+    takes the group over and stamps the head. When A's stamp finally runs it finds the head
+    held by B's live lease: it changes nothing, A gets nothing, B keeps the group. With
+    `extended`, B renewed its lease (and the head's stamp) and A wakes up after B's original
+    lease end: the renewed stamp still keeps A out."""
+    await transport.publish("g", "g0")
+    await transport.publish("g", "g1")
+    pause = faults.pause_before("find_one_and_update", collection="mq_messages")
+    claimed: list[GroupLease | None] = []
+
+    async def stalled_claimer() -> None:
+        claimed.append(await transport.claim("A"))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(stalled_claimer)
+        await wait_for(pause.reached.is_set, "A's head stamp")
+        leased = await lock(db, "g")
+        assert leased is not None and leased["token"].startswith("A:")
+        assert (await message(db, 1) or {})["token"] is None  # A has not stamped yet
+        clock.advance(VISIBILITY)  # A's lease ends
+        taken = await claim_one(transport, "B", group="g", event="g0")
+        stamp_until = taken.lease_until
+        if extended:
+            clock.advance(VISIBILITY - 1)
+            assert await transport.extend(taken)
+            stamp_until = later(clock, VISIBILITY)
+            clock.advance(2)  # past B's original lease end, within the renewed one
+            assert clock.now() > taken.lease_until
+        else:
+            clock.advance(VISIBILITY - 1)  # B's lease is still live
+        head = await message(db, 1)
+        assert head is not None
+        assert (head["token"], head["stamp_until"], head["deliveries"]) == (
+            taken.token,
+            stamp_until,
+            1,
+        )
+        before = await snapshot(db)
+        pause.release()
+
+    assert claimed == [None]
+    # A's stamp matched the head but changed nothing: B's token, stamp and delivery count stay.
+    assert await snapshot(db) == before
+    held = await lock(db, "g")
+    assert held is not None
+    assert (held["token"], held["available_at"]) == (taken.token, stamp_until)
+    assert await transport.claim("C") is None
+    assert await transport.ack(taken)
+    assert list(await messages(db)) == [2]
+    nxt = await claim_one(transport, "A", group="g", event="g1")
+    assert nxt.deliveries == 1
+    assert await transport.ack(nxt)
+    await assert_empty(db)
 
 
 # ---------------------------------------------------------------------- faults on commands
@@ -253,6 +319,7 @@ async def test_a_claim_that_failed_on_any_command_is_recoverable(
         assert stored["token"] is not None and stored["token"].startswith("A:")
         assert head["deliveries"] == stamped
         assert head["token"] == (stored["token"] if stamped else None)
+        assert head["stamp_until"] == (stored["available_at"] if stamped else None)
         assert await transport.claim("B") is None
         clock.advance(VISIBILITY - 0.001)
         assert await transport.claim("B") is None
@@ -310,6 +377,51 @@ async def test_an_ack_that_failed_on_any_command_is_recoverable(
     await assert_empty(db)
 
 
+DROP_COMMANDS = [("mq_messages", "delete_one"), ("mq_locks", "delete_one")]
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize(("collection", "name"), DROP_COMMANDS)
+async def test_an_ack_that_drops_its_drained_group_and_failed_on_any_command_is_recoverable(
+    db: Any,
+    transport: AsyncGroupTransport,
+    clock: ManualClock,
+    faults: FaultInjector,
+    collection: str,
+    name: str,
+    when: str,
+) -> None:
+    await transport.publish("g", "g0")
+    lease = await claim_one(transport, "A", group="g", event="g0")
+    before = await snapshot(db)
+    clock.advance(1)
+    inject = faults.fail_before if when == "before" else faults.fail_after
+    inject(name, collection=collection)
+
+    with pytest.raises(AutoReconnect if when == "before" else NetworkTimeout):
+        await transport.ack(lease)
+
+    removed = not (collection == "mq_messages" and when == "before")
+    dropped = collection == "mq_locks" and when == "after"
+    if not removed:
+        assert await snapshot(db) == before
+    assert list(await messages(db)) == ([] if removed else [1])
+    stored = await lock(db, "g")
+    if dropped:
+        assert stored is None
+        await assert_empty(db)
+        return
+    # The lock stays A's until its lease ends; then a claim redelivers the head or, if it
+    # was removed, finds the group empty and drops it.
+    assert stored is not None
+    assert (stored["available_at"], stored["token"]) == (lease.lease_until, lease.token)
+    assert await transport.claim("B") is None
+    delivered = await recover(transport, clock)
+
+    assert [(x.event, x.deliveries) for x in delivered] == [("g0", 2)] * (not removed)
+    await assert_empty(db)
+
+
 # --------------------------------------------------------------------------------- orphans
 
 
@@ -339,6 +451,7 @@ async def test_a_publisher_that_dies_before_readying_leaves_an_orphan_the_sweep_
         "priority": 3,
         "parked": False,
         "version": 1,
+        "last_seq": 2,
     }
     assert await transport.recover_orphans() == 0
     delivered = await drain(transport, clock)
@@ -365,6 +478,72 @@ async def test_run_readies_orphans_when_idle(
     assert (await lock(db, "n") or {})["available_at"] == EPOCH
     second = await transport.run(handler, stop_when_empty=True)
     assert (second.claimed, second.acked, handled) == (1, 1, ["n0"])
+    await assert_empty(db)
+
+
+async def test_an_unreadied_message_keeps_its_in_flight_group_from_being_dropped(
+    db: Any, transport: AsyncGroupTransport, clock: ManualClock, faults: FaultInjector
+) -> None:
+    """A publisher dies between writing g1 and readying "g" while "g" is in flight. The
+    holder, busy for two minutes (renewing), then acks g0, the last message the group was
+    readied with. Dropping the lock now would orphan g1 long after it was published, behind the
+    sweep's window; the ack's check before the drop sees g1 and releases the group instead."""
+    await transport.publish("g", "g0")
+    lease = await claim_one(transport, "A", group="g", event="g0")
+    assert lease.was_last
+    assert await transport.recover_orphans() == 0  # the sweep's first run
+    faults.fail_before("update_one", collection="mq_locks")
+    with pytest.raises(AutoReconnect):
+        await transport.publish("g", "g1")  # the publisher dies here
+    for _ in range(4):  # the handler runs on, its lease renewed; the sweep runs meanwhile
+        for _ in range(2):
+            clock.advance(VISIBILITY / 2)
+            assert await transport.extend(lease)
+        assert await transport.recover_orphans() == 0  # g1's group has a lock: no orphan
+    assert await transport.ack(lease)
+    stored = await lock(db, "g")
+    assert stored is not None and (stored["available_at"], stored["token"]) == (clock.now(), None)
+    assert (stored["version"], stored["last_seq"]) == (1, 1)  # g1 never readied it
+    assert await group_messages(db) == {"g": ["g1"]}
+    delivered = await drain(transport, clock)
+    assert [(x.group_id, x.event) for x in delivered] == [("g", "g1")]
+    await assert_empty(db)
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["publish", "publish_many"])
+async def test_a_publish_cancelled_between_its_insert_and_its_ready_still_readies_the_group(
+    db: Any, transport: AsyncGroupTransport, clock: ManualClock, faults: FaultInjector,
+    batch: bool,
+) -> None:  # fmt: skip
+    """A caller's timeout cancels the publish after its message was written: the ready runs
+    anyway (shielded), so no orphan waits for the sweep."""
+    pause = faults.pause_before("bulk_write" if batch else "update_one", collection="mq_locks")
+    scope = anyio.CancelScope()
+
+    async def publisher() -> None:
+        with scope:
+            if batch:
+                await transport.publish_many([NewMessage("g", "g0"), NewMessage("h", "h0")])
+            else:
+                await transport.publish("g", "g0")
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(publisher)
+        await wait_for(pause.reached.is_set, "the publish to reach its ready")
+        assert await locks(db) == {}
+        scope.cancel()  # the caller gives up while the ready is pending
+        await settle()
+        assert await locks(db) == {}
+        pause.release()
+
+    assert scope.cancel_called
+    expected = {"g": ["g0"], "h": ["h0"]} if batch else {"g": ["g0"]}
+    assert await group_messages(db) == expected
+    stored = await locks(db)
+    assert {g: (doc["available_at"], doc["token"]) for g, doc in stored.items()} == {
+        g: (EPOCH, None) for g in expected
+    }
+    assert by_group(await drain(transport, clock)) == expected
     await assert_empty(db)
 
 
@@ -494,6 +673,102 @@ async def test_dead_letter_moves_the_head_at_once_and_releases_the_group(
     (letter,) = await transport.dead_letters(group_id="g")
     assert letter.error is not None and "bad input" in letter.error
     await claim_one(transport, "B", group="g", event="g1")
+
+
+#: where a burial can stop after its commit point (the mark), and how
+BURIAL_STOPS = {
+    "mark-reply-lost": ("after", "mq_messages", "find_one_and_update"),
+    "before-copy": ("before", "mq_dead", "replace_one"),
+    "copy-reply-lost": ("after", "mq_dead", "replace_one"),
+    "before-delete": ("before", "mq_messages", "delete_one"),
+}
+
+
+def _is_burial_step(op: Operation) -> bool:
+    """A burial's mark filters on ``dead: None`` and its delete on ``dead: {$ne: None}``; the
+    head stamp (also a messages.find_one_and_update) does not filter on ``dead``."""
+    return isinstance(op.filter, dict) and "dead" in op.filter
+
+
+@pytest.mark.parametrize("followed", [True, False], ids=["more-messages", "last-message"])
+@pytest.mark.parametrize("stop", list(BURIAL_STOPS))
+@pytest.mark.parametrize("via", ["dead_letter", "max_deliveries"])
+async def test_a_dead_lettering_interrupted_after_the_mark_is_finished_by_the_next_claim(
+    db: Any, clock: ManualClock, faults: FaultInjector, via: str, stop: str, followed: bool
+) -> None:
+    """Once the head is marked, the move is decided: whatever step the burial stopped at, the
+    next claimer of the group finishes it. Exactly one dead letter, no live copy, and the group
+    goes on with its next message (or is dropped, if there is none)."""
+    max_deliveries = 1 if via == "max_deliveries" else None
+    transport = await new_transport(instrument(db, faults), clock, max_deliveries=max_deliveries)
+    await transport.publish("g", "g0", priority=2)
+    if followed:
+        await transport.publish("g", "g1", priority=2)
+    first = await claim_one(transport, "A", group="g", event="g0")
+    when, collection, name = BURIAL_STOPS[stop]
+    inject = faults.fail_before if when == "before" else faults.fail_after
+    match = _is_burial_step if collection == "mq_messages" else None
+    if via == "dead_letter":
+        clock.advance(1)
+        marked_at = clock.now()
+        error = "bad g0"
+        inject(name, collection=collection, match=match)
+        with pytest.raises(AutoReconnect if when == "before" else NetworkTimeout):
+            await transport.dead_letter(first, error)
+        holder_token, held_until, delivered = first.token, first.lease_until, 1
+    else:  # A died; B's claim finds the head over the limit and buries it
+        clock.advance(VISIBILITY)
+        marked_at = clock.now()
+        error = "not acked after 1 deliveries"
+        inject(name, collection=collection, match=match)
+        with pytest.raises(AutoReconnect if when == "before" else NetworkTimeout):
+            await transport.claim("B")
+        holder_token = (await lock(db, "g") or {})["token"]
+        assert holder_token.startswith("B:")
+        held_until, delivered = later(clock, VISIBILITY), 2
+    assert len(faults.triggered) == 1
+
+    # Stopped after the mark: the head is still there, marked, held by the burier's lease.
+    head = await message(db, 1)
+    assert head is not None
+    assert head["dead"] == {"error": error, "at": marked_at}
+    assert (head["token"], head["stamp_until"], head["deliveries"]) == (
+        holder_token,
+        held_until,
+        delivered,
+    )
+    copied = stop in ("copy-reply-lost", "before-delete")
+    assert list(await dead(db)) == ([1] if copied else [])
+    held = await lock(db, "g")
+    assert held is not None
+    assert (held["token"], held["available_at"]) == (holder_token, held_until)
+    assert await transport.claim("C") is None  # still held: nobody finishes it early
+    clock.set(held_until)
+
+    nxt = await transport.claim("C")
+
+    assert list(await messages(db)) == ([2] if followed else [])
+    (letter,) = (await dead(db)).values()
+    assert (letter["_id"], letter["group_id"], letter["event"], letter["priority"]) == (
+        1,
+        "g",
+        "g0",
+        2,
+    )
+    assert (letter["error"], letter["dead_at"]) == (error, marked_at)
+    # The finishing claim stamped the head before it saw the mark: its stamp is counted, as
+    # the over-the-limit claim's is.
+    assert letter["deliveries"] == delivered + 1
+    if followed:
+        assert nxt is not None
+        assert (nxt.seq, nxt.event, nxt.deliveries) == (2, "g1", 1)
+        assert await transport.ack(nxt)
+    else:
+        assert nxt is None  # the group was found empty after the burial, and dropped
+    await assert_empty(db)
+    assert list(await dead(db)) == [1]
+    (listed,) = await transport.dead_letters(group_id="g")
+    assert (listed.seq, listed.error, listed.dead_at) == (1, error, marked_at)
 
 
 # -------------------------------------------------------------------------------------- run

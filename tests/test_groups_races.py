@@ -14,10 +14,12 @@ from typing import Any
 
 import anyio
 import pytest
+from pymongo.errors import AutoReconnect
 
 from mongoq import AsyncGroupTransport, GroupLease, GroupRunSummary, NewMessage
 from mongoq.testing import FaultInjector, Interleaving, ManualClock, all_interleavings, instrument
 from tests.group_helpers import (
+    EPOCH,
     VISIBILITY,
     Bookkeeping,
     assert_empty,
@@ -31,6 +33,7 @@ from tests.group_helpers import (
     new_transport,
     snapshot,
 )
+from tests.helpers import later
 
 Actors = dict[str, Callable[[], Awaitable[Any]]]
 Trace = list[tuple[str, str, str]]
@@ -93,36 +96,170 @@ async def deliver_the_rest(
 # ------------------------------------------------- a publish racing the drain of its group
 
 
-async def test_a_publish_racing_the_ack_that_drains_its_group_is_never_stranded(
-    db: Any, clock: ManualClock
+PUBLISHES: dict[str, Callable[[AsyncGroupTransport], Awaitable[Any]]] = {
+    "publish": lambda transport: transport.publish("g", "g1"),
+    "publish_many": lambda transport: transport.publish_many([NewMessage("g", "g1")]),
+}
+
+
+@pytest.mark.parametrize("publish", list(PUBLISHES))
+async def test_a_publish_racing_the_ack_that_drops_its_drained_group_is_never_stranded(
+    db: Any, clock: ManualClock, publish: str
 ) -> None:
+    """A holds g0, the group's last message: its ack deletes the head, checks that no other
+    message of the group is there, and drops the lock (fenced on version and last_seq). A
+    publish (allocate, insert, ready) races with it. If the insert lands before the check, the
+    ack releases the group; if the ready lands between the check and the drop, the drop fails
+    and the ack releases the group (a fourth command); if the drop lands first, the ready
+    re-creates the lock. Either way g1 has a lock and is claimable at once. A has up to 4
+    commands, so every order is run."""
+
     async def setup(transport: AsyncGroupTransport) -> Actors:
         await transport.publish("g", "g0")
         lease = await claim_one(transport, "A", group="g")
-        return {"A": lambda: transport.ack(lease), "P": lambda: transport.publish("g", "g1")}
+        assert lease.was_last
+        return {"A": lambda: transport.ack(lease), "P": lambda: PUBLISHES[publish](transport)}
 
     async def check(transport: AsyncGroupTransport, results: dict[str, Any], trace: Trace) -> str:
-        assert results == {"A": True, "P": 2}
+        assert results == {"A": True, "P": 2 if publish == "publish" else [2]}
         assert await group_messages(db, transport.prefix) == {"g": ["g1"]}
         stored = await lock(db, "g", transport.prefix)
         assert stored is not None and stored["token"] is None  # claimable now
-        assert stored["available_at"] <= clock.now()
+        path = commands_of(trace, "A")
+        insert = trace.index(("P", f"{transport.prefix}_messages", PUBLISH_INSERT[publish]))
+        look = trace.index(("A", f"{transport.prefix}_messages", "find_one"))
+        if path == ["messages.delete_one", "messages.find_one", "locks.update_one"]:
+            # The check saw g1: no drop, the group is released.
+            assert insert < look
+            outcome = "seen by the check, released"
+        elif path == ["messages.delete_one", "messages.find_one", "locks.delete_one"]:
+            # Dropped before the ready: the publish made a new lock, as for a new group.
+            assert (stored["available_at"], stored["version"], stored["last_seq"]) == (EPOCH, 1, 2)
+            outcome = "dropped, re-created by the publish"
+        else:
+            assert path == [
+                "messages.delete_one",
+                "messages.find_one",
+                "locks.delete_one",
+                "locks.update_one",
+            ]
+            # The ready bumped version first: the drop matched nothing; released instead.
+            ready = trace.index(("P", f"{transport.prefix}_locks", PUBLISH_READY[publish]))
+            drop = trace.index(("A", f"{transport.prefix}_locks", "delete_one"))
+            assert look < insert < ready < drop
+            assert (stored["available_at"], stored["version"], stored["last_seq"]) == (
+                clock.now(),
+                2,
+                2,
+            )
+            outcome = "drop refused, released"
         await deliver_the_rest(db, transport, clock, ["g1"])
-        release = trace.index(("A", f"{transport.prefix}_locks", "update_one"))
-        ready = trace.index(("P", f"{transport.prefix}_locks", "update_one"))
-        return "released before the publish readied" if release < ready else "readied first"
+        return outcome
 
-    outcomes = await race(db, clock, {"A": 2, "P": 3}, setup, check)
-    assert outcomes == {"released before the publish readied": 6, "readied first": 4}
+    outcomes = await race(db, clock, {"A": 4, "P": 3}, setup, check)
+    # Of the 35 orders: the insert before the check in 13 (no drop); the insert and the ready
+    # both between the check and the drop in 3 (the allocation before, between or after A's
+    # first two commands: drop refused); the drop before the ready in the other 19.
+    assert outcomes == {
+        "seen by the check, released": 13,
+        "drop refused, released": 3,
+        "dropped, re-created by the publish": 19,
+    }
 
 
-async def test_a_publish_racing_the_claim_that_finds_its_group_empty_is_never_stranded(
+#: the command by which each kind of publish writes its message
+PUBLISH_INSERT = {"publish": "insert_one", "publish_many": "insert_many"}
+
+
+#: the command by which each kind of publish readies its group
+PUBLISH_READY = {"publish": "update_one", "publish_many": "bulk_write"}
+
+
+async def test_a_publish_racing_the_claim_and_ack_of_its_groups_last_message_is_never_stranded(
     db: Any, clock: ManualClock
 ) -> None:
+    """The claim decides whether its head is the group's last message (`was_last`) from the
+    lock it leased; a publish racing with the whole claim + ack must still never be stranded,
+    whether it readied the group before the lease (not last: released), between the lease and
+    the drop (drop refused: released), or after the drop (lock re-created)."""
+
     async def setup(transport: AsyncGroupTransport) -> Actors:
         await transport.publish("g", "g0")
-        lease = await claim_one(transport, "A", group="g")
-        assert await transport.ack(lease)  # "g" is empty; its lock stays until a claim drops it
+
+        async def claim_then_ack() -> GroupLease:
+            lease = await claim_one(transport, "A", group="g", event="g0")
+            assert await transport.ack(lease)
+            return lease
+
+        return {"A": claim_then_ack, "P": lambda: transport.publish("g", "g1")}
+
+    async def check(transport: AsyncGroupTransport, results: dict[str, Any], trace: Trace) -> str:
+        lease: GroupLease = results["A"]
+        assert results["P"] == 2
+        assert (lease.seq, lease.deliveries) == (1, 1)
+        assert await group_messages(db, transport.prefix) == {"g": ["g1"]}
+        stored = await lock(db, "g", transport.prefix)
+        assert stored is not None and stored["token"] is None
+        assert stored["available_at"] <= clock.now()
+        path = commands_of(trace, "A")[2:]  # the ack's commands
+        ready = trace.index(("P", f"{transport.prefix}_locks", "update_one"))
+        leased = trace.index(("A", f"{transport.prefix}_locks", "find_one_and_update"))
+        assert lease.was_last == (ready > leased)
+        if not lease.was_last:
+            assert path == ["messages.delete_one", "locks.update_one"]
+            outcome = "not the last: released"
+        elif path == ["messages.delete_one", "messages.find_one", "locks.update_one"]:
+            outcome = "seen by the check, released"
+        elif path == ["messages.delete_one", "messages.find_one", "locks.delete_one"]:
+            assert stored["available_at"] == EPOCH
+            outcome = "dropped, re-created by the publish"
+        else:
+            assert path == [
+                "messages.delete_one",
+                "messages.find_one",
+                "locks.delete_one",
+                "locks.update_one",
+            ]
+            outcome = "drop refused, released"
+        await deliver_the_rest(db, transport, clock, ["g1"])
+        return outcome
+
+    outcomes = await race(db, clock, {"A": 6, "P": 3}, setup, check)
+    # Of the 84 orders: the ready before A's lease in 1 (the head is not the last); the insert
+    # and the ready between A's check and its drop in 5 (the allocation anywhere before them:
+    # drop refused); the insert before the check in 49; the drop before the ready in 29.
+    assert outcomes == {
+        "not the last: released": 1,
+        "drop refused, released": 5,
+        "seen by the check, released": 49,
+        "dropped, re-created by the publish": 29,
+    }
+
+
+@pytest.mark.parametrize("left_by", ["dead_letter", "interrupted-ack"])
+async def test_a_publish_racing_the_claim_that_finds_its_group_empty_is_never_stranded(
+    db: Any, clock: ManualClock, left_by: str
+) -> None:
+    """A drained group keeps its lock when its last message was dead-lettered (dead_letter
+    releases, it does not drop) or when the ack died between deleting the head and dropping
+    the lock: the next claim finds it empty and drops it, fenced on version, while a publish
+    races with it."""
+
+    async def setup(transport: AsyncGroupTransport) -> Actors:
+        await transport.publish("g", "g0")
+        if left_by == "dead_letter":
+            lease = await claim_one(transport, "A", group="g")
+            assert await transport.dead_letter(lease, "bad")
+        else:
+            faults = FaultInjector()
+            crashing = await new_transport(instrument(db, faults), clock, prefix=transport.prefix)
+            lease = await claim_one(crashing, "A", group="g")
+            faults.fail_before("delete_one", collection=f"{transport.prefix}_locks")
+            with pytest.raises(AutoReconnect):
+                await crashing.ack(lease)
+            clock.advance(VISIBILITY)  # A's lease ends
+        assert await group_messages(db, transport.prefix) == {}
+        assert await lock(db, "g", transport.prefix) is not None
         return {"C": lambda: transport.claim("C"), "P": lambda: transport.publish("g", "g1")}
 
     async def check(transport: AsyncGroupTransport, results: dict[str, Any], trace: Trace) -> str:
@@ -135,7 +272,7 @@ async def test_a_publish_racing_the_claim_that_finds_its_group_empty_is_never_st
                             "locks.delete_one", "locks.find_one_and_update"]  # fmt: skip
             stored = await lock(db, "g", transport.prefix)
             assert stored is not None and stored["token"] is None
-            assert stored["available_at"] <= clock.now()
+            assert (stored["available_at"], stored["version"]) == (EPOCH, 1)
             await deliver_the_rest(db, transport, clock, ["g1"])
             return "dropped, then readied by the publish"
         assert (claimed.group_id, claimed.event, claimed.deliveries) == ("g", "g1", 1)
@@ -151,12 +288,11 @@ async def test_a_publish_racing_the_claim_that_finds_its_group_empty_is_never_st
         return "claimed at once"
 
     outcomes = await race(db, clock, {"C": 4, "P": 3}, setup, check)
-    assert sum(outcomes.values()) == 35
-    assert set(outcomes) == {
-        "dropped, then readied by the publish",
-        "drop refused (version moved), released, claimed again",
-        "dropped, re-created by the publish, claimed again",
-        "claimed at once",
+    assert outcomes == {
+        "dropped, then readied by the publish": 12,
+        "drop refused (version moved), released, claimed again": 3,
+        "dropped, re-created by the publish, claimed again": 7,
+        "claimed at once": 13,
     }
 
 
@@ -296,6 +432,12 @@ STALE_SETTLES: dict[str, Callable[[AsyncGroupTransport, GroupLease], Awaitable[b
 }
 
 
+#: the most commands each stale settle and B's claim can take: A's dead_letter marks, copies,
+#: deletes and releases; a claim that finds the head marked finishes the burial (copy, delete)
+#: and stamps the next head. Every order of those is run.
+STALE_COUNTS = {"dead_letter": {"A": 4, "B": 5}}
+
+
 @pytest.mark.parametrize("call", list(STALE_SETTLES))
 async def test_an_expired_holder_racing_the_takeover_leaves_one_owner_of_the_head(
     db: Any, clock: ManualClock, call: str
@@ -318,28 +460,72 @@ async def test_an_expired_holder_racing_the_takeover_leaves_one_owner_of_the_hea
         settled: bool = results["A"]
         taken: GroupLease | None = results["B"]
         head = await message(db, 1, transport.prefix)
+        letters = await transport.dead_letters()
         if taken is None:  # only a renewal before the claim keeps B out
             assert settled and call == "extend"
             assert (await lock(db, "g", transport.prefix) or {})["token"].startswith("A:")
+            assert head is not None and head["token"].startswith("A:")
+            assert head["stamp_until"] == later(clock, VISIBILITY)
             return "A renewed first and kept it"
+        # Whoever B got, B alone holds it: the lock and the head carry B's lease.
+        assert (await lock(db, "g", transport.prefix) or {})["token"] == taken.token
+        current = await message(db, taken.seq, transport.prefix)
+        assert current is not None
+        assert (current["token"], current["stamp_until"]) == (taken.token, taken.lease_until)
         if settled and call in ("ack", "dead_letter"):
             assert head is None
             assert (taken.event, taken.deliveries) == ("g1", 1)
+            # A's burial happened exactly once, whether A or B's claim finished it.
+            assert [letter.seq for letter in letters] == ([1] if call == "dead_letter" else [])
             return "A settled first"
+        assert letters == []
         if settled:  # nack(0) released the group first: B takes the same head
             assert call == "nack-error"
             assert (taken.event, taken.deliveries) == ("g0", 2)
             return "A released first"
         assert (taken.event, taken.deliveries) == ("g0", 2)
         assert head is not None
-        assert (head["token"], head["last_error"]) == (taken.token, None)
-        assert (await lock(db, "g", transport.prefix) or {})["token"] == taken.token
-        assert await transport.dead_letters() == []
+        assert (head["token"], head["last_error"], head["dead"]) == (taken.token, None, None)
         return "A refused"
 
-    outcomes = await race(db, clock, {"A": 4, "B": 2}, setup, check)
-    assert sum(outcomes.values()) == 15
+    counts = STALE_COUNTS.get(call, {"A": 4, "B": 2})
+    outcomes = await race(db, clock, counts, setup, check)
+    assert sum(outcomes.values()) == (126 if call == "dead_letter" else 15)
     assert "A refused" in outcomes
+
+
+async def test_a_claim_racing_a_nack_without_delay_leaves_the_group_claimable_at_once(
+    db: Any, clock: ManualClock
+) -> None:
+    """nack(0) releases the lock, then clears the head's token and stamp. A claim that leases
+    the released lock in between finds the head still stamped by A's live lease. Whatever
+    the order, the head must be claimable at once afterwards (the group is not parked for a
+    visibility behind a lease that holds nothing): C got it, or a claim right after does."""
+
+    async def setup(transport: AsyncGroupTransport) -> Actors:
+        await transport.publish("g", "g0")
+        lease = await claim_one(transport, "A", group="g")
+        return {"A": lambda: transport.nack(lease), "C": lambda: transport.claim("C")}
+
+    async def check(transport: AsyncGroupTransport, results: dict[str, Any], trace: Trace) -> str:
+        assert results["A"] is True  # A held the group: C cannot lease it before the release
+        claimed: GroupLease | None = results["C"]
+        outcome = "C got it" if claimed is not None else "C found nothing"
+        if claimed is None:
+            claimed = await transport.claim("D")  # same instant: no lease to wait out
+            stored = await lock(db, "g", transport.prefix)
+            assert claimed is not None, f"g0 unclaimable, its group held by {stored}"
+        assert (claimed.event, claimed.deliveries) == ("g0", 2)
+        head = await message(db, 1, transport.prefix)
+        assert head is not None
+        assert (head["token"], head["stamp_until"]) == (claimed.token, claimed.lease_until)
+        assert await transport.ack(claimed)
+        await assert_empty(db, transport.prefix)
+        return outcome
+
+    outcomes = await race(db, clock, {"A": 2, "C": 3}, setup, check)
+    assert sum(outcomes.values()) == 10
+    assert set(outcomes) == {"C got it", "C found nothing"}
 
 
 # ------------------------------------------------------------ many workers over many groups

@@ -1,0 +1,212 @@
+"""The generated blocking facade, `mongoq_sync`.
+
+The shared scenarios (tests/scenarios.py) run through the async core and through the facade and
+must reach the same database states; the rest covers what only the facade has: the generator,
+blocking handlers in worker threads, use from many threads, the portal's edges (its own thread,
+Ctrl-C, fork).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import mongoq_sync
+from mongoq import MongoqError, _driver
+from mongoq._portal import Portal
+from mongoq.testing import ManualClock, settle
+from tests.conftest import TEST_URI
+from tests.scenarios import SCENARIOS, AsyncEnv, Env, SyncEnv
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+async def sync_db(db: Any) -> AsyncIterator[mongoq_sync.Database]:
+    """A blocking database on the same backend as the `db` fixture (the embedded one: fresh)."""
+    backend = _driver.backend_of(db)
+    if backend is _driver.Backend.MEMORY:
+        database = mongoq_sync.connect()
+        yield database
+        await anyio.to_thread.run_sync(database.close)
+        return
+    name = f"mongoq_sync_test_{uuid.uuid4().hex[:10]}"
+    database = mongoq_sync.connect(TEST_URI, name, driver=backend.value)
+    yield database
+    await anyio.to_thread.run_sync(
+        database.call, lambda: database.async_database.client.drop_database(name)
+    )
+    await anyio.to_thread.run_sync(database.close)
+
+
+@pytest.fixture
+def blocking_db() -> Iterator[mongoq_sync.Database]:
+    """A blocking database for tests that are plain (blocking) functions themselves."""
+    with mongoq_sync.connect(TEST_URI, f"mongoq_sync_test_{uuid.uuid4().hex[:10]}") as database:
+        yield database
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.__name__ for s in SCENARIOS])
+@pytest.mark.parametrize("facade", ["async", "sync"])
+async def test_scenario(
+    scenario: Any, facade: str, db: Any, sync_db: mongoq_sync.Database, clock: ManualClock
+) -> None:
+    env: Env = AsyncEnv(db, clock) if facade == "async" else SyncEnv(sync_db, clock)
+    await scenario(env)
+
+
+def test_the_generated_facade_is_current() -> None:
+    result = subprocess.run(
+        [sys.executable, "tools/gen_sync.py", "--check"],
+        cwd=ROOT, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_facade_mirrors_every_public_method() -> None:
+    import inspect
+
+    from mongoq import AsyncGroupTransport, AsyncTaskQueue
+
+    for async_class, sync_class in (
+        (AsyncTaskQueue, mongoq_sync.TaskQueue),
+        (AsyncGroupTransport, mongoq_sync.GroupTransport),
+    ):
+        for name, member in vars(async_class).items():
+            if name.startswith("_") or not inspect.isfunction(member):
+                continue
+            mirrored = getattr(sync_class, name)
+            assert not inspect.iscoroutinefunction(mirrored), name
+            assert inspect.getdoc(mirrored) == inspect.getdoc(member), name
+            assert list(inspect.signature(mirrored).parameters) == list(
+                inspect.signature(member).parameters
+            ), name
+
+
+def test_a_blocking_handler_longer_than_the_lease_keeps_it(
+    blocking_db: mongoq_sync.Database,
+) -> None:
+    clock = ManualClock()
+    queue = mongoq_sync.TaskQueue(blocking_db, "tasks", clock=clock, lease_ttl=30)
+    queue.ensure_indexes()
+    queue.put("slow")
+    started, release = threading.Event(), threading.Event()
+
+    def handler(task: Any) -> str:
+        started.set()
+        assert release.wait(30), "the test never released the handler"
+        return "finished"
+
+    outcome: dict[str, Any] = {}
+    worker = threading.Thread(
+        target=lambda: outcome.update(summary=queue.run(handler, stop_when_empty=True))
+    )
+    worker.start()
+    try:
+        assert started.wait(30)
+        first_end = queue.get("slow").lease_until
+        for _ in range(6):  # 66 s of clock time: more than twice the lease
+            clock.advance(11)
+            blocking_db.call(settle)
+        task = queue.get("slow")
+        assert task.status == "processing" and task.lease_until > first_end
+        assert queue.claim("intruder") is None
+    finally:
+        release.set()
+        worker.join(30)
+    assert outcome["summary"].completed == 1
+    done = queue.get("slow")
+    assert (done.status, done.result, done.attempts) == ("done", "finished", 1)
+
+
+def test_one_facade_object_used_from_many_threads(blocking_db: mongoq_sync.Database) -> None:
+    queue = mongoq_sync.TaskQueue(blocking_db, "tasks", clock=ManualClock())
+    queue.ensure_indexes()
+    completions: list[Any] = []
+    errors: list[BaseException] = []
+
+    def work(worker: int) -> None:
+        try:
+            for number in range(25):
+                queue.put(f"t{worker}-{number}")
+            while (task := queue.claim(f"w{worker}")) is not None:
+                if queue.complete(task, worker):
+                    completions.append(task.id)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors
+    assert sorted(completions) == sorted(f"t{w}-{n}" for w in range(8) for n in range(25))
+    stats = queue.stats()
+    assert stats.counts["done"] == 200 and stats.counts["processing"] == 0
+
+
+def test_calling_the_facade_from_its_own_loop_raises(blocking_db: mongoq_sync.Database) -> None:
+    queue = mongoq_sync.TaskQueue(blocking_db, "tasks", clock=ManualClock())
+    with pytest.raises(MongoqError, match="its own event loop thread"):
+        blocking_db.call(queue.stats)
+    assert queue.stats().counts["pending"] == 0  # still usable afterwards
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals")
+def test_ctrl_c_cancels_the_blocking_call() -> None:
+    portal = Portal()
+    running, cleaned_up = threading.Event(), threading.Event()
+
+    async def forever() -> None:
+        running.set()
+        try:
+            await anyio.sleep_forever()
+        finally:
+            cleaned_up.set()
+
+    def interrupt() -> None:
+        running.wait(30)
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+    # Python's own Ctrl-C behaviour (an event loop of an earlier test may have left its own).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    threading.Thread(target=interrupt).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            portal.call(forever)
+        assert cleaned_up.is_set(), "the interrupted operation was not cancelled"
+        assert portal.call(lambda: 42) == 42  # the portal survives
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        portal.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_gets_a_fresh_portal(blocking_db: mongoq_sync.Database) -> None:
+    queue = mongoq_sync.TaskQueue(blocking_db, "tasks", clock=ManualClock())
+    queue.ensure_indexes()
+    queue.put("parent")
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's portal thread does not exist here
+        status = 1
+        try:
+            queue.ensure_indexes()
+            queue.put("child")
+            task = queue.get("child")
+            status = 0 if task is not None and task.status == "pending" else 2
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert queue.get("parent") is not None  # the parent's facade still works
