@@ -1,7 +1,8 @@
 """Run the benchmarks: ``python -m benchmarks [--uri URI] [--tasks N] [--backlogs ...] [--json]``.
 
 Prints one line per scenario as it finishes (throughput and server commands per item) and, with
-``--json``, a JSON document instead. The embedded backend is the default.
+``--json``, a JSON document instead. The embedded backend is the default. ``--only peer`` runs
+the side by side with mongo-taskqueue (the ``bench`` extra), also part of the default run.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ import sys
 from collections.abc import Awaitable
 from typing import Any, cast
 
-from benchmarks import groups, sync_facade, tasks
+from benchmarks import groups, peer, sync_facade, tasks
 from benchmarks.harness import Result
+from benchmarks.peer import Ratio, Skipped
 from benchmarks.sync_facade import Overhead
+
+Outcome = Result | Overhead | Ratio | Skipped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,10 +35,12 @@ def main(argv: list[str] | None = None) -> int:
         "--groups", type=int, nargs="*", default=[10, 100, 1000, 5000],
         help="group counts for the group claim-cost scenario",
     )  # fmt: skip
-    parser.add_argument("--only", choices=["tasks", "groups", "sync"], help="run one family")
+    parser.add_argument(
+        "--only", choices=["tasks", "groups", "sync", "peer"], help="run one family"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of lines")
     args = parser.parse_args(argv)
-    results: list[Result | Overhead] = []
+    results: list[Outcome] = []
     runs = []
     if args.only in (None, "tasks"):
         runs += tasks.scenarios(args.tasks, args.backlogs)
@@ -42,13 +48,17 @@ def main(argv: list[str] | None = None) -> int:
         runs += groups.scenarios(args.tasks, args.groups)
     if args.only in (None, "sync") and not args.uri:
         runs += sync_facade.scenarios()
+    if args.only in (None, "peer"):
+        runs += peer.scenarios(args.tasks)
     for label, run in runs:
         if not args.json:
             print(f"... {label}", file=sys.stderr, flush=True)
-        result = asyncio.run(cast(Awaitable[Result | Overhead], run(args.uri)))
-        results.append(result)
-        if not args.json:
-            print(result.line(), flush=True)
+        # A scenario returns one result, or several (the side by side: each run and the ratios).
+        outcome = asyncio.run(cast(Awaitable[Outcome | list[Outcome]], run(args.uri)))
+        for result in outcome if isinstance(outcome, list) else [outcome]:
+            results.append(result)
+            if not args.json:
+                print(result.line(), flush=True)
     if args.json:
         document: dict[str, Any] = {
             "machine": f"{platform.machine()} {platform.python_implementation()} "

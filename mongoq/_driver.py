@@ -121,9 +121,12 @@ async def find_list(
     sort: Sequence[tuple[str, int]] | None = None,
     limit: int = 0,
     projection: Mapping[str, Any] | None = None,
+    hint: str | None = None,
 ) -> list[dict[str, Any]]:
     """Run a find and read all of it; `limit=0` means no limit."""
     cursor = collection.find(filter, projection, sort=sort, limit=limit)
+    if hint is not None:  # chained: mongomock's `find` rejects a `hint` argument
+        cursor = cursor.hint(hint)
     return list(await cursor.to_list(None))
 
 

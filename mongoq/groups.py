@@ -26,8 +26,9 @@ Queries and the indexes that serve them:
   ranges merged in ``available_at`` order, so the floor never scans lower groups;
 - a group's head: messages ``{group_id}`` sorted by ``_id`` -> ``group_head``
   ``{group_id: 1, _id: 1}`` (hinted); ack / nack / extend / dead-lettering: by ``_id``;
-- stats: ``claim`` for the lock counts, ``_id`` for the oldest message, collection metadata for
-  the totals; dead letters by group -> ``group`` ``{group_id: 1, _id: 1}`` on ``{prefix}_dead``;
+- stats: ``claim`` for the ready and waiting counts, ``parked`` ``{parked: 1, available_at: 1}``
+  for the parked count, ``_id`` for the oldest message, collection metadata for the totals;
+  dead letters by group -> ``group`` ``{group_id: 1, _id: 1}`` on ``{prefix}_dead``;
 - `recover_orphans`: messages by ``published_at`` in a sliding window -> ``published``
   ``{published_at: 1}``.
 
@@ -62,13 +63,13 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import anyio
-from pymongo import ReturnDocument
+from pymongo import DeleteOne, ReturnDocument
 
 from mongoq import _driver
 from mongoq._validation import check_id, check_int, check_name, check_payload, check_seconds
@@ -91,6 +92,8 @@ log = logging.getLogger("mongoq.groups")
 NEVER_CLAIMED = datetime(1970, 1, 1, tzinfo=UTC)
 PRIORITIES = (0, 4)
 ALL_PRIORITIES = range(PRIORITIES[0], PRIORITIES[1] + 1)
+#: The largest batch a batched call takes.
+MAX_BATCH = 1000
 CLAIM_INDEX = "claim"
 HEAD_INDEX = "group_head"
 SEQ_COUNTER = "seq"
@@ -206,6 +209,7 @@ class AsyncGroupTransport(WorkerHost):
     async def ensure_indexes(self) -> None:
         """Create the indexes every query needs; idempotent."""
         await self.locks.create_index([("priority", 1), ("available_at", 1)], name=CLAIM_INDEX)
+        await self.locks.create_index([("parked", 1), ("available_at", 1)], name="parked")
         await self.messages.create_index([("group_id", 1), ("_id", 1)], name=HEAD_INDEX)
         await self.messages.create_index([("published_at", 1)], name="published")
         await self.dead.create_index([("group_id", 1), ("_id", 1)], name="group")
@@ -335,12 +339,16 @@ class AsyncGroupTransport(WorkerHost):
         worker = self._worker(worker_id)
         check_int("min_priority", min_priority, low=PRIORITIES[0], high=PRIORITIES[1])
         floor = list(ALL_PRIORITIES)[min_priority:]
+        refused: list[GroupId] = []  # groups whose head another live lease holds
         while True:
             now = await self._now()
             token = f"{worker}:{uuid.uuid4().hex}"
             lease_until = now + timedelta(seconds=self.visibility)
+            due: dict[str, Any] = {"priority": {"$in": floor}, "available_at": {"$lte": now}}
+            if refused:
+                due["_id"] = {"$nin": refused}
             lock = await self.locks.find_one_and_update(
-                {"priority": {"$in": floor}, "available_at": {"$lte": now}},
+                due,
                 {"$set": {"token": token, "available_at": lease_until, "parked": False}},
                 sort=[("available_at", 1)],
                 hint=CLAIM_INDEX,
@@ -351,8 +359,10 @@ class AsyncGroupTransport(WorkerHost):
             head = await self._take_head(lock["_id"], token, now, lease_until)
             if head is _REFUSED:
                 # Another lease holds the head: ours is stale, or the holder is between the two
-                # writes of a nack. Give our lease back (a no-op if it is stale) and move on.
+                # writes of a nack. Give our lease back (a no-op if it is stale) and move on to
+                # other groups; this call does not come back to it (no spinning on it).
                 await self._release(lock["_id"], token, now)
+                refused.append(lock["_id"])
                 continue
             if head is None:
                 await self._drop_if_empty(lock["_id"], token, lock.get("version"), now)
@@ -369,6 +379,185 @@ class AsyncGroupTransport(WorkerHost):
                 group_version=lock.get("version"),
                 was_last=head["_id"] == lock.get("last_seq"),
             )
+
+    async def claim_many(
+        self, n: int, worker_id: str | None = None, *, min_priority: int = 0
+    ) -> list[GroupLease]:
+        """Lease up to `n` distinct due groups with their heads, in a fixed number of commands.
+
+        Reads the `n` groups that waited longest, leases those still due with one conditional
+        ``update_many`` under a fresh token, reads back what it leased, reads their heads in one
+        aggregation, and stamps them with one conditional ``update_many`` (the same stamp fence
+        as `claim`): five commands for any `n`. Groups leased by someone else in between are
+        not returned; a group whose head cannot be stamped, is empty, or must go to the dead
+        letters is settled the way `claim` would and released or dropped (a few more commands,
+        for those groups only).
+        """
+        check_int("n", n, low=1, high=MAX_BATCH)
+        worker = self._worker(worker_id)
+        check_int("min_priority", min_priority, low=PRIORITIES[0], high=PRIORITIES[1])
+        now = await self._now()
+        due: dict[str, Any] = {
+            "priority": {"$in": list(ALL_PRIORITIES)[min_priority:]},
+            "available_at": {"$lte": now},
+        }
+        candidates = await _driver.find_list(
+            self.locks, due, sort=[("available_at", 1)], limit=n, projection={"_id": 1},
+            hint=CLAIM_INDEX,
+        )  # fmt: skip
+        if not candidates:
+            return []
+        order = [doc["_id"] for doc in candidates]
+        token = f"{worker}:{uuid.uuid4().hex}"
+        lease_until = now + timedelta(seconds=self.visibility)
+        leased = await self.locks.update_many(
+            {"_id": {"$in": order}, **due},
+            {"$set": {"token": token, "available_at": lease_until, "parked": False}},
+        )
+        if not leased.modified_count:
+            return []
+        locks = {
+            doc["_id"]: doc
+            for doc in await _driver.find_list(self.locks, {"_id": {"$in": order}, "token": token})
+        }
+        heads = {
+            row["_id"]: row["head"]
+            for row in await _driver.aggregate_list(
+                self.messages,
+                [
+                    {"$match": {"group_id": {"$in": list(locks)}}},
+                    {"$sort": {"group_id": 1, "_id": 1}},
+                    {"$group": {"_id": "$group_id", "head": {"$first": "$$ROOT"}}},
+                ],
+            )
+        }
+        free = [
+            head["_id"]
+            for head in heads.values()
+            if head.get("dead") is None
+            and (
+                head.get("token") is None or (_utc(head.get("stamp_until")) or NEVER_CLAIMED) <= now
+            )
+        ]
+        if free:
+            stamped = await self.messages.update_many(
+                {
+                    "_id": {"$in": free},
+                    "dead": None,
+                    "$or": [{"token": None}, {"stamp_until": {"$lte": now}}],
+                },
+                {"$set": {"token": token, "stamp_until": lease_until}, "$inc": {"deliveries": 1}},
+            )
+            if stamped.modified_count != len(free):  # raced: ask which ones are ours
+                ours = await _driver.find_list(
+                    self.messages, {"_id": {"$in": free}, "token": token}, projection={"_id": 1}
+                )
+                free = [doc["_id"] for doc in ours]
+        stamped_ids = set(free)
+        leases: list[GroupLease] = []
+        for group_id in order:
+            lock = locks.get(group_id)
+            if lock is None:
+                continue  # leased by someone else in between
+            head = heads.get(group_id)
+            if head is None:
+                await self._drop_if_empty(group_id, token, lock.get("version"), now)
+                continue
+            if head["_id"] not in stamped_ids:
+                if head.get("dead") is not None:  # someone's burial stopped midway: finish it
+                    await self._finish_burial(head)
+                # Held by another live stamp, or changed since it was read: give it back.
+                await self._release(group_id, token, now)
+                continue
+            deliveries = int(head.get("deliveries", 0)) + 1
+            if self.max_deliveries is not None and deliveries > self.max_deliveries:
+                error = (
+                    head.get("last_error") or f"not acked after {self.max_deliveries} deliveries"
+                )
+                await self._bury(head["_id"], token, now, error)
+                await self._release(group_id, token, now)
+                continue
+            leases.append(
+                GroupLease(
+                    seq=head["_id"],
+                    group_id=group_id,
+                    event=head.get("event"),
+                    token=token,
+                    worker_id=worker,
+                    deliveries=deliveries,
+                    priority=int(lock.get("priority", 0)),
+                    lease_until=lease_until,
+                    group_version=lock.get("version"),
+                    was_last=head["_id"] == lock.get("last_seq"),
+                )
+            )
+        return leases
+
+    async def ack_many(self, leases: Sequence[GroupLease]) -> list[bool]:
+        """`ack` for many leases in a fixed number of commands; returns, per lease, whether its
+        ack took effect (False, and nothing changed, for a lease no longer held).
+
+        Reads which heads still carry their lease's token, deletes those, checks which of the
+        groups whose last message they were have nothing left, drops those (fenced like `ack`)
+        and releases the others: five commands for any number of leases.
+        """
+        leases = list(leases)
+        for lease in leases:
+            self._check_lease(lease)
+        if not leases:
+            return []
+        held = await _driver.find_list(
+            self.messages,
+            {"$or": [{"_id": lease.seq, "token": lease.token} for lease in leases]},
+            projection={"_id": 1},
+        )
+        ours: set[int] = {doc["_id"] for doc in held}
+        acked = [lease for lease in leases if lease.seq in ours]
+        if not acked:
+            return [False] * len(leases)
+
+        # Only this lease's holder can remove a head stamped with its token.
+        removed = await self.messages.delete_many(
+            {"$or": [{"_id": lease.seq, "token": lease.token} for lease in acked]}
+        )
+        if removed.deleted_count != len(acked):
+            # A lease expired between the read and the delete and its head was restamped: those
+            # heads are still there, under another token. (One also acked by its new holder in
+            # that instant is gone either way and counts as acked here.)
+            left = await _driver.find_list(
+                self.messages,
+                {"_id": {"$in": [lease.seq for lease in acked]}},
+                projection={"_id": 1},
+            )
+            ours -= {doc["_id"] for doc in left}
+            acked = [lease for lease in acked if lease.seq in ours]
+        now = await self._now()
+        last = [lease for lease in acked if lease.was_last]
+        if last:
+            remaining = set(
+                await self.messages.distinct(
+                    "group_id", {"group_id": {"$in": [lease.group_id for lease in last]}}
+                )
+            )
+            drops = [
+                DeleteOne(
+                    {
+                        "_id": lease.group_id,
+                        "token": lease.token,
+                        "version": lease.group_version,
+                        "last_seq": lease.seq,
+                    }
+                )
+                for lease in last
+                if lease.group_id not in remaining
+            ]
+            if drops:
+                await self.locks.bulk_write(drops, ordered=False)
+        await self.locks.update_many(  # the dropped locks are gone: this releases the rest
+            {"$or": [{"_id": lease.group_id, "token": lease.token} for lease in acked]},
+            {"$set": {"available_at": now, "token": None, "parked": False}},
+        )
+        return [lease.seq in ours for lease in leases]
 
     async def _take_head(
         self, group_id: GroupId, token: str, now: datetime, lease_until: datetime
@@ -462,6 +651,17 @@ class AsyncGroupTransport(WorkerHost):
             upsert=True,
         )
         await self.messages.delete_one({"_id": head["_id"], "dead": {"$ne": None}})
+
+    async def _unclaim(self, lease: GroupLease) -> bool:
+        """Give back a lease whose head never reached the handler: the group is claimable at
+        once and the delivery the claim counted is taken back."""
+        if not await self._release(lease.group_id, lease.token, await self._now()):
+            return False
+        await self.messages.update_one(
+            {"_id": lease.seq, "token": lease.token},
+            {"$set": {"token": None, "stamp_until": None}, "$inc": {"deliveries": -1}},
+        )
+        return True
 
     async def _release(self, group_id: GroupId, token: str, now: datetime) -> bool:
         """Give the group back, claimable now behind the groups already waiting (round-robin);
@@ -560,6 +760,35 @@ class AsyncGroupTransport(WorkerHost):
             {"_id": lease.seq, "token": lease.token}, {"$set": {"stamp_until": until}}
         )
         return True
+
+    async def extend_many(
+        self, leases: Sequence[GroupLease], visibility: float | None = None
+    ) -> int:
+        """`extend` for many leases: the locks, a read of which are still held, and the stamps
+        of those heads (three commands). Returns how many are still held."""
+        leases = list(leases)
+        for lease in leases:
+            self._check_lease(lease)
+        seconds = self.visibility if visibility is None else check_seconds(
+            "visibility", visibility, positive=True
+        )  # fmt: skip
+        if not leases:
+            return 0
+        now = await self._now()
+        until = now + timedelta(seconds=seconds)
+        fences = {"$or": [{"_id": lease.group_id, "token": lease.token} for lease in leases]}
+        await self.locks.update_many(fences, {"$set": {"available_at": until, "parked": False}})
+        held = {
+            (doc["_id"], doc["token"])
+            for doc in await _driver.find_list(self.locks, fences, projection={"token": 1})
+        }
+        mine = [lease for lease in leases if (lease.group_id, lease.token) in held]
+        if mine:  # as in `extend`: a head is restamped only under a lock still held
+            await self.messages.update_many(
+                {"$or": [{"_id": lease.seq, "token": lease.token} for lease in mine]},
+                {"$set": {"stamp_until": until}},
+            )
+        return len(mine)
 
     async def dead_letter(self, lease: GroupLease, error: BaseException | str | None) -> bool:
         """Move the head to the dead letters now and release the group (a permanent failure).
@@ -679,10 +908,13 @@ class AsyncGroupTransport(WorkerHost):
         """Groups ready / in flight / parked, messages, dead letters, oldest message age
         (six commands; the message and dead-letter totals come from collection metadata)."""
         now = await self._now()
-        ready = await self.locks.count_documents({"available_at": {"$lte": now}})
-        later = {"available_at": {"$gt": now}}
-        parked = await self.locks.count_documents({**later, "parked": True})
-        in_flight = await self.locks.count_documents({**later, "parked": False})
+        every = {"$in": list(ALL_PRIORITIES)}  # so the counts walk the `claim` index
+        ready = await self.locks.count_documents({"priority": every, "available_at": {"$lte": now}})
+        waiting = await self.locks.count_documents(
+            {"priority": every, "available_at": {"$gt": now}}
+        )
+        parked = await self.locks.count_documents({"parked": True, "available_at": {"$gt": now}})
+        in_flight = waiting - parked
         messages = await self.messages.estimated_document_count()
         dead = await self.dead.estimated_document_count()
         oldest = await _driver.find_list(
@@ -704,74 +936,101 @@ class AsyncGroupTransport(WorkerHost):
         stop_when_empty: bool = False,
         poll_interval: float = 1.0,
         retry_delay: float = 1.0,
+        batch_size: int = 1,
         handle_signals: bool = False,
     ) -> GroupRunSummary:
         """Claim groups and process their heads with `handler` until stopped.
 
         The lease is extended every ``visibility / 3`` while the handler runs. A clean return
-        acks; `PermanentError` dead-letters the head; any other exception (cancellation
-        included) nacks with `retry_delay` and records the error. When idle the loop readies
-        orphaned groups every ``visibility`` (and when idle). `stop()` stops gracefully.
+        acks; `PermanentError` dead-letters the head; any other exception nacks with
+        `retry_delay` and records the error; a cancellation nacks without an error. Orphaned
+        groups are readied every ``visibility`` (and when idle). `stop()` stops gracefully.
+
+        With `batch_size` > 1 each slot leases up to that many groups at once (`claim_many`),
+        runs their heads one after another under one renewal (`extend_many`), and acks the
+        successful ones together (`ack_many`): a few commands per batch instead of four per
+        message.
         """
         check_int("concurrency", concurrency, low=1)
         check_int("min_priority", min_priority, low=PRIORITIES[0], high=PRIORITIES[1])
+        check_int("batch_size", batch_size, low=1, high=MAX_BATCH)
         poll = check_seconds("poll_interval", poll_interval, positive=True)
         retry = check_seconds("retry_delay", retry_delay)
         worker = self._worker(worker_id)
         summary = GroupRunSummary()
 
-        async def claim() -> GroupLease | None:
-            lease = await self.claim(worker, min_priority=min_priority)
-            if lease is not None:
-                summary.claimed += 1
-            return lease
+        async def claim() -> list[GroupLease] | None:
+            if batch_size == 1:
+                lease = await self.claim(worker, min_priority=min_priority)
+                leases = [] if lease is None else [lease]
+            else:
+                leases = await self.claim_many(batch_size, worker, min_priority=min_priority)
+            summary.claimed += len(leases)
+            return leases or None
 
-        async def process(lease: GroupLease) -> None:
-            settled = False
+        async def renew(leases: list[GroupLease]) -> bool | None:
+            if not leases:
+                return None
+            if len(leases) == 1:
+                return await self.extend(leases[0])
+            return await self.extend_many(leases) > 0
 
-            async def renew() -> bool | None:
-                return None if settled else await self.extend(lease)
+        async def ack(leases: list[GroupLease]) -> list[bool]:
+            return [await self.ack(leases[0])] if len(leases) == 1 else await self.ack_many(leases)
 
+        def count(outcome: str, n: int = 1) -> None:
+            setattr(summary, outcome, getattr(summary, outcome) + n)
+
+        async def process(leases: list[GroupLease]) -> None:
+            unsettled = list(leases)  # held by this slot: renewals cover them
+            handled: list[GroupLease] = []
             interval = self.visibility / 3
             keepalive = KeepAlive(
                 clock=self.clock,
                 interval=interval,
-                renew=renew,
-                first_at=lease.lease_until - timedelta(seconds=2 * interval),
-                name=f"group {lease.group_id!r}",
+                renew=lambda: renew(unsettled),
+                first_at=leases[0].lease_until - timedelta(seconds=2 * interval),
+                name=f"{len(leases)} group(s)",
             )
-            handled = False
-            failure: BaseException | None = None
+            current: GroupLease | None = None
             try:
                 async with keepalive:
-                    await handler(lease)
-                    handled = True  # a cancellation arriving after this still acks
-            except BaseException as exc:
-                failure = exc
-            settled = True
-            outcome = "unknown"
-            # Shielded, so a cancelled worker still settles what it holds; bounded, so a dead
-            # server cannot hold the shutdown for longer than the lease would have lasted.
-            with anyio.move_on_after(self.visibility, shield=True):
-                try:
-                    if keepalive.lost:
-                        outcome = "lost"
-                    elif handled:
-                        outcome = "acked" if await self.ack(lease) else "lost"
-                    elif isinstance(failure, PermanentError):
-                        outcome = "dead" if await self.dead_letter(lease, failure) else "lost"
-                    else:  # a failure, or a cancellation (not the message's fault: no error)
-                        error = failure if isinstance(failure, Exception) else None
-                        held = await self.nack(lease, retry, error=error)
-                        outcome = "retried" if held else "lost"
-                except _driver.DRIVER_ERRORS:
-                    log.warning("settling group %r failed; its lease will expire",
-                                lease.group_id, exc_info=True)  # fmt: skip
-            setattr(summary, outcome, getattr(summary, outcome) + 1)
-            if failure is not None and not isinstance(failure, Exception):
-                raise failure  # cancellation and interpreter exits go on up
+                    for current in leases:
+                        try:
+                            await handler(current)
+                        except PermanentError as exc:
+                            unsettled.remove(current)
+                            count("dead" if await self.dead_letter(current, exc) else "lost")
+                        except Exception as exc:
+                            unsettled.remove(current)
+                            held = await self.nack(current, retry, error=exc)
+                            count("retried" if held else "lost")
+                        else:
+                            handled.append(current)  # a cancellation after this still acks
+                    current = None
+            finally:
+                # Shielded, so a cancelled worker still settles what it holds; bounded, so a
+                # dead server cannot hold the shutdown longer than the lease would have lasted.
+                with anyio.move_on_after(self.visibility, shield=True):
+                    try:
+                        if handled:
+                            acked = await ack(handled)
+                            count("acked", sum(acked))
+                            count("lost", len(acked) - sum(acked))
+                            for lease in handled:
+                                unsettled.remove(lease)
+                        for lease in list(unsettled):
+                            unsettled.remove(lease)
+                            if lease is current:  # cut short: that delivery counts
+                                count("retried" if await self.nack(lease, retry) else "lost")
+                            else:  # never handed to the handler: not a delivery
+                                count("retried" if await self._unclaim(lease) else "lost")
+                    except _driver.DRIVER_ERRORS:
+                        count("unknown", len(unsettled))
+                        log.warning("settling %d group(s) failed; their leases will expire",
+                                    len(unsettled), exc_info=True)  # fmt: skip
 
-        loop: WorkerLoop[GroupLease] = WorkerLoop(
+        loop: WorkerLoop[list[GroupLease]] = WorkerLoop(
             claim=claim,
             process=process,
             clock=self.clock,

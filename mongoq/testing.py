@@ -179,6 +179,10 @@ _COMMANDS = frozenset(
 )  # fmt: skip
 
 
+#: cursor methods that return the cursor: recorded, then applied when the command runs
+_CURSOR_CHAIN = frozenset({"batch_size", "hint", "limit", "skip", "sort"})
+
+
 class InstrumentedDatabase:
     """A database whose collection commands pass through hooks; see `instrument`."""
 
@@ -259,6 +263,17 @@ class _InstrumentedCursor:
         self._open = open
         self._args = args
         self._kwargs = kwargs
+        self._chain: list[tuple[str, tuple[Any, ...]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in _CURSOR_CHAIN:
+            raise AttributeError(name)
+
+        def chain(*args: Any) -> _InstrumentedCursor:
+            self._chain.append((name, args))
+            return self
+
+        return chain
 
     def __await__(self) -> Any:  # PyMongo async awaits `aggregate(...)` for its cursor
         async def itself() -> _InstrumentedCursor:
@@ -271,6 +286,8 @@ class _InstrumentedCursor:
             cursor = self._open(*args, **kwargs)
             if hasattr(cursor, "__await__"):
                 cursor = await cursor
+            for method, chained in self._chain:
+                cursor = getattr(cursor, method)(*chained)
             return list(await cursor.to_list(length))
 
         return list(

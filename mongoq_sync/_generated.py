@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 from mongoq._portal import Database, Facade, in_worker_thread
@@ -118,6 +118,30 @@ class TaskQueue(Facade):
         """
         return cast("Task | None", self._call("claim", worker_id))
 
+    def claim_many(self, n: int, worker_id: str | None = None) -> list[Task]:
+        """Claim up to `n` due tasks in three commands, in claim order.
+
+        Reads the `n` most urgent candidates (the claim's index range), claims those still
+        claimable with one conditional ``update_many`` stamped with a fresh token, and reads
+        back what that token took: a candidate another worker claimed in between is simply not
+        returned. Each task is then held exactly as if `claim` had returned it.
+        """
+        return cast("list[Task]", self._call("claim_many", n, worker_id))
+
+    def complete_many(
+        self, tasks: Sequence[Task], results: Sequence[Any] | None = None
+    ) -> list[bool]:
+        """`complete` for many tasks: one bulk write, plus one read when some did not take
+        effect (to tell which) and one write for those whose revision changed. Returns, per
+        task, whether it is now done by this call; a task no longer held is left unchanged
+        (one whose revision changed goes back to pending, as with `complete`).
+        """
+        return cast("list[bool]", self._call("complete_many", tasks, results))
+
+    def heartbeat_many(self, tasks: Sequence[Task]) -> int:
+        """Extend the leases of `tasks` (one command); returns how many are still held."""
+        return cast("int", self._call("heartbeat_many", tasks))
+
     def heartbeat(self, task: Task) -> bool:
         """Extend the lease by `lease_ttl` from now; False when the task is no longer held."""
         return cast("bool", self._call("heartbeat", task))
@@ -201,6 +225,7 @@ class TaskQueue(Facade):
         stop_when_empty: bool = False,
         poll_interval: float = 1.0,
         worker_id: str | None = None,
+        batch_size: int = 1,
         handle_signals: bool = False,
     ) -> RunSummary:
         """Claim and process tasks with `handler` until stopped.
@@ -212,6 +237,11 @@ class TaskQueue(Facade):
         `stop_when_empty` returns. `stop()` (or, with
         `handle_signals`, SIGTERM/SIGINT) stops gracefully: in-flight tasks finish; cancelling
         the call (or a second signal) releases them for retry.
+
+        With `batch_size` > 1 each slot claims up to that many tasks at once (`claim_many`),
+        runs them one after another under one heartbeat (`heartbeat_many`), and completes the
+        successful ones together (`complete_many`): a few commands per batch instead of three
+        per task, for short tasks whose latency matters less than throughput.
         """
         return cast(
             "RunSummary",
@@ -222,6 +252,7 @@ class TaskQueue(Facade):
                 stop_when_empty=stop_when_empty,
                 poll_interval=poll_interval,
                 worker_id=worker_id,
+                batch_size=batch_size,
                 handle_signals=handle_signals,
             ),
         )
@@ -362,6 +393,33 @@ class GroupTransport(Facade):
         """
         return cast("GroupLease | None", self._call("claim", worker_id, min_priority=min_priority))
 
+    def claim_many(
+        self, n: int, worker_id: str | None = None, *, min_priority: int = 0
+    ) -> list[GroupLease]:
+        """Lease up to `n` distinct due groups with their heads, in a fixed number of commands.
+
+        Reads the `n` groups that waited longest, leases those still due with one conditional
+        ``update_many`` under a fresh token, reads back what it leased, reads their heads in one
+        aggregation, and stamps them with one conditional ``update_many`` (the same stamp fence
+        as `claim`): five commands for any `n`. Groups leased by someone else in between are
+        not returned; a group whose head cannot be stamped, is empty, or must go to the dead
+        letters is settled the way `claim` would and released or dropped (a few more commands,
+        for those groups only).
+        """
+        return cast(
+            "list[GroupLease]", self._call("claim_many", n, worker_id, min_priority=min_priority)
+        )
+
+    def ack_many(self, leases: Sequence[GroupLease]) -> list[bool]:
+        """`ack` for many leases in a fixed number of commands; returns, per lease, whether its
+        ack took effect (False, and nothing changed, for a lease no longer held).
+
+        Reads which heads still carry their lease's token, deletes those, checks which of the
+        groups whose last message they were have nothing left, drops those (fenced like `ack`)
+        and releases the others: five commands for any number of leases.
+        """
+        return cast("list[bool]", self._call("ack_many", leases))
+
     def ack(self, lease: GroupLease) -> bool:
         """Remove the head and release the group (round-robin: behind the groups waiting), or
         drop the group if the head was its last message and nothing was published since.
@@ -385,6 +443,12 @@ class GroupTransport(Facade):
         the head's stamp with it. False if no longer held.
         """
         return cast("bool", self._call("extend", lease, visibility))
+
+    def extend_many(self, leases: Sequence[GroupLease], visibility: float | None = None) -> int:
+        """`extend` for many leases: the locks, a read of which are still held, and the stamps
+        of those heads (three commands). Returns how many are still held.
+        """
+        return cast("int", self._call("extend_many", leases, visibility))
 
     def dead_letter(self, lease: GroupLease, error: BaseException | str | None) -> bool:
         """Move the head to the dead letters now and release the group (a permanent failure).
@@ -437,14 +501,20 @@ class GroupTransport(Facade):
         stop_when_empty: bool = False,
         poll_interval: float = 1.0,
         retry_delay: float = 1.0,
+        batch_size: int = 1,
         handle_signals: bool = False,
     ) -> GroupRunSummary:
         """Claim groups and process their heads with `handler` until stopped.
 
         The lease is extended every ``visibility / 3`` while the handler runs. A clean return
-        acks; `PermanentError` dead-letters the head; any other exception (cancellation
-        included) nacks with `retry_delay` and records the error. When idle the loop readies
-        orphaned groups every ``visibility`` (and when idle). `stop()` stops gracefully.
+        acks; `PermanentError` dead-letters the head; any other exception nacks with
+        `retry_delay` and records the error; a cancellation nacks without an error. Orphaned
+        groups are readied every ``visibility`` (and when idle). `stop()` stops gracefully.
+
+        With `batch_size` > 1 each slot leases up to that many groups at once (`claim_many`),
+        runs their heads one after another under one renewal (`extend_many`), and acks the
+        successful ones together (`ack_many`): a few commands per batch instead of four per
+        message.
         """
         return cast(
             "GroupRunSummary",
@@ -457,6 +527,7 @@ class GroupTransport(Facade):
                 stop_when_empty=stop_when_empty,
                 poll_interval=poll_interval,
                 retry_delay=retry_delay,
+                batch_size=batch_size,
                 handle_signals=handle_signals,
             ),
         )

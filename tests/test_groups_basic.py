@@ -665,9 +665,10 @@ async def test_ensure_indexes_creates_the_claim_head_and_dead_indexes_idempotent
     await transport.ensure_indexes()
 
     lock_indexes = await db["mq_locks"].index_information()
-    assert set(lock_indexes) == {"_id_", "claim"}
+    assert set(lock_indexes) == {"_id_", "claim", "parked"}
     # Priority first: the floor's `$in` becomes at most five ranges walked in available_at order.
     assert list(lock_indexes["claim"]["key"]) == [("priority", 1), ("available_at", 1)]
+    assert list(lock_indexes["parked"]["key"]) == [("parked", 1), ("available_at", 1)]
     message_indexes = await db["mq_messages"].index_information()
     assert set(message_indexes) == {"_id_", "group_head", "published"}
     assert list(message_indexes["group_head"]["key"]) == [("group_id", 1), ("_id", 1)]

@@ -273,7 +273,7 @@ async def test_concurrent_run_slots_never_process_one_task_twice_at_once(
         attempts = 2 if task_id in flaky else 1
         assert (doc["status"], doc["attempts"]) == ("done", attempts), task_id
         assert doc["result"] == {"attempt": attempts}
-        assert doc["lease_token"] is None
+        assert doc["lease_until"] is None
 
 
 # ------------------------------------------------------------------------- faults on commands

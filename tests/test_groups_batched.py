@@ -1,0 +1,1249 @@
+"""AsyncGroupTransport's batched forms: `claim_many`, `ack_many`, `extend_many` and
+`run(..., batch_size=N)`.
+
+The batched forms must cost a fixed number of commands whatever the batch size and keep every
+guarantee of the single forms: the groups that waited longest first, per-group FIFO and
+round-robin, one holder per group under every interleaving of two claimers' commands, settles
+fenced on the lease (a batch that lost some groups acks only the ones it holds and says
+which), max_deliveries, the version-fenced drop of empty groups racing a publish, and recovery
+after a command failed before it applied or applied with its reply lost. Assertions read the
+stored documents.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+from pymongo.errors import AutoReconnect, NetworkTimeout
+
+from mongoq import AsyncGroupTransport, GroupLease, GroupRunSummary, NewMessage, PermanentError
+from mongoq.testing import (
+    CommandCounter,
+    FaultInjector,
+    Interleaving,
+    ManualClock,
+    Operation,
+    all_interleavings,
+    instrument,
+)
+from tests.group_helpers import (
+    EPOCH,
+    PREFIX,
+    VISIBILITY,
+    Bookkeeping,
+    assert_empty,
+    by_group,
+    claim_one,
+    dead,
+    first_occurrences,
+    group_messages,
+    lock,
+    locks,
+    message,
+    messages,
+    new_transport,
+    snapshot,
+)
+from tests.helpers import later, wait_for
+
+Actors = dict[str, Callable[[], Awaitable[Any]]]
+Trace = list[tuple[str, str, str]]
+
+
+def groups_of(leases: list[GroupLease]) -> list[Any]:
+    return [lease.group_id for lease in leases]
+
+
+async def publish_groups(
+    transport: AsyncGroupTransport, groups: list[str], per_group: int
+) -> dict[str, list[str]]:
+    """`per_group` messages for each group, published round by round in one batch; the events
+    of each group in FIFO order."""
+    published: dict[str, list[str]] = {group: [] for group in groups}
+    batch = []
+    for n in range(per_group):
+        for group in groups:
+            published[group].append(f"{group}.{n}")
+            batch.append(NewMessage(group, f"{group}.{n}"))
+    await transport.publish_many(batch)
+    return published
+
+
+async def due_groups(db: Any, clock: ManualClock, prefix: str = PREFIX) -> list[Any]:
+    return [
+        group
+        for group, doc in (await locks(db, prefix)).items()
+        if doc["available_at"] <= clock.now()
+    ]
+
+
+async def drain_batched(
+    db: Any,
+    transport: AsyncGroupTransport,
+    clock: ManualClock,
+    n: int = 10,
+    worker: str = "rescuer",
+) -> list[GroupLease]:
+    """Claim and ack in batches, a millisecond apart, until no group is due; every ack must
+    take effect. A round may return nothing while groups are still due (a group found empty,
+    a head dead-lettered): the drain goes on until none is."""
+    delivered: list[GroupLease] = []
+    for _ in range(100):
+        leases = await transport.claim_many(n, worker)
+        if leases:
+            delivered.extend(leases)
+            clock.advance(0.001)
+            assert await transport.ack_many(leases) == [True] * len(leases)
+        elif not await due_groups(db, clock, transport.prefix):
+            return delivered
+        clock.advance(0.001)
+    stuck = await locks(db, transport.prefix)
+    heads = await messages(db, transport.prefix)
+    raise AssertionError(f"the drain did not end: groups {stuck}, heads {heads}")
+
+
+async def assert_holds(db: Any, lease: GroupLease, prefix: str = PREFIX) -> None:
+    """The group is leased by `lease` and its head stamped with the lease's token."""
+    stored = await lock(db, lease.group_id, prefix)
+    assert stored is not None
+    assert (stored["token"], stored["available_at"], stored["parked"]) == (
+        lease.token,
+        lease.lease_until,
+        False,
+    )
+    head = await message(db, lease.seq, prefix)
+    assert head is not None
+    assert (head["group_id"], head["event"]) == (lease.group_id, lease.event)
+    assert (head["token"], head["stamp_until"]) == (lease.token, lease.lease_until)
+    assert head["deliveries"] == lease.deliveries
+
+
+# ---------------------------------------------------------------------------- command counts
+
+
+@pytest.mark.parametrize("n", [1, 5, 40])
+async def test_claim_many_costs_five_commands_whatever_n(
+    db: Any, clock: ManualClock, n: int
+) -> None:
+    counter = CommandCounter()
+    transport = await new_transport(instrument(db, counter), clock)
+    groups = [f"g{i:02}" for i in range(50)]
+    await publish_groups(transport, groups, 2)
+    clock.advance(1)
+    counter.reset()
+
+    leases = await transport.claim_many(n, "A")
+
+    assert counter.counts == {
+        "mq_locks.find": 2,
+        "mq_locks.update_many": 1,
+        "mq_messages.aggregate": 1,
+        "mq_messages.update_many": 1,
+    }
+    assert len(leases) == n
+    assert len(set(groups_of(leases))) == n
+    (token,) = {lease.token for lease in leases}
+    assert token.startswith("A:")
+    for lease in leases:
+        # Each group's first message (seqs are published round by round).
+        assert lease.event == f"{lease.group_id}.0"
+        assert lease.seq == groups.index(lease.group_id) + 1
+        assert (lease.deliveries, lease.worker_id, lease.was_last) == (1, "A", False)
+        assert lease.lease_until == later(clock, VISIBILITY)
+        await assert_holds(db, lease)
+    leased = set(groups_of(leases))
+    for group, doc in (await locks(db)).items():
+        if group not in leased:
+            assert (doc["token"], doc["available_at"]) == (None, EPOCH)
+    for seq, doc in (await messages(db)).items():
+        if seq not in {lease.seq for lease in leases}:
+            assert (doc["token"], doc["deliveries"]) == (None, 0)
+
+
+async def test_claim_many_with_nothing_due_costs_one_command_and_writes_nothing(
+    db: Any, clock: ManualClock
+) -> None:
+    counter = CommandCounter()
+    transport = await new_transport(instrument(db, counter), clock)
+    await transport.publish("g", "g0")
+    await claim_one(transport, "A", group="g")
+    before = await snapshot(db)
+    counter.reset()
+
+    assert await transport.claim_many(10, "B") == []
+
+    assert counter.counts == {"mq_locks.find": 1}
+    assert await snapshot(db) == before
+
+
+async def test_ack_many_costs_at_most_five_commands_and_three_when_no_group_drains(
+    db: Any, clock: ManualClock
+) -> None:
+    counter = CommandCounter()
+    transport = await new_transport(instrument(db, counter), clock)
+    pairs = [("a", "a0"), ("b", "b0"), ("c", "c0"), ("b", "b1"), ("d", "d0"), ("d", "d1")]
+    await transport.publish_many(NewMessage(group, event) for group, event in pairs)
+    leases = await transport.claim_many(10, "A")
+    assert sorted((lease.group_id, lease.was_last) for lease in leases) == [
+        ("a", True),
+        ("b", False),
+        ("c", True),
+        ("d", False),
+    ]
+    clock.advance(1)
+    counter.reset()
+
+    assert await transport.ack_many(leases) == [True] * 4
+
+    assert counter.counts == {
+        "mq_messages.find": 1,
+        "mq_messages.delete_many": 1,
+        "mq_messages.distinct": 1,
+        "mq_locks.bulk_write": 1,
+        "mq_locks.update_many": 1,
+    }
+    # a and c drained: their locks are dropped; b and d are released, claimable now.
+    assert await group_messages(db) == {"b": ["b1"], "d": ["d1"]}
+    stored = await locks(db)
+    assert sorted(stored) == ["b", "d"]
+    for doc in stored.values():
+        assert (doc["available_at"], doc["token"], doc["parked"]) == (clock.now(), None, False)
+
+    # b1 and d1 are their groups' last messages when claimed; then b2 and d2 are published.
+    leases = await transport.claim_many(10, "A")
+    assert sorted((lease.event, lease.was_last) for lease in leases) == [
+        ("b1", True),
+        ("d1", True),
+    ]
+    await transport.publish_many([NewMessage("b", "b2"), NewMessage("d", "d2")])
+    counter.reset()
+
+    assert await transport.ack_many(leases) == [True, True]
+
+    # The check finds b2 and d2: no drop is sent, the groups are released.
+    assert counter.counts == {
+        "mq_messages.find": 1,
+        "mq_messages.delete_many": 1,
+        "mq_messages.distinct": 1,
+        "mq_locks.update_many": 1,
+    }
+    assert await group_messages(db) == {"b": ["b2"], "d": ["d2"]}
+    assert sorted(await locks(db)) == ["b", "d"]
+
+
+async def test_ack_many_of_heads_that_are_not_the_last_costs_three_commands(
+    db: Any, clock: ManualClock
+) -> None:
+    counter = CommandCounter()
+    transport = await new_transport(instrument(db, counter), clock)
+    await publish_groups(transport, ["a", "b", "c"], 2)
+    leases = await transport.claim_many(10, "A")
+    counter.reset()
+
+    assert await transport.ack_many(leases) == [True] * 3
+
+    assert counter.counts == {
+        "mq_messages.find": 1,
+        "mq_messages.delete_many": 1,
+        "mq_locks.update_many": 1,
+    }
+    assert await group_messages(db) == {"a": ["a.1"], "b": ["b.1"], "c": ["c.1"]}
+
+
+async def test_empty_batches_cost_nothing(db: Any, clock: ManualClock) -> None:
+    counter = CommandCounter()
+    transport = await new_transport(instrument(db, counter), clock)
+    counter.reset()
+
+    assert await transport.ack_many([]) == []
+    assert await transport.extend_many([]) == 0
+
+    assert counter.total == 0
+
+
+async def test_a_batched_lifecycle_over_100_groups_costs_at_most_0_2_commands_per_message(
+    db: Any, clock: ManualClock
+) -> None:
+    counter = CommandCounter()
+    transport = await new_transport(instrument(db, counter), clock)
+    counter.reset()
+
+    await transport.publish_many(NewMessage(f"g{i:03}", i) for i in range(100))
+    leases = await transport.claim_many(100, "A")
+    acked = await transport.ack_many(leases)
+
+    assert acked == [True] * 100
+    assert sorted(lease.event for lease in leases) == list(range(100))
+    assert counter.total / 100 <= 0.2, counter.counts
+    assert counter.total == 13  # publish_many 3, claim_many 5, ack_many 5
+    await assert_empty(db)
+
+
+# ------------------------------------------------------------------------------------ order
+
+
+async def test_claim_many_takes_the_groups_that_waited_longest_with_their_heads(
+    db: Any, clock: ManualClock
+) -> None:
+    transport = await new_transport(db, clock)
+    groups = ["g0", "g1", "g2", "g3", "g4"]
+    await publish_groups(transport, groups, 3)
+    # Serve each group once, acking a second apart in this order: their waiting order.
+    served = ["g3", "g1", "g4", "g0", "g2"]
+    leases = await transport.claim_many(5, "A")
+    by_id = {lease.group_id: lease for lease in leases}
+    for group in served:
+        clock.advance(1)
+        assert await transport.ack_many([by_id[group]]) == [True]
+    clock.advance(1)
+    await transport.publish("new", "new.0")  # never claimed: it waited longest of all
+
+    first = await transport.claim_many(4, "B")
+    second = await transport.claim_many(4, "B")
+
+    assert groups_of(first) == ["new", "g3", "g1", "g4"]
+    assert [lease.event for lease in first] == ["new.0", "g3.1", "g1.1", "g4.1"]
+    assert groups_of(second) == ["g0", "g2"]
+    assert [lease.event for lease in second] == ["g0.1", "g2.1"]
+    for lease in first + second:
+        await assert_holds(db, lease)
+
+
+async def test_claim_many_respects_the_priority_floor(db: Any, clock: ManualClock) -> None:
+    transport = await new_transport(db, clock)
+    await transport.publish_many([NewMessage(f"p{p}", f"p{p}.0", priority=p) for p in range(5)])
+    before = await snapshot(db)
+
+    leases = await transport.claim_many(10, "A", min_priority=3)
+
+    assert sorted(groups_of(leases)) == ["p3", "p4"]
+    assert {lease.priority for lease in leases} == {3, 4}
+    after = await snapshot(db)
+    for group, seq in (("p0", 1), ("p1", 2), ("p2", 3)):
+        assert after["locks"][group] == before["locks"][group]
+        assert after["messages"][seq] == before["messages"][seq]
+
+
+async def test_repeated_claim_many_and_ack_many_keep_fifo_and_round_robin(
+    db: Any, clock: ManualClock
+) -> None:
+    """Four groups of three messages, batches of two: each round takes the two groups that
+    waited longest, so the rounds alternate between the two pairs, and each group's messages
+    come in publish order."""
+    transport = await new_transport(db, clock)
+    groups = ["a", "b", "c", "d"]
+    published = await publish_groups(transport, groups, 3)
+    rounds: list[list[GroupLease]] = []
+
+    while leases := await transport.claim_many(2, "w"):
+        rounds.append(leases)
+        clock.advance(1)
+        assert await transport.ack_many(leases) == [True] * len(leases)
+        clock.advance(1)
+
+    assert len(rounds) == 6
+    pairs = [frozenset(groups_of(leases)) for leases in rounds]
+    assert all(len(pair) == 2 for pair in pairs)
+    assert pairs[0] | pairs[1] == set(groups)
+    assert pairs == [pairs[0], pairs[1]] * 3
+    assert by_group([lease for leases in rounds for lease in leases]) == published
+    assert all(lease.deliveries == 1 for leases in rounds for lease in leases)
+    await assert_empty(db)
+
+
+async def test_a_group_published_between_rounds_goes_before_the_groups_served_again(
+    db: Any, clock: ManualClock
+) -> None:
+    transport = await new_transport(db, clock)
+    await publish_groups(transport, ["a", "b"], 2)
+    leases = await transport.claim_many(2, "w")
+    clock.advance(1)
+    assert await transport.ack_many(leases) == [True, True]
+    clock.advance(1)
+    await transport.publish("new", "new.0")
+
+    leases = await transport.claim_many(2, "w")
+
+    assert groups_of(leases)[0] == "new"
+    assert len(leases) == 2
+
+
+# ------------------------------------------------------------------------------ exclusivity
+
+
+async def race(
+    db: Any,
+    clock: ManualClock,
+    counts: dict[str, int],
+    setup: Callable[[AsyncGroupTransport], Awaitable[Actors]],
+    check: Callable[[AsyncGroupTransport, dict[str, Any], Trace], Awaitable[str]],
+) -> Counter[str]:
+    """For every interleaving of `counts`, on fresh collections (prefix ``race{n}``): `setup`
+    the transport (its commands run freely), run the actors in that order, then
+    `check(transport, results, trace)`, which asserts and names the outcome."""
+    outcomes: Counter[str] = Counter()
+    for number, order in enumerate(all_interleavings(counts)):
+        interleaving = Interleaving(order)
+        transport = await new_transport(instrument(db, interleaving), clock, prefix=f"race{number}")
+        actors = await setup(transport)
+        results = await interleaving.run(actors)
+        label = "".join(order)
+        errors = {actor: r for actor, r in results.items() if isinstance(r, BaseException)}
+        assert not errors, f"order {label}: {errors}"
+        try:
+            outcomes[await check(transport, results, interleaving.trace)] += 1
+        except AssertionError as failure:
+            raise AssertionError(f"order {label}: {failure}\n{interleaving.trace}") from failure
+    return outcomes
+
+
+async def assert_one_holder_per_group(
+    db: Any,
+    clock: ManualClock,
+    transport: AsyncGroupTransport,
+    claimed: dict[str, list[GroupLease]],
+    published: dict[str, list[str]],
+) -> None:
+    """No group is in two claimers' hands; each leased group is stored under its claimer's
+    lease with its first message as the head, delivered once; every other group is claimable
+    now with its head untouched. Then everything is delivered, in per-group order."""
+    prefix = transport.prefix
+    taken = [lease.group_id for leases in claimed.values() for lease in leases]
+    assert len(taken) == len(set(taken)), f"shared: {taken}"
+    for worker, leases in claimed.items():
+        for lease in leases:
+            assert lease.worker_id == worker
+            assert (lease.event, lease.deliveries) == (published[lease.group_id][0], 1)
+            await assert_holds(db, lease, prefix)
+    stored = await locks(db, prefix)
+    heads = await messages(db, prefix)
+    for group in set(published) - set(taken):
+        assert stored[group]["token"] is None
+        assert stored[group]["available_at"] <= clock.now()
+    for seq, head in heads.items():
+        if seq not in {lease.seq for leases in claimed.values() for lease in leases}:
+            assert (head["token"], head["deliveries"]) == (None, 0)
+    for leases in claimed.values():
+        assert await transport.ack_many(leases) == [True] * len(leases)
+    clock.advance(0.001)
+    rest = await drain_batched(db, transport, clock)
+    delivered = [lease for leases in claimed.values() for lease in leases] + rest
+    assert by_group(delivered) == published
+    await assert_empty(db, prefix)
+
+
+async def test_two_batch_claimers_never_share_a_group_in_any_order(
+    db: Any, clock: ManualClock
+) -> None:
+    """A and B each ask for 2 of 3 groups; every order of their 5 + 5 commands."""
+
+    async def setup(transport: AsyncGroupTransport) -> Actors:
+        await publish_groups(transport, ["g", "h", "k"], 2)
+        return {
+            "A": lambda: transport.claim_many(2, "A"),
+            "B": lambda: transport.claim_many(2, "B"),
+        }
+
+    async def check(transport: AsyncGroupTransport, results: dict[str, Any], trace: Trace) -> str:
+        published = {group: [f"{group}.0", f"{group}.1"] for group in "ghk"}
+        outcome = f"A {len(results['A'])} / B {len(results['B'])}"
+        await assert_one_holder_per_group(db, clock, transport, results, published)
+        return outcome
+
+    outcomes = await race(db, clock, {"A": 5, "B": 5}, setup, check)
+    # Whoever leases first gets two groups; the other gets the third if it read its
+    # candidates after that lease, nothing (the third left claimable) if before.
+    assert outcomes == {"A 2 / B 0": 70, "A 0 / B 2": 70, "A 2 / B 1": 56, "A 1 / B 2": 56}
+
+
+async def test_a_batch_claimer_and_a_single_claimer_never_share_a_group_in_any_order(
+    db: Any, clock: ManualClock
+) -> None:
+    async def setup(transport: AsyncGroupTransport) -> Actors:
+        await publish_groups(transport, ["g", "h", "k", "m"], 2)
+
+        async def single() -> list[GroupLease]:
+            lease = await transport.claim("S")
+            return [] if lease is None else [lease]
+
+        return {"A": lambda: transport.claim_many(3, "A"), "S": single}
+
+    async def check(transport: AsyncGroupTransport, results: dict[str, Any], trace: Trace) -> str:
+        published = {group: [f"{group}.0", f"{group}.1"] for group in "ghkm"}
+        assert len(results["S"]) == 1  # four groups: the single claim always finds one
+        outcome = f"A {len(results['A'])} / S 1"
+        await assert_one_holder_per_group(db, clock, transport, results, published)
+        return outcome
+
+    outcomes = await race(db, clock, {"A": 5, "S": 2}, setup, check)
+    # S's lease between A's read and A's lease takes one of A's candidates: A gets two.
+    assert outcomes == {"A 3 / S 1": 16, "A 2 / S 1": 5}
+
+
+async def test_an_expired_batch_acking_while_another_worker_takes_over_reports_what_it_acked(
+    db: Any, clock: ManualClock
+) -> None:
+    """A's leases on g and h expired; A acks both while B claims (and stamps the head of) one
+    group. For each lease, A's answer must say what happened: True exactly when its head was
+    removed, False (and nothing changed) when B holds it."""
+
+    async def setup(transport: AsyncGroupTransport) -> Actors:
+        await publish_groups(transport, ["g", "h"], 2)
+        stale = await transport.claim_many(2, "A")
+        clock.advance(VISIBILITY + 1)
+
+        async def ack() -> tuple[list[GroupLease], list[bool]]:
+            return stale, await transport.ack_many(stale)
+
+        return {"A": ack, "B": lambda: transport.claim("B")}
+
+    async def check(transport: AsyncGroupTransport, results: dict[str, Any], trace: Trace) -> str:
+        prefix = transport.prefix
+        stale, acked = results["A"]
+        taken: GroupLease | None = results["B"]
+        assert taken is not None
+        await assert_holds(db, taken, prefix)
+        for lease, ok in zip(stale, acked, strict=True):
+            head = await message(db, lease.seq, prefix)
+            if ok:
+                assert head is None, f"{lease.group_id}: A told True, its head is still there"
+            else:
+                assert head is not None and head["token"] != lease.token
+                assert taken.group_id == lease.group_id and taken.seq == lease.seq
+        assert await transport.ack(taken)
+        clock.advance(0.001)
+        rest = await drain_batched(db, transport, clock)
+        delivered = first_occurrences(
+            [(x.group_id, x.event) for x in sorted([taken, *rest], key=lambda x: x.seq)]
+        )
+        for group in "gh":
+            lease = next(x for x in stale if x.group_id == group)
+            acked_here = acked[stale.index(lease)]
+            expected = [f"{group}.1"] if acked_here else [f"{group}.0", f"{group}.1"]
+            assert [e for g, e in delivered if g == group] == expected
+        await assert_empty(db, prefix)
+        return f"A acked {sum(acked)}, B got {taken.event}"
+
+    outcomes = await race(db, clock, {"A": 3, "B": 2}, setup, check)
+    assert sum(outcomes.values()) == 10
+    # B stamped a head before A deleted it (A told False for that group), or after (B got
+    # the next message, or a released group's).
+    assert any(outcome.startswith("A acked 1,") for outcome in outcomes)
+    assert any(outcome.startswith("A acked 2,") for outcome in outcomes)
+
+
+async def test_a_claim_many_racing_a_nack_without_delay_leaves_the_group_claimable_at_once(
+    db: Any, clock: ManualClock
+) -> None:
+    """nack(0) releases the lock, then clears the head's stamp. A claim_many that leases the
+    released lock in between finds the head still stamped by A's live lease: it must give the
+    group back (not keep it for a visibility), so that C got g0, or a claim right after does."""
+
+    async def setup(transport: AsyncGroupTransport) -> Actors:
+        await transport.publish("g", "g.0")
+        (lease,) = await transport.claim_many(1, "A")
+        await transport.publish("h", "h.0")
+        return {"A": lambda: transport.nack(lease), "C": lambda: transport.claim_many(2, "C")}
+
+    async def check(transport: AsyncGroupTransport, results: dict[str, Any], trace: Trace) -> str:
+        prefix = transport.prefix
+        assert results["A"] is True
+        claimed = {lease.group_id: lease for lease in results["C"]}
+        assert "h" in claimed  # h was free all along
+        outcome = "C got g0" if "g" in claimed else "C gave g back"
+        if "g" not in claimed:
+            released = await lock(db, "g", prefix)
+            assert released is not None and released["token"] is None
+            assert released["available_at"] <= clock.now()
+            (again,) = await transport.claim_many(10, "D")  # same instant: no lease to wait
+            claimed["g"] = again
+        assert (claimed["g"].event, claimed["g"].deliveries) == ("g.0", 2)
+        for lease in claimed.values():
+            await assert_holds(db, lease, prefix)
+        assert await transport.ack_many(list(claimed.values())) == [True, True]
+        await assert_empty(db, prefix)
+        return outcome
+
+    outcomes = await race(db, clock, {"A": 2, "C": 5}, setup, check)
+    # C gets g0 only if it reads the groups after A's release and the heads after A cleared
+    # the stamp (4 orders of 21).
+    assert outcomes == {"C got g0": 4, "C gave g back": 17}
+
+
+# ---------------------------------------------------------------------- a batch losing leases
+
+
+async def stored_groups(db: Any, groups: set[Any]) -> dict[str, dict[Any, bytes]]:
+    """The stored bytes of `groups`' locks and messages."""
+    everything = await snapshot(db)
+    of_groups = {seq for seq, doc in (await messages(db)).items() if doc["group_id"] in groups}
+    return {
+        "locks": {key: value for key, value in everything["locks"].items() if key in groups},
+        "messages": {
+            key: value for key, value in everything["messages"].items() if key in of_groups
+        },
+    }
+
+
+async def lose_two_of_four(
+    db: Any, clock: ManualClock, transport: AsyncGroupTransport
+) -> tuple[list[GroupLease], set[Any], dict[str, dict[Any, bytes]]]:
+    """A leases g1..g4; its leases expire; B takes two of the groups over and acks the head
+    of one. Returns A's batch, the stolen groups, and their stored bytes."""
+    await publish_groups(transport, ["g1", "g2", "g3", "g4"], 2)
+    batch = await transport.claim_many(4, "A")
+    assert len(batch) == 4
+    clock.advance(VISIBILITY + 1)
+    thief = await transport.claim_many(2, "B")
+    assert len(thief) == 2 and all(lease.deliveries == 2 for lease in thief)
+    assert await transport.ack(thief[0])
+    clock.advance(1)
+    stolen = set(groups_of(thief))
+    return batch, stolen, await stored_groups(db, stolen)
+
+
+async def test_a_batch_that_lost_some_groups_acks_only_the_ones_it_holds(
+    db: Any, clock: ManualClock
+) -> None:
+    transport = await new_transport(db, clock)
+    batch, stolen, before = await lose_two_of_four(db, clock, transport)
+
+    acked = await transport.ack_many(batch)
+
+    assert acked == [lease.group_id not in stolen for lease in batch]
+    assert await stored_groups(db, stolen) == before
+    for lease in batch:
+        if lease.group_id in stolen:
+            continue
+        assert await message(db, lease.seq) is None
+        released = await lock(db, lease.group_id)
+        assert released is not None
+        assert (released["token"], released["available_at"]) == (None, clock.now())
+    assert await dead(db) == {}
+
+
+async def test_extend_many_counts_and_extends_only_the_groups_still_held(
+    db: Any, clock: ManualClock
+) -> None:
+    transport = await new_transport(db, clock)
+    batch, stolen, before = await lose_two_of_four(db, clock, transport)
+
+    assert await transport.extend_many(batch) == 2
+
+    assert await stored_groups(db, stolen) == before
+    for lease in batch:
+        if lease.group_id in stolen:
+            continue
+        stored = await lock(db, lease.group_id)
+        head = await message(db, lease.seq)
+        assert stored is not None and head is not None
+        assert (stored["token"], stored["available_at"]) == (lease.token, later(clock, VISIBILITY))
+        assert (head["token"], head["stamp_until"]) == (lease.token, later(clock, VISIBILITY))
+    # Only the group B released is claimable; A's renewed groups are not.
+    assert set(groups_of(await transport.claim_many(10, "C"))) < stolen
+
+
+async def test_a_batch_whose_groups_were_all_taken_changes_nothing(
+    db: Any, clock: ManualClock
+) -> None:
+    transport = await new_transport(db, clock)
+    await publish_groups(transport, ["g1", "g2"], 2)
+    batch = await transport.claim_many(2, "A")
+    clock.advance(VISIBILITY + 1)
+    assert len(await transport.claim_many(2, "B")) == 2
+    before = await snapshot(db)
+
+    assert await transport.extend_many(batch) == 0
+    assert await transport.ack_many(batch) == [False, False]
+
+    assert await snapshot(db) == before
+
+
+# --------------------------------------------------------------------- max_deliveries, drops
+
+
+async def test_claim_many_dead_letters_an_over_limit_head_and_releases_its_group(
+    db: Any, clock: ManualClock
+) -> None:
+    transport = await new_transport(db, clock, max_deliveries=2)
+    await transport.publish_many([NewMessage("g", {"poison": True}), NewMessage("g", "g1")])
+    for delivery in (1, 2):
+        (lease,) = await transport.claim_many(10, "A")
+        assert (lease.group_id, lease.deliveries) == ("g", delivery)
+        assert await transport.nack(lease, error=f"boom {delivery}")
+        clock.advance(1)
+    await transport.publish("h", "h0")
+    clock.advance(1)
+
+    leases = await transport.claim_many(10, "A")  # g's head is over the limit: buried
+
+    assert [(lease.group_id, lease.event) for lease in leases] == [("h", "h0")]
+    (buried,) = (await dead(db)).values()
+    assert (buried["_id"], buried["group_id"], buried["event"]) == (1, "g", {"poison": True})
+    assert buried["published_at"] == later(clock, -3)
+    assert (buried["error"], buried["deliveries"]) == ("boom 2", 3)
+    assert buried["dead_at"] == clock.now()
+    assert await group_messages(db) == {"g": ["g1"], "h": ["h0"]}
+    released = await lock(db, "g")
+    assert released is not None
+    assert (released["token"], released["available_at"]) == (None, clock.now())
+    assert await transport.ack_many(leases) == [True]
+    clock.advance(0.001)
+
+    (nxt,) = await transport.claim_many(10, "A")  # the group's next head, at once
+
+    assert (nxt.group_id, nxt.seq, nxt.event, nxt.deliveries) == ("g", 2, "g1", 1)
+    assert await transport.ack_many([nxt]) == [True]
+    await assert_empty(db)
+
+
+async def test_claim_many_drops_an_empty_group_and_returns_the_others(
+    db: Any, clock: ManualClock
+) -> None:
+    """A group whose last message was dead-lettered keeps its lock; the claim that finds it
+    empty drops it (one more command) and still returns the other groups of the batch."""
+    counter = CommandCounter()
+    transport = await new_transport(instrument(db, counter), clock)
+    await transport.publish("g", "g0")
+    lease = await claim_one(transport, "A", group="g")
+    assert await transport.dead_letter(lease, "bad")
+    await transport.publish("h", "h0")
+    assert await group_messages(db) == {"h": ["h0"]}
+    assert sorted(await locks(db)) == ["g", "h"]
+    counter.reset()
+
+    leases = await transport.claim_many(10, "A")
+
+    assert [(x.group_id, x.event) for x in leases] == [("h", "h0")]
+    assert sorted(await locks(db)) == ["h"]
+    assert counter.counts["mq_locks.delete_one"] == 1
+    assert counter.total == 6
+
+
+@pytest.mark.parametrize("publish", ["publish", "publish_many"])
+async def test_a_publish_racing_the_claim_many_that_finds_its_group_empty_is_never_stranded(
+    db: Any, clock: ManualClock, publish: str
+) -> None:
+    """g's lock is left behind by a dead-lettered last message. C's claim_many finds g empty
+    and drops it, fenced on the version it read, while a publish (allocate, insert, ready)
+    races: whatever the order, g1 has a lock and is delivered."""
+
+    async def setup(transport: AsyncGroupTransport) -> Actors:
+        await transport.publish("g", "g0")
+        lease = await claim_one(transport, "A", group="g")
+        assert await transport.dead_letter(lease, "bad")
+
+        async def publish_g1() -> Any:
+            if publish == "publish":
+                return await transport.publish("g", "g1")
+            return await transport.publish_many([NewMessage("g", "g1")])
+
+        return {"C": lambda: transport.claim_many(2, "C"), "P": publish_g1}
+
+    async def check(transport: AsyncGroupTransport, results: dict[str, Any], trace: Trace) -> str:
+        prefix = transport.prefix
+        claimed: list[GroupLease] = results["C"]
+        assert await group_messages(db, prefix) == {"g": ["g1"]}
+        stored = await lock(db, "g", prefix)
+        assert stored is not None, "g1 is stranded: its group has no lock"
+        path = [name for who, _, name in trace if who == "C"]
+        if claimed:
+            (lease,) = claimed
+            assert (lease.event, lease.deliveries) == ("g1", 1)
+            await assert_holds(db, lease, prefix)
+            assert await transport.ack_many(claimed) == [True]
+            outcome = "C got g1"
+        elif "update_one" in path:  # the drop matched nothing: released, claimable now
+            assert (stored["token"], stored["available_at"], stored["version"]) == (
+                None,
+                clock.now(),
+                2,
+            )
+            outcome = "drop refused (version moved), released"
+        else:  # dropped: the ready upserted a fresh lock, as for a new group
+            assert path[-1] == "delete_one", path
+            assert (stored["token"], stored["available_at"], stored["version"]) == (None, EPOCH, 1)
+            outcome = "dropped, re-created by the publish"
+        clock.advance(0.001)
+        rest = await drain_batched(db, transport, clock)
+        assert [x.event for x in rest] == ([] if claimed else ["g1"])
+        await assert_empty(db, prefix)
+        return outcome
+
+    outcomes = await race(db, clock, {"C": 6, "P": 3}, setup, check)
+    # C's read of the heads after the insert: C gets g1 (50 orders). Otherwise C drops g
+    # before the ready re-creates it (29), or the ready's version bump refuses the drop (5).
+    assert outcomes == {
+        "C got g1": 50,
+        "dropped, re-created by the publish": 29,
+        "drop refused (version moved), released": 5,
+    }
+
+
+async def test_a_publish_racing_the_ack_many_that_drops_its_drained_group_is_never_stranded(
+    db: Any, clock: ManualClock
+) -> None:
+    async def setup(transport: AsyncGroupTransport) -> Actors:
+        await transport.publish("g", "g0")
+        (lease,) = await transport.claim_many(1, "A")
+        assert lease.was_last
+        return {
+            "A": lambda: transport.ack_many([lease]),
+            "P": lambda: transport.publish("g", "g1"),
+        }
+
+    async def check(transport: AsyncGroupTransport, results: dict[str, Any], trace: Trace) -> str:
+        prefix = transport.prefix
+        assert results["A"] == [True]
+        assert await group_messages(db, prefix) == {"g": ["g1"]}
+        stored = await lock(db, "g", prefix)
+        assert stored is not None, "g1 is stranded: its group has no lock"
+        assert stored["token"] is None and stored["available_at"] <= clock.now()
+        path = [name for who, _, name in trace if who == "A"]
+        clock.advance(0.001)
+        rest = await drain_batched(db, transport, clock)
+        assert [x.event for x in rest] == ["g1"]
+        await assert_empty(db, prefix)
+        if "bulk_write" not in path:
+            return "seen by the check, released"
+        if stored["available_at"] == EPOCH:
+            return "dropped, re-created by the publish"
+        return "drop refused, released"
+
+    outcomes = await race(db, clock, {"A": 5, "P": 3}, setup, check)
+    assert outcomes == {
+        "seen by the check, released": 28,
+        "dropped, re-created by the publish": 24,
+        "drop refused, released": 4,
+    }
+
+
+# -------------------------------------------------------------------------------- faults
+
+
+def nth(index: int) -> Callable[[Operation], bool]:
+    """A fault rule's `match` that picks the `index`-th (from 0) matching command it sees."""
+    seen = itertools.count()
+    return lambda op: next(seen) == index
+
+
+#: claim_many's five commands: (collection, command, a fresh `match` for the rule)
+CLAIM_MANY = {
+    "select": ("mq_locks", "find", lambda: nth(0)),
+    "lease": ("mq_locks", "update_many", lambda: None),
+    "read-back": ("mq_locks", "find", lambda: nth(1)),
+    "heads": ("mq_messages", "aggregate", lambda: None),
+    "stamp": ("mq_messages", "update_many", lambda: None),
+}
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("command", list(CLAIM_MANY))
+async def test_a_claim_many_that_failed_on_any_command_is_recoverable(
+    db: Any, clock: ManualClock, command: str, when: str
+) -> None:
+    faults = FaultInjector()
+    transport = await new_transport(instrument(db, faults), clock)
+    published = await publish_groups(transport, ["g", "h", "k"], 2)
+    before = await snapshot(db)
+    collection, name, match = CLAIM_MANY[command]
+    (faults.fail_before if when == "before" else faults.fail_after)(
+        name, collection=collection, match=match()
+    )
+
+    with pytest.raises(AutoReconnect if when == "before" else NetworkTimeout):
+        await transport.claim_many(10, "A")
+
+    leased = command not in ("select", "lease") or (command, when) == ("lease", "after")
+    stamped = (command, when) == ("stamp", "after")
+    if not leased:
+        assert await snapshot(db) == before
+    else:
+        # A holds the groups without knowing it: nobody gets them until the lease ends.
+        for group, doc in (await locks(db)).items():
+            assert doc["token"].startswith("A:"), group
+            assert doc["available_at"] == later(clock, VISIBILITY)
+        for doc in (await messages(db)).values():
+            first = doc["event"].endswith(".0")
+            assert doc["deliveries"] == (1 if stamped and first else 0)
+            assert (doc["token"] is not None) == (stamped and first)
+        assert await transport.claim_many(10, "B") == []
+        clock.advance(VISIBILITY - 0.001)
+        assert await transport.claim_many(10, "B") == []
+        clock.advance(0.001)
+
+    delivered = await drain_batched(db, transport, clock)
+
+    assert by_group(delivered) == published
+    firsts = [lease.deliveries for lease in delivered if lease.event.endswith(".0")]
+    assert firsts == [1 + stamped] * 3
+    await assert_empty(db)
+
+
+#: ack_many's five commands (for a batch where one group drains and one does not)
+ACK_MANY = {
+    "held": ("mq_messages", "find"),
+    "delete": ("mq_messages", "delete_many"),
+    "drained?": ("mq_messages", "distinct"),
+    "drop": ("mq_locks", "bulk_write"),
+    "release": ("mq_locks", "update_many"),
+}
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("command", list(ACK_MANY))
+async def test_an_ack_many_that_failed_on_any_command_is_recoverable(
+    db: Any, clock: ManualClock, command: str, when: str
+) -> None:
+    faults = FaultInjector()
+    transport = await new_transport(instrument(db, faults), clock)
+    await transport.publish_many([NewMessage("g", "g0"), NewMessage("g", "g1")])
+    await transport.publish("h", "h0")
+    leases = await transport.claim_many(10, "A")
+    assert sorted((x.event, x.was_last) for x in leases) == [("g0", False), ("h0", True)]
+    before = await snapshot(db)
+    clock.advance(1)
+    collection, name = ACK_MANY[command]
+    (faults.fail_before if when == "before" else faults.fail_after)(name, collection=collection)
+
+    with pytest.raises(AutoReconnect if when == "before" else NetworkTimeout):
+        await transport.ack_many(leases)
+
+    removed = command != "held" and (command, when) != ("delete", "before")
+    dropped = command == "release" or (command, when) == ("drop", "after")
+    released = (command, when) == ("release", "after")
+    if not removed:
+        assert await snapshot(db) == before
+    assert await group_messages(db) == (
+        {"g": ["g1"]} if removed else {"g": ["g0", "g1"], "h": ["h0"]}
+    )
+    assert (await lock(db, "h") is None) == dropped
+    g = await lock(db, "g")
+    assert g is not None
+    if released:
+        assert (g["token"], g["available_at"]) == (None, clock.now())
+    else:
+        # Still A's until its lease ends; then a claim redelivers what is left.
+        assert (g["token"], g["available_at"]) == (leases[0].token, leases[0].lease_until)
+        assert await transport.claim_many(10, "B") == []
+        clock.advance(VISIBILITY)
+    clock.advance(0.001)
+
+    delivered = await drain_batched(db, transport, clock)
+
+    events = [(x.event, x.deliveries) for x in sorted(delivered, key=lambda x: x.seq)]
+    if removed:
+        assert events == [("g1", 1)]
+    else:
+        assert events == [("g0", 2), ("g1", 1), ("h0", 2)]
+    await assert_empty(db)
+    assert await dead(db) == {}
+
+
+#: the commands of the burial claim_many runs for an over-limit head: mark it (fenced on the
+#: token), copy it to the dead letters, delete it, then release the group
+BURIAL = {
+    "mark": ("mq_messages", "find_one_and_update"),
+    "copy": ("mq_dead", "replace_one"),
+    "delete": ("mq_messages", "delete_one"),
+    "release": ("mq_locks", "update_one"),
+}
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("command", list(BURIAL))
+async def test_a_dead_lettering_by_claim_many_that_failed_on_any_command_is_recoverable(
+    db: Any, clock: ManualClock, command: str, when: str
+) -> None:
+    """Whichever command of the burial failed, batched workers alone finish it: the head ends
+    in the dead letters exactly once and the group's next message is delivered."""
+    faults = FaultInjector()
+    transport = await new_transport(instrument(db, faults), clock, max_deliveries=2)
+    await transport.publish_many([NewMessage("g", "poison"), NewMessage("g", "g1")])
+    for _ in (1, 2):
+        (lease,) = await transport.claim_many(10, "A")
+        assert lease.event == "poison"
+        assert await transport.nack(lease, error="boom")
+        clock.advance(1)
+    await transport.publish("h", "h0")
+    collection, name = BURIAL[command]
+    (faults.fail_before if when == "before" else faults.fail_after)(name, collection=collection)
+
+    with pytest.raises(AutoReconnect if when == "before" else NetworkTimeout):
+        await transport.claim_many(10, "A")
+
+    clock.advance(VISIBILITY + 0.001)
+    delivered = await drain_batched(db, transport, clock)
+
+    # h0 was leased and stamped by the failed claim_many, never handed out: delivered again.
+    assert sorted((x.event, x.deliveries) for x in delivered) == [("g1", 1), ("h0", 2)]
+    (buried,) = (await dead(db)).values()
+    assert (buried["_id"], buried["event"], buried["error"]) == (1, "poison", "boom")
+    await assert_empty(db)
+
+
+async def test_a_burial_interrupted_after_the_mark_is_finished_by_claim_many(
+    db: Any, clock: ManualClock
+) -> None:
+    """dead_letter marked the head, then its connection broke before the copy. Once the
+    holder's lease ended, batched claimers alone (a `run` with `batch_size` > 1 claims only
+    through `claim_many`) must finish the move, as a single `claim` does, and go on with the
+    group's next message; otherwise the group is leased and released again forever and g1 is
+    never delivered."""
+    faults = FaultInjector()
+    transport = await new_transport(instrument(db, faults), clock)
+    await transport.publish_many([NewMessage("g", "g0"), NewMessage("g", "g1")])
+    (lease,) = await transport.claim_many(10, "A")
+    faults.fail_before("replace_one", collection="mq_dead")
+    with pytest.raises(AutoReconnect):
+        await transport.dead_letter(lease, "bad g0")
+    marked = await message(db, 1)
+    assert marked is not None and marked["dead"] is not None
+    assert await dead(db) == {}
+    clock.advance(VISIBILITY + 0.001)
+
+    delivered = await drain_batched(db, transport, clock)
+
+    assert [(x.event, x.deliveries) for x in delivered] == [("g1", 1)]
+    (letter,) = (await dead(db)).values()
+    assert (letter["_id"], letter["event"], letter["error"]) == (1, "g0", "bad g0")
+    await assert_empty(db)
+
+
+# ------------------------------------------------------------------------- run(batch_size=N)
+
+
+async def run_until_empty(
+    transport: AsyncGroupTransport, handler: Any, **options: Any
+) -> GroupRunSummary:
+    options.setdefault("worker_id", "w")
+    return await transport.run(handler, stop_when_empty=True, **options)
+
+
+async def test_run_with_batches_processes_everything_in_fewer_commands(
+    db: Any, clock: ManualClock
+) -> None:
+    counters = {"batched": CommandCounter(), "single": CommandCounter()}
+    transports = {
+        kind: await new_transport(instrument(db, counter), clock, prefix=kind)
+        for kind, counter in counters.items()
+    }
+    groups = [f"g{i:02}" for i in range(12)]
+    for transport in transports.values():
+        published = await publish_groups(transport, groups, 2)
+    handled: dict[str, list[GroupLease]] = defaultdict(list)
+
+    def handler(kind: str) -> Callable[[GroupLease], Awaitable[None]]:
+        async def handle(lease: GroupLease) -> None:
+            handled[kind].append(lease)
+
+        return handle
+
+    for counter in counters.values():
+        counter.reset()
+
+    batched = await run_until_empty(transports["batched"], handler("batched"), batch_size=12)
+    single = await run_until_empty(transports["single"], handler("single"))
+
+    for kind, summary in (("batched", batched), ("single", single)):
+        assert (summary.claimed, summary.acked) == (24, 24), kind
+        assert summary.retried + summary.dead + summary.lost + summary.unknown == 0
+        assert by_group(handled[kind]) == published
+        await assert_empty(db, kind)
+    assert "batched_locks.find_one_and_update" not in counters["batched"].counts
+    assert counters["batched"].total * 3 < counters["single"].total, (
+        counters["batched"].counts,
+        counters["single"].counts,
+    )
+
+
+async def test_run_with_batches_keeps_fifo_and_exclusivity_across_workers(
+    db: Any, clock: ManualClock
+) -> None:
+    faults = FaultInjector(yield_between=True)
+    transports = [await new_transport(instrument(db, faults), clock) for _ in range(3)]
+    groups = [f"g{i:02}" for i in range(16)]
+    published = await publish_groups(transports[0], groups, 4)
+    flaky = frozenset(range(1, 65, 7))
+    books = Bookkeeping(flaky)
+    summaries: list[GroupRunSummary] = []
+
+    async def worker(transport: AsyncGroupTransport, name: str) -> None:
+        summaries.append(
+            await transport.run(
+                books.handler, worker_id=name, concurrency=2, batch_size=3, retry_delay=0,
+                stop_when_empty=True,
+            )
+        )  # fmt: skip
+
+    async with anyio.create_task_group() as group:
+        for number, transport in enumerate(transports):
+            group.start_soon(worker, transport, f"w{number}")
+    clock.advance(0.001)
+    await worker(transports[1], "late")  # whatever was released at the very end
+
+    assert books.overlaps == []
+    assert dict(books.processed) == published
+    assert dict(books.runs) == {seq: 1 + (seq in flaky) for seq in range(1, 65)}
+    assert sum(s.acked for s in summaries) == 64
+    assert sum(s.retried for s in summaries) == len(flaky)
+    assert sum(s.lost + s.dead + s.unknown for s in summaries) == 0
+    await assert_empty(db)
+
+
+async def test_run_with_batches_nacks_failures_and_dead_letters_permanent_errors_per_group(
+    db: Any, clock: ManualClock
+) -> None:
+    transport = await new_transport(db, clock)
+    await transport.publish_many(
+        [
+            NewMessage("g", "permanent"),
+            NewMessage("g", "g-ok"),
+            NewMessage("h", "flaky"),
+            NewMessage("h", "h-ok"),
+            NewMessage("k", "k0"),
+        ]
+    )
+    handled: list[tuple[Any, int]] = []
+
+    async def handler(lease: GroupLease) -> None:
+        handled.append((lease.event, lease.deliveries))
+        if lease.event == "permanent":
+            raise PermanentError("cannot ever work")
+        if lease.event == "flaky" and lease.deliveries == 1:
+            raise RuntimeError("try later")
+
+    first = await run_until_empty(transport, handler, batch_size=10, retry_delay=5)
+
+    assert sorted(handled) == [("flaky", 1), ("g-ok", 1), ("k0", 1), ("permanent", 1)]
+    assert (first.claimed, first.acked, first.dead, first.retried, first.lost) == (4, 2, 1, 1, 0)
+    (buried,) = (await dead(db)).values()
+    assert buried["event"] == "permanent"
+    assert buried["error"].endswith("PermanentError: cannot ever work")
+    assert await group_messages(db) == {"h": ["flaky", "h-ok"]}
+    parked = await lock(db, "h")
+    assert parked is not None
+    assert (parked["available_at"], parked["parked"]) == (later(clock, 5), True)
+    assert (await message(db, 3) or {})["last_error"].endswith("RuntimeError: try later")
+
+    clock.advance(5)
+    second = await run_until_empty(transport, handler, batch_size=10, retry_delay=5)
+
+    assert handled[4:] == [("flaky", 2), ("h-ok", 1)]
+    assert (second.claimed, second.acked, second.retried) == (2, 2, 0)
+    await assert_empty(db)
+
+
+async def test_a_cancelled_batch_acks_the_finished_and_gives_back_the_rest(
+    db: Any, clock: ManualClock
+) -> None:
+    """Cancelling `run` mid-batch: the heads handled are acked, the one cut short is nacked
+    with the retry delay (a delivery), the groups whose heads were not started are given back
+    at once, their heads not counted as delivered (they never reached the handler)."""
+    transport = await new_transport(db, clock)
+    await publish_groups(transport, ["a", "b", "c", "d"], 2)
+    started: list[str] = []
+
+    async def handler(lease: GroupLease) -> None:
+        started.append(lease.event)
+        if len(started) == 2:
+            await anyio.sleep_forever()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(lambda: transport.run(handler, batch_size=4, retry_delay=10))
+        await wait_for(lambda: len(started) == 2, "the batch to reach its second head")
+        clock.advance(3)
+        group.cancel_scope.cancel()
+
+    done, cut = (event.split(".")[0] for event in started)
+    rest = sorted({"a", "b", "c", "d"} - {done, cut})
+    assert (await group_messages(db))[done] == [f"{done}.1"]
+    cut_lock = await lock(db, cut)
+    assert cut_lock is not None
+    assert (cut_lock["available_at"], cut_lock["parked"]) == (later(clock, 10), True)
+    assert (await message(db, "abcd".index(cut) + 1) or {})["deliveries"] == 1
+    for group in rest:
+        stored = await lock(db, group)
+        assert stored is not None
+        assert (stored["token"], stored["available_at"]) == (None, clock.now())
+        head = await message(db, "abcd".index(group) + 1)
+        assert head is not None and head["token"] is None
+        assert head["deliveries"] == 0, f"{group}'s head never reached the handler"
+
+
+async def test_a_batch_longer_than_the_visibility_keeps_every_group_through_renewals(
+    db: Any, clock: ManualClock
+) -> None:
+    """Three heads of 25 s each, one after the other: 75 s, two and a half visibilities. The
+    batch's renewal (extend_many) keeps every group and head stamp, so no other worker takes
+    any of them over."""
+    transport = await new_transport(db, clock)
+    rival = await new_transport(db, clock)  # another process
+    await transport.publish_many([NewMessage(g, f"{g}.0") for g in ("a", "b", "c")])
+    handled: list[str] = []
+    summaries: list[GroupRunSummary] = []
+
+    async def handler(lease: GroupLease) -> None:
+        await clock.sleep(25)
+        handled.append(lease.group_id)
+
+    async def worker() -> None:
+        summaries.append(await run_until_empty(transport, handler, batch_size=3))
+
+    start = clock.now()
+
+    def napping() -> bool:  # the handler, the renewal and the orphan sweep sleep
+        return clock.sleepers == 3
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(worker)
+        for step in range(1, 15):  # 70 s in steps of 5 s
+            await wait_for(napping, f"the batch to nap at step {step}")
+            clock.advance(5)
+            renewed = start + timedelta(seconds=10 * (step * 5 // 10) + VISIBILITY)
+
+            async def settled(renewed: Any = renewed) -> bool:
+                return all(d["available_at"] == renewed for d in (await locks(db)).values())
+
+            await wait_for(napping, f"the batch to nap after step {step}")
+            assert await settled()
+            assert await rival.claim_many(10, "rival") == []
+            assert await rival.claim("rival") is None
+            for doc in (await messages(db)).values():
+                assert doc["stamp_until"] == renewed
+                assert doc["deliveries"] == 1
+            assert len(handled) == step * 5 // 25
+        clock.advance(5)
+
+    (summary,) = summaries
+    assert (summary.claimed, summary.acked, summary.lost, summary.unknown) == (3, 3, 0, 0)
+    await assert_empty(db)
+
+
+async def test_run_with_batches_reports_a_group_lost_mid_batch(db: Any, clock: ManualClock) -> None:
+    """A head handled early in a batch whose group is taken over before the batch acks: the
+    batched ack refuses it (lost) and acks the others; the new holder keeps the head."""
+    transport = await new_transport(db, clock)
+    await transport.publish_many([NewMessage(g, f"{g}.0") for g in ("a", "b")])
+    taken: list[GroupLease] = []
+
+    async def handler(lease: GroupLease) -> None:
+        await anyio.lowlevel.checkpoint()
+        if not taken:  # the first head is done; meanwhile its lease expires and B takes over
+            clock.advance(VISIBILITY + 1)
+            lease_b = await claim_one(transport, "B")
+            taken.append(lease_b)
+
+    summary = await run_until_empty(transport, handler, batch_size=2)
+
+    (stolen,) = taken
+    assert (summary.claimed, summary.acked, summary.lost) == (2, 1, 1)
+    await assert_holds(db, stolen)
+    assert list(await group_messages(db)) == [stolen.group_id]

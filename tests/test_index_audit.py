@@ -1,0 +1,731 @@
+"""Index audit: every query the library issues is served by an index `ensure_indexes()` declares.
+
+The workload below drives both primitives' whole API on the embedded backend through
+``instrument(db, counter)`` with ``counter.record = True``. Every recorded command that selects
+documents is then checked against its collection's declared indexes (``index_information()``)
+by `served_by`, a deliberately small matcher:
+
+- A filter's *shape* is its equality fields (a literal value, ``None`` included, ``$eq`` or
+  ``$in``), its range fields (``$lt``, ``$lte``, ``$gt``, ``$gte``) and its sort. Other
+  operators (``$ne``, ``$exists``, ``$expr``...) are residual: tested on the documents an index
+  yields, never what picks the index.
+- An index serves a shape when its leading keys are equality fields and cover all of them, and
+  then either the sort follows in the index's key order (all in its direction or all reversed;
+  sort fields an equality pins drop out), or, with no sort, at most one range field follows; and
+  the index narrows or orders the scan at all (an empty shape is a collection scan).
+- ``_id`` is always indexed and unique: an ``_id`` equality or ``$in`` is served by ``_id``
+  whatever else the filter says.
+- ``$or``: served if the conjunction outside it is (the ``$or`` then filters that index range,
+  as the task claim does by design), or else if every branch, with that conjunction, is (the
+  server's OR plan). ``$and`` is flattened.
+- A hint must name a declared index, and that index must serve the query.
+- Aggregations: their leading ``$match``, and each ``$lookup``'s foreign field. Bulk writes:
+  each operation's filter.
+
+Shapes that are unindexed on purpose, or known library problems awaiting a fix, are listed in
+`UNINDEXED` with the reason; an entry the workload no longer produces fails the test, so the
+list cannot go stale. With ``MONGOQ_TEST_URI`` set, the claim queries are also explained on the
+real server and must show no ``COLLSCAN``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from mongoq import (
+    AsyncGroupTransport,
+    AsyncTaskQueue,
+    GroupLease,
+    NewMessage,
+    NewTask,
+    PermanentError,
+    Task,
+)
+from mongoq.testing import CommandCounter, ManualClock, Operation, instrument, memory_database
+
+TASKS = "audit_tasks"
+PREFIX = "audit"
+MESSAGES, LOCKS, COUNTERS, DEAD = (
+    f"{PREFIX}_{kind}" for kind in ("messages", "locks", "counters", "dead")
+)
+FAR = datetime(2100, 1, 1, tzinfo=UTC)
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+Keys = list[tuple[str, int]]
+
+# ------------------------------------------------------------------------------- the matcher
+
+EQUALITY_OPERATORS = frozenset({"$eq", "$in"})  # $in counts as equality: a few point ranges
+RANGE_OPERATORS = frozenset({"$lt", "$lte", "$gt", "$gte"})
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What an index can use in a query: equality fields, range fields and the sort."""
+
+    equality: frozenset[str] = frozenset()
+    ranges: frozenset[str] = frozenset()
+    sort: tuple[tuple[str, int], ...] = ()
+
+    def merged(self, other: Shape) -> Shape:
+        return Shape(self.equality | other.equality, self.ranges | other.ranges, self.sort)
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, Mapping) and value and all(str(key).startswith("$") for key in value):
+        if set(value) & EQUALITY_OPERATORS:
+            return "equality"
+        if set(value) & RANGE_OPERATORS:
+            return "range"
+        return "residual"
+    return "equality"  # a literal (None, a document) is an equality match
+
+
+def shape_of(
+    filter: Mapping[str, Any], sort: Sequence[tuple[str, int]] = ()
+) -> tuple[Shape, list[list[Mapping[str, Any]]]]:
+    """The shape of a filter's conjunction (``$and`` flattened) and its ``$or`` clauses."""
+    equality: set[str] = set()
+    ranges: set[str] = set()
+    clauses: list[list[Mapping[str, Any]]] = []
+
+    def walk(part: Mapping[str, Any]) -> None:
+        for key, value in part.items():
+            if key == "$and":
+                for sub in value:
+                    walk(sub)
+            elif key == "$or":
+                clauses.append(list(value))
+            elif key.startswith("$"):
+                continue  # $expr, $nor, $comment: residual
+            elif (kind := _kind(value)) == "equality":
+                equality.add(key)
+            elif kind == "range":
+                ranges.add(key)
+
+    walk(filter)
+    return Shape(frozenset(equality), frozenset(ranges - equality), tuple(sort)), clauses
+
+
+def index_serves(keys: Keys, shape: Shape) -> bool:
+    """Equality fields first, then the sort or one range field, in the index's key order."""
+    if keys[0][0] == "_id" and "_id" in shape.equality:
+        return True  # unique: at most one document per value
+    fields = [name for name, _ in keys]
+    used = 0
+    while used < len(keys) and fields[used] in shape.equality:
+        used += 1
+    if not shape.equality <= set(fields[:used]):
+        return False  # an equality field the index cannot bound: more documents examined
+    sort = [(name, direction) for name, direction in shape.sort if name not in shape.equality]
+    if sort:
+        following = keys[used : used + len(sort)]
+        if [name for name, _ in following] != [name for name, _ in sort]:
+            return False  # an in-memory sort of everything the filter matches
+        # One walk direction for the whole sort: forwards, or every key backwards.
+        return len({d * k for (_, d), (_, k) in zip(sort, following, strict=True)}) == 1
+    if used < len(keys) and fields[used] in shape.ranges:
+        used += 1
+    return used > 0
+
+
+def served_by(
+    indexes: Mapping[str, Keys],
+    filter: Mapping[str, Any],
+    sort: Sequence[tuple[str, int]] = (),
+    hint: Any = None,
+) -> str | None:
+    """The index (or, for an OR plan, the indexes) that serves the query; None if none does."""
+    candidates = dict(indexes)
+    if hint is not None:
+        name = hint if isinstance(hint, str) else _index_named(indexes, _keys(hint))
+        if name not in indexes:
+            return None  # a hint must name a declared index (a server refuses the query)
+        candidates = {name: indexes[name]}
+    shape, clauses = shape_of(filter, sort)
+    for name, keys in candidates.items():
+        if index_serves(keys, shape):
+            return name
+    if not clauses:
+        return None
+    plan = []
+    for clause in clauses:
+        for branch in clause:
+            branch_shape, nested = shape_of(branch)
+            merged = shape.merged(branch_shape)
+            chosen = next((n for n, k in candidates.items() if index_serves(k, merged)), None)
+            if chosen is None or nested:
+                return None  # one unindexed branch scans the collection
+            plan.append(chosen)
+    return "$or: " + ", ".join(sorted(set(plan)))
+
+
+def _keys(spec: Any) -> Keys:
+    if isinstance(spec, Mapping):
+        return [(str(name), int(direction)) for name, direction in spec.items()]
+    return [(str(name), int(direction)) for name, direction in spec]
+
+
+def _index_named(indexes: Mapping[str, Keys], keys: Keys) -> str | None:
+    return next((name for name, declared in indexes.items() if declared == keys), None)
+
+
+# ------------------------------------------------------------------ from commands to queries
+
+
+@dataclass(frozen=True)
+class Query:
+    collection: str
+    command: str
+    filter: Mapping[str, Any]
+    sort: tuple[tuple[str, int], ...] = ()
+    hint: Any = None
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The filter's top-level fields: how `UNINDEXED` names a shape."""
+        return tuple(sorted(self.filter))
+
+    def describe(self) -> str:
+        extra = f" sort={list(self.sort)}" if self.sort else ""
+        extra += f" hint={self.hint!r}" if self.hint is not None else ""
+        return f"{self.collection}.{self.command} {dict(self.filter)!r}{extra}"
+
+
+#: Recorded commands that select no documents, and why they need no index.
+NO_QUERY = {
+    "insert_one": "writes a new document",
+    "insert_many": "writes new documents",
+    "create_index": "set-up",
+    "create_indexes": "set-up",
+    "index_information": "set-up",
+    "estimated_document_count": "reads the collection's metadata, scans nothing",
+    "command": "a server command (hello), no collection",
+}
+
+#: Recorded commands that select documents: each is audited.
+QUERIES = frozenset(
+    {
+        "find", "find_one", "find_one_and_update", "find_one_and_delete", "find_one_and_replace",
+        "update_one", "update_many", "replace_one", "delete_one", "delete_many",
+        "count_documents", "distinct", "bulk_write", "aggregate",
+    }
+)  # fmt: skip
+
+#: Shapes that no declared index serves, by (collection, command, top-level filter fields).
+UNINDEXED: dict[tuple[str, str, tuple[str, ...]], str] = {}
+
+
+def _sort(spec: Any) -> tuple[tuple[str, int], ...]:
+    if not spec:
+        return ()
+    if isinstance(spec, str):
+        return ((spec, 1),)
+    return tuple(_keys(spec))
+
+
+class ChainRecorder:
+    """An inner database wrapper that notes the cursor methods chained on each ``find`` (the
+    instrumentation records a find's arguments, not the ``.hint()`` chained on its cursor).
+    The notes are keyed by the find's filter object, the very object the `Operation` holds."""
+
+    mongoq_wrapper = True
+
+    def __init__(self, db: Any) -> None:
+        self.mongoq_delegate = db
+        self.chains: list[tuple[Any, str, tuple[Any, ...]]] = []
+
+    def __getitem__(self, name: str) -> Any:
+        return _RecordingCollection(self, self.mongoq_delegate[name])
+
+    def get_collection(self, name: str, **kwargs: Any) -> Any:
+        return _RecordingCollection(self, self.mongoq_delegate.get_collection(name, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.mongoq_delegate, name)
+
+    def chained(self, filter: Any, method: str) -> Any:
+        found = [args for key, name, args in self.chains if key is filter and name == method]
+        return found[-1][0] if found else None
+
+
+class _RecordingCollection:
+    def __init__(self, recorder: ChainRecorder, collection: Any) -> None:
+        self._recorder = recorder
+        self._collection = collection
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._collection, name)
+
+    def find(self, *args: Any, **kwargs: Any) -> Any:
+        key = args[0] if args else kwargs.get("filter")
+        return _RecordingCursor(self._recorder, key, self._collection.find(*args, **kwargs))
+
+
+class _RecordingCursor:
+    def __init__(self, recorder: ChainRecorder, key: Any, cursor: Any) -> None:
+        self._recorder = recorder
+        self._key = key
+        self._cursor = cursor
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._cursor, name)
+        if name not in ("hint", "sort"):
+            return attr
+
+        def chain(*args: Any) -> _RecordingCursor:
+            self._recorder.chains.append((self._key, name, args))
+            attr(*args)
+            return self
+
+        return chain
+
+
+def queries_of(op: Operation, recorder: ChainRecorder | None = None) -> Iterator[Query]:
+    """The document selections one recorded command makes."""
+    if op.name == "bulk_write":
+        requests = op.args[0] if op.args else op.kwargs["requests"]
+        for request in requests:
+            if hasattr(request, "_filter"):  # not an InsertOne
+                yield Query(
+                    op.collection, f"bulk_write:{type(request).__name__}", request._filter,
+                    _sort(getattr(request, "_sort", None)), getattr(request, "_hint", None),
+                )  # fmt: skip
+        return
+    if op.name == "aggregate":
+        pipeline = list(op.args[0] if op.args else op.kwargs["pipeline"])
+        leading = pipeline[0].get("$match", {}) if pipeline else {}
+        yield Query(op.collection, "aggregate", leading, hint=op.kwargs.get("hint"))
+        for stage in pipeline:
+            if "$lookup" in stage and "foreignField" in stage["$lookup"]:
+                lookup = stage["$lookup"]
+                yield Query(lookup["from"], "aggregate:$lookup", {lookup["foreignField"]: "..."})
+        return
+    if op.name == "distinct":
+        filter = op.args[1] if len(op.args) > 1 else op.kwargs.get("filter")
+        yield Query(op.collection, op.name, filter or {}, hint=op.kwargs.get("hint"))
+        return
+    filter = op.filter or {}
+    sort = _sort(op.kwargs.get("sort"))
+    hint = op.kwargs.get("hint")
+    if op.name == "find" and recorder is not None:
+        sort = sort or _sort(recorder.chained(op.filter, "sort"))
+        hint = hint or recorder.chained(op.filter, "hint")
+    yield Query(op.collection, op.name, filter, sort, hint)
+
+
+async def declared_indexes(db: Any, collections: Sequence[str]) -> dict[str, dict[str, Keys]]:
+    """Each collection's indexes by name (``_id`` only where none was declared). Partial
+    indexes (the tasks' TTL index on tombstones) serve only queries that imply their filter:
+    no query relies on them, so they are left out."""
+    declared: dict[str, dict[str, Keys]] = {}
+    for name in collections:
+        info = await db[name].index_information()
+        declared[name] = {"_id_": [("_id", 1)]} | {
+            index: _keys(spec["key"])
+            for index, spec in info.items()
+            if "partialFilterExpression" not in spec
+        }
+    return declared
+
+
+@dataclass
+class Audit:
+    checked: list[tuple[Query, str]] = field(default_factory=list)
+    unserved: list[Query] = field(default_factory=list)
+    allowed: set[tuple[str, str, tuple[str, ...]]] = field(default_factory=set)
+
+
+def audit(
+    operations: Sequence[Operation],
+    indexes: Mapping[str, Mapping[str, Keys]],
+    recorder: ChainRecorder | None = None,
+) -> Audit:
+    result = Audit()
+    for op in operations:
+        if op.name in NO_QUERY:
+            continue
+        for query in queries_of(op, recorder):
+            declared = indexes.get(query.collection, {"_id_": [("_id", 1)]})
+            plan = served_by(declared, query.filter, query.sort, query.hint)
+            key = (query.collection, query.command, query.fields)
+            if plan is not None:
+                result.checked.append((query, plan))
+            elif key in UNINDEXED:
+                result.allowed.add(key)
+            else:
+                result.unserved.append(query)
+    return result
+
+
+# ------------------------------------------------------------------------------ the workload
+
+
+class StealHeadOnce:
+    """A hook: just before `claim_many` stamps the heads it read, another lease stamps
+    `group`'s head, so the batch must read back which heads it got (its raced path)."""
+
+    def __init__(self, raw: Any, group: str) -> None:
+        self.raw = raw
+        self.group = group
+        self.armed = False
+
+    async def before(self, op: Operation) -> None:
+        stamp = op.collection == MESSAGES and op.name == "update_many" and "dead" in op.filter
+        if self.armed and stamp:  # the batched stamp of the heads
+            self.armed = False
+            await self.raw[MESSAGES].update_one(
+                {"group_id": self.group}, {"$set": {"token": "thief", "stamp_until": FAR}}
+            )
+
+    async def after(self, op: Operation, error: BaseException | None) -> None:
+        return None
+
+
+async def exercise_tasks(db: Any, clock: ManualClock) -> None:
+    queue = AsyncTaskQueue(
+        db, TASKS, clock=clock, max_attempts=2, lease_ttl=30, backoff_base=1, backoff_cap=1
+    )
+    await queue.ensure_indexes()
+    assert await queue.put("a", {"n": 1}) == "inserted"
+    assert await queue.put("a", {"n": 1}) == "unchanged"
+    assert await queue.put("b", {"n": 2}, revision=1, priority=5) == "inserted"
+    await queue.put_many([NewTask(f"m{i}", {"i": i}) for i in range(6)])
+
+    first = await queue.claim("w1")
+    assert first is not None and first.id == "b"
+    assert await queue.heartbeat(first)
+    assert await queue.complete(first, {"ok": True})
+    retried = await queue.claim("w1")
+    assert retried is not None
+    assert await queue.release_for_retry(retried, "transient")
+
+    batch = await queue.claim_many(4, "w2")
+    assert len(batch) == 4
+    assert await queue.heartbeat_many(batch) == 4
+    assert await queue.release_not_an_attempt(batch[0])
+    assert await queue.fail(batch[1], "permanent")
+    # A new revision under the holder: the settle misses, then requeues the new revision.
+    await queue.put(batch[2].id, {"v": 2}, revision=2)
+    assert not await queue.complete(batch[2])
+    await queue.put(batch[3].id, {"v": 2}, revision=2)
+    assert await queue.complete_many([batch[3]]) == [False]
+    done = await queue.claim_many(2, "w2")
+    assert await queue.complete_many(done, ["r1", "r2"]) == [True, True]
+
+    lapsed = await queue.claim("w3")
+    assert lapsed is not None
+    clock.advance(60)  # its lease runs out
+    await queue.reclaim_expired()
+    assert await queue.get(lapsed.id) is not None
+    assert await queue.requeue(batch[1].id)
+    assert await queue.remove("a")
+    await queue.stats()
+
+    async def handler(task: Task) -> Any:
+        if str(task.id).endswith("1"):
+            raise PermanentError("bad input")
+        if str(task.id).endswith("2"):
+            raise RuntimeError("transient")
+        return {"done": task.id}
+
+    await queue.put_many(NewTask(f"r{i}") for i in range(5))
+    assert (await queue.run(handler, stop_when_empty=True, worker_id="run1")).claimed
+    await queue.put_many(NewTask(f"s{i}") for i in range(5))
+    summary = await queue.run(handler, stop_when_empty=True, worker_id="run2", batch_size=3)
+    assert summary.claimed and summary.completed
+
+
+async def exercise_groups(db: Any, raw: Any, clock: ManualClock, steal: StealHeadOnce) -> None:
+    transport = AsyncGroupTransport(db, PREFIX, clock=clock, visibility=30, max_deliveries=2)
+    await transport.ensure_indexes()
+
+    async def claim(expect: str) -> GroupLease:
+        lease = await transport.claim("w")
+        assert lease is not None and lease.group_id == expect
+        return lease
+
+    # A group's only message: the ack drops the group.
+    await transport.publish("solo", {"n": 1})
+    lease = await claim("solo")
+    assert await transport.extend(lease)
+    assert await transport.ack(lease)
+
+    # Nacks (at once, then parked), a head over max_deliveries buried by the claim, a dead
+    # letter, and a claim that finds the group empty and drops it.
+    await transport.publish("pair", {"n": 1}, priority=1)
+    await transport.publish("pair", {"n": 2})
+    assert await transport.nack(await claim("pair"), 0, error="transient")
+    assert await transport.nack(await claim("pair"), 5)
+    clock.advance(6)
+    second = await claim("pair")  # the first head went to the dead letters on the way
+    assert second.deliveries == 1
+    assert await transport.dead_letter(second, "permanent")
+    assert await transport.claim("w") is None
+
+    # Batches: a group with more to come, and groups whose last message this is.
+    await transport.publish_many(
+        [NewMessage("b1", 1), NewMessage("b1", 2), NewMessage("b2", 3), NewMessage("b3", 4)]
+    )
+    leases = await transport.claim_many(3, "w")
+    assert sorted(lease.group_id for lease in leases) == ["b1", "b2", "b3"]
+    assert await transport.extend_many(leases) == 3
+    assert await transport.ack_many(leases) == [True] * 3
+    assert await transport.ack_many(await transport.claim_many(3, "w")) == [True]
+
+    # claim_many meeting a head another live lease holds (busy: its lock made due by hand), an
+    # empty group (ghost), a head over max_deliveries (tired), and a head stamped by someone
+    # else between the batch's read and its stamp (fresh): it leases none of them.
+    await transport.publish("tired", {"n": 1})
+    for _ in range(2):
+        assert await transport.nack(await claim("tired"), 0)
+    await transport.publish("busy", {"n": 1})
+    busy = await claim("busy")
+    await raw[LOCKS].update_one({"_id": "busy"}, {"$set": {"available_at": EPOCH}})
+    await transport.publish("ghost", {"n": 1})
+    await raw[MESSAGES].delete_many({"group_id": "ghost"})
+    await transport.publish("fresh", {"n": 1})
+    steal.armed = True
+    assert await transport.claim_many(10, "w") == []
+    assert not steal.armed
+    assert await transport.ack(busy)
+    # The thief finishes with fresh (a head stamped until 2100 would hold its group that long).
+    await raw[MESSAGES].delete_many({"group_id": "fresh"})
+    await raw[LOCKS].delete_one({"_id": "fresh"})
+
+    assert await transport.dead_letters()
+    assert await transport.dead_letters(group_id="pair")
+    seq = (await transport.dead_letters(limit=1))[0].seq
+    assert await transport.redrive([seq]) == 1
+    assert await transport.redrive(group_id="tired") == 1
+    await transport.redrive()
+
+    # An orphan: a message whose group was never readied.
+    await transport.publish("orphan", {"n": 1})
+    await raw[LOCKS].delete_one({"_id": "orphan"})
+    clock.advance(31)
+    assert await transport.recover_orphans() == 1
+    assert await transport.recover_orphans() == 0  # the sliding window
+    await transport.stats()
+
+    async def handler(lease: GroupLease) -> None:
+        if lease.group_id == "r1":
+            raise PermanentError("bad")
+        if lease.group_id == "r2":
+            raise RuntimeError("transient")
+
+    await transport.publish_many(NewMessage(f"r{i}", i) for i in range(4))
+    assert (await transport.run(handler, stop_when_empty=True, retry_delay=60)).claimed
+    await transport.publish_many(NewMessage(f"q{i}", i) for i in range(4))
+    summary = await transport.run(handler, stop_when_empty=True, batch_size=3)
+    assert summary.claimed and summary.acked
+
+
+#: Branches the workload must reach (collection, command, filter fields): the guard that it
+#: still drives the conditional queries, not only the common path.
+WITNESSES = {
+    (TASKS, "update_one", ("_id", "lease_token", "status", "worker_id")),  # heartbeat, requeue
+    # complete_many's requeue of a task whose revision changed (UpdateMany on this backend)
+    (TASKS, "bulk_write:UpdateMany", ("_id", "lease_token", "status", "worker_id")),
+    (TASKS, "find", ("_id", "status")),  # complete_many: which tasks are done
+    (TASKS, "update_many", ("$or",)),  # heartbeat_many
+    (MESSAGES, "find", ("_id", "token")),  # claim_many raced: which heads it stamped
+    (MESSAGES, "find_one", ("group_id",)),  # ack of a group's last message
+    (MESSAGES, "distinct", ("group_id",)),  # ack_many of groups' last messages
+    (LOCKS, "delete_one", ("_id", "token", "version")),  # a claim finding its group empty
+    (LOCKS, "bulk_write:DeleteOne", ("_id", "last_seq", "token", "version")),  # ack_many drop
+    (DEAD, "replace_one", ("_id",)),  # a burial
+    (DEAD, "find", ("group_id",)),
+    (DEAD, "find", ("_id",)),
+    (MESSAGES, "aggregate", ("published_at",)),  # recover_orphans
+    (LOCKS, "aggregate:$lookup", ("_id",)),
+}
+
+
+async def test_every_query_the_library_issues_is_served_by_a_declared_index() -> None:
+    raw = memory_database()
+    recorder = ChainRecorder(raw)
+    counter = CommandCounter()
+    counter.record = True
+    steal = StealHeadOnce(raw, "fresh")
+    db = instrument(recorder, steal, counter)
+    clock = ManualClock()
+
+    await exercise_tasks(db, clock)
+    await exercise_groups(db, raw, clock, steal)
+
+    indexes = await declared_indexes(raw, [TASKS, MESSAGES, LOCKS, COUNTERS, DEAD])
+    result = audit(counter.operations, indexes, recorder)
+
+    names = {op.name for op in counter.operations}
+    assert names - NO_QUERY.keys() - QUERIES == set(), "classify these commands"
+    seen = {(query.collection, query.command, query.fields) for query, _ in result.checked}
+    seen |= result.allowed
+    assert WITNESSES - seen == set(), "the workload no longer reaches these queries"
+    assert not result.unserved, "queries no declared index serves:\n" + "\n".join(
+        query.describe() for query in result.unserved
+    )
+    assert UNINDEXED.keys() - result.allowed == set(), "stale UNINDEXED entries: remove them"
+    # The claims use the index they name.
+    plans = {(q.collection, q.command, q.hint): plan for q, plan in result.checked if q.hint}
+    assert plans == {
+        (TASKS, "find_one_and_update", "claim"): "claim",
+        (TASKS, "find", "claim"): "claim",
+        (LOCKS, "find_one_and_update", "claim"): "claim",
+        (LOCKS, "find", "claim"): "claim",
+        (MESSAGES, "find_one_and_update", "group_head"): "group_head",
+    }
+
+
+# ---------------------------------------------------------------------- the matcher's own tests
+
+INDEXES: dict[str, Keys] = {
+    "_id_": [("_id", 1)],
+    "claim": [("priority", -1), ("lease_until", 1)],
+    "status_lease": [("status", 1), ("lease_until", 1)],
+}
+
+
+@pytest.mark.parametrize(
+    ("filter", "sort", "hint", "expected"),
+    [
+        ({"_id": "t1", "status": "processing", "worker_id": "w"}, (), None, "_id_"),
+        ({"_id": {"$in": [1, 2]}, "lease_token": "x"}, (), None, "_id_"),
+        ({"status": "pending"}, (), None, "status_lease"),
+        ({"status": "pending", "lease_until": {"$lte": 1}}, (), None, "status_lease"),
+        ({"status": {"$in": ["a", "b"]}}, [("lease_until", -1)], None, "status_lease"),
+        ({"lease_until": {"$lte": 1}}, [("priority", -1), ("lease_until", 1)], "claim", "claim"),
+        ({"lease_until": {"$lte": 1}}, [("priority", 1), ("lease_until", -1)], None, "claim"),
+        ({"$or": [{"_id": 1, "token": "a"}, {"_id": 2, "token": "b"}]}, (), None, "$or: _id_"),
+        ({"$and": [{"status": "done"}, {"payload": {"$ne": None}}]}, (), None, "status_lease"),
+    ],
+)
+def test_the_matcher_accepts_what_an_index_serves(
+    filter: dict[str, Any], sort: Any, hint: Any, expected: str
+) -> None:
+    assert served_by(INDEXES, filter, sort, hint) == expected
+
+
+@pytest.mark.parametrize(
+    ("filter", "sort", "hint"),
+    [
+        pytest.param({"payload.n": 1}, (), None, id="unindexed field"),
+        pytest.param({}, (), None, id="empty filter: a collection scan"),
+        pytest.param({"worker_id": "w"}, (), None, id="field not leading any index"),
+        pytest.param({"lease_until": {"$lte": 1}}, (), None, id="range on a second key"),
+        pytest.param({"status": "done", "worker_id": "w"}, (), None, id="equality not covered"),
+        pytest.param({"status": "done"}, [("priority", -1)], None, id="sort not in the index"),
+        pytest.param(
+            {}, [("priority", -1), ("lease_until", -1)], None, id="sort in mixed directions"
+        ),
+        pytest.param({"status": "done"}, (), "nope", id="hint names no index"),
+        pytest.param({"status": "done"}, (), "claim", id="hinted index does not serve it"),
+        pytest.param({"$or": [{"_id": 1}, {"worker_id": "w"}]}, (), None, id="unindexed branch"),
+        pytest.param({"status": {"$ne": "done"}}, (), None, id="$ne picks no index"),
+    ],
+)
+def test_the_matcher_rejects_what_no_index_serves(
+    filter: dict[str, Any], sort: Any, hint: Any
+) -> None:
+    assert served_by(INDEXES, filter, sort, hint) is None
+
+
+async def test_the_audit_reports_a_query_on_an_unindexed_field() -> None:
+    raw = memory_database()
+    counter = CommandCounter()
+    counter.record = True
+    db = instrument(ChainRecorder(raw), counter)
+    queue = AsyncTaskQueue(db, TASKS, clock=ManualClock())
+    await queue.ensure_indexes()
+    await queue.put("a", {"n": 1})
+    await db[TASKS].find_one({"payload.n": 1})
+    await db[TASKS].count_documents({})
+    result = audit(counter.operations, await declared_indexes(raw, [TASKS]))
+    assert [query.describe() for query in result.unserved] == [
+        f"{TASKS}.find_one {{'payload.n': 1}}",
+        f"{TASKS}.count_documents {{}}",
+    ]
+
+
+# ------------------------------------------------------------------- explain on a real server
+
+
+def _explain_command(op: Operation, recorder: ChainRecorder) -> dict[str, Any]:
+    """The server command a recorded claim-path operation sends, to explain."""
+    filter = op.filter or {}
+    if op.name == "find":
+        command: dict[str, Any] = {"find": op.collection, "filter": filter}
+        sort = _sort(op.kwargs.get("sort"))
+        if sort:
+            command["sort"] = dict(sort)
+        if op.kwargs.get("limit"):
+            command["limit"] = op.kwargs["limit"]
+        if (hint := recorder.chained(op.filter, "hint")) is not None:
+            command["hint"] = hint
+        return command
+    if op.name == "find_one_and_update":
+        command = {"findAndModify": op.collection, "query": filter, "update": op.args[1]}
+        if op.kwargs.get("sort"):
+            command["sort"] = dict(_sort(op.kwargs["sort"]))
+        if op.kwargs.get("hint") is not None:
+            command["hint"] = op.kwargs["hint"]
+        return command
+    if op.name in ("update_one", "update_many"):
+        update = {"q": filter, "u": op.args[1], "multi": op.name == "update_many"}
+        return {"update": op.collection, "updates": [update]}
+    if op.name == "aggregate":
+        return {"aggregate": op.collection, "pipeline": list(op.args[0]), "cursor": {}}
+    raise AssertionError(f"no explain for {op.collection}.{op.name}")
+
+
+def _stages(plan: Any) -> Iterator[str]:
+    if isinstance(plan, Mapping):
+        if isinstance(plan.get("stage"), str):
+            yield plan["stage"]
+        for value in plan.values():
+            yield from _stages(value)
+    elif isinstance(plan, list):
+        for value in plan:
+            yield from _stages(value)
+
+
+async def test_claim_queries_do_not_scan_the_collection_on_a_real_server(
+    db: Any, request: pytest.FixtureRequest
+) -> None:
+    if request.node.callspec.params["db"] == "memory":
+        pytest.skip("explain needs a real server: set MONGOQ_TEST_URI")
+    recorder = ChainRecorder(db)
+    counter = CommandCounter()
+    wrapped = instrument(recorder, counter)
+    clock = ManualClock()
+    queue = AsyncTaskQueue(wrapped, TASKS, clock=clock)
+    transport = AsyncGroupTransport(wrapped, PREFIX, clock=clock)
+    await queue.ensure_indexes()
+    await transport.ensure_indexes()
+    # A backlog with settled work beside it, so that a scan would have something to scan.
+    await queue.put_many(NewTask(f"t{i}", priority=i % 3) for i in range(200))
+    for task in await queue.claim_many(50, "w"):
+        await queue.complete(task)
+    await transport.publish_many(NewMessage(f"g{i % 40}", i, priority=i % 5) for i in range(200))
+
+    counter.record = True
+    assert await queue.claim("w") is not None
+    assert await queue.claim_many(10, "w")
+    assert await transport.claim("w") is not None
+    assert await transport.claim_many(10, "w")
+    counter.record = False
+
+    scans = []
+    for op in counter.operations:
+        explained = await db.command(
+            {"explain": _explain_command(op, recorder), "verbosity": "queryPlanner"}
+        )
+        if "COLLSCAN" in set(_stages(explained)):
+            scans.append(f"{op.collection}.{op.name} {op.filter!r}")
+    assert len(counter.operations) >= 10
+    assert not scans, "claim queries that scan the collection:\n" + "\n".join(scans)
