@@ -20,17 +20,15 @@ Owns no collections.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import inspect
 import os
 import threading
 import weakref
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any, ClassVar, TypeVar
 
-import anyio
-import anyio.from_thread
 import anyio.to_thread
 
 from mongoq import _driver
@@ -45,57 +43,191 @@ CANCEL_GRACE = 5.0
 
 
 class Portal:
-    """An event-loop thread that runs coroutines for blocking callers."""
+    """An event-loop thread that runs coroutines for blocking callers.
+
+    The thread runs a plain asyncio loop (anyio's primitives work on it). Holding no generator
+    or other object that must be finalized inside the loop keeps a forked child, which inherits
+    this object but not the thread, from hanging when it lets go of it.
+    """
 
     def __init__(self) -> None:
-        self._manager = anyio.from_thread.start_blocking_portal("asyncio")
-        self._portal = self._manager.__enter__()
         self.pid = os.getpid()
-        self.thread_id: int = self._portal.call(threading.get_ident)
-        self._loop: asyncio.AbstractEventLoop = self._portal.call(asyncio.get_running_loop)
+        self._loop = asyncio.new_event_loop()
         self._closed = False
+        self._contexts: set[_BlockingContext] = set()
+        ready = threading.Event()
+        self._thread = threading.Thread(
+            target=self._serve, args=(ready,), name="mongoq_sync portal", daemon=True
+        )
+        self._thread.start()
+        ready.wait()
+        self.thread_id: int = self._thread.ident or 0
 
-    def call(self, function: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-        """Run `function` (sync or async) in the portal's loop and return its result."""
+    def _serve(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.call_soon(ready.set)
+        self._loop.run_forever()
+
+    def _check_caller(self) -> None:
         if threading.get_ident() == self.thread_id:
             raise MongoqError(
                 "mongoq_sync was called from its own event loop thread (e.g. inside a handler "
                 "coroutine); use the async API (mongoq) there"
             )
-        if self._closed:
+        if self._closed or self.pid != os.getpid():
             raise MongoqError("this mongoq_sync database is closed")
-        finished = threading.Event()
 
-        async def runner() -> Any:
+    def call(self, function: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Run `function` (sync or async) in the portal's loop and return its result.
+
+        One hand-off each way: the function starts in the loop, and its task's done callback
+        releases the caller's lock. Ctrl-C while waiting cancels the task and waits briefly
+        for its clean-up (a lease release) before re-raising.
+        """
+        self._check_caller()
+        done = threading.Lock()
+        done.acquire()
+        outcome: list[tuple[bool, Any]] = []
+        tasks: list[asyncio.Future[Any]] = []
+
+        def finish(task: asyncio.Future[Any]) -> None:
+            if task.cancelled():
+                outcome.append((False, MongoqError("the operation was cancelled")))
+            elif (error := task.exception()) is not None:
+                outcome.append((False, error))
+            else:
+                outcome.append((True, task.result()))
+            done.release()
+
+        def start() -> None:
             try:
                 result = function(*args, **kwargs)
-                if inspect.isawaitable(result):
-                    result = await result
-                return result
-            finally:
-                finished.set()
+            except BaseException as exc:
+                outcome.append((False, exc))
+                done.release()
+                return
+            if inspect.isawaitable(result):
+                task = asyncio.ensure_future(result)
+                tasks.append(task)
+                task.add_done_callback(finish)
+            else:
+                outcome.append((True, result))
+                done.release()
 
-        # Straight onto the loop: half the cost of a portal task (the facade's per-call
-        # overhead is mostly this hand-off).
-        future = asyncio.run_coroutine_threadsafe(runner(), self._loop)
         try:
-            return future.result()
-        except BaseException:
-            if not future.done():  # interrupted (Ctrl-C) while waiting: cancel the operation
-                future.cancel()
-                finished.wait(CANCEL_GRACE)
+            self._loop.call_soon_threadsafe(start)
+        except RuntimeError:  # the loop is gone
+            raise MongoqError("this mongoq_sync database is closed") from None
+        try:
+            done.acquire()
+        except BaseException:  # interrupted (Ctrl-C) while waiting: cancel the operation
+            self._loop.call_soon_threadsafe(lambda: [task.cancel() for task in tasks])
+            done.acquire(timeout=CANCEL_GRACE)
             raise
+        succeeded, value = outcome[0]
+        if succeeded:
+            return value
+        raise value
 
-    def context(self, manager: Any) -> AbstractContextManager[Any]:
+    def context(self, manager: Any) -> _BlockingContext:
         """An async context manager as a blocking one; both ends run in one portal task, so
         whatever the manager starts (a lease's heartbeat) keeps running in between."""
-        return self._portal.wrap_async_context_manager(manager)
+        return _BlockingContext(self, manager)
+
+    def cancel_open_blocks(self) -> None:
+        """Cancel the blocks still open: a lease block's exit then releases its task."""
+        if self.pid == os.getpid():
+            for context in list(self._contexts):
+                context.cancel()
 
     def close(self) -> None:
+        """Cancel what is still open, stop the loop and join the thread."""
         if self._closed or self.pid != os.getpid():
             return
+        self.cancel_open_blocks()
         self._closed = True
-        self._manager.__exit__(None, None, None)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if threading.get_ident() != self.thread_id:
+            self._thread.join()
+            self._loop.close()
+
+
+class _BlockingContext:
+    """Runs an async context manager's ``__aenter__`` and ``__aexit__`` in one portal task.
+
+    A cancellation while the block runs (the portal closing, Ctrl-C in ``__enter__``) reaches
+    ``__aexit__`` as a cancellation, never as a clean exit: a lease block is released for
+    retry, not completed.
+    """
+
+    def __init__(self, portal: Portal, manager: Any) -> None:
+        self._portal = portal
+        self._manager = manager
+        self._entered: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._finished: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._exit: asyncio.Future[tuple[Any, Any, Any]] | None = None
+        self._task: asyncio.Task[Any] | None = None
+
+    async def _run(self) -> Any:
+        self._exit = asyncio.get_running_loop().create_future()
+        value = await self._manager.__aenter__()
+        self._entered.set_result(value)
+        try:
+            exc_type, exc, tb = await self._exit
+        except asyncio.CancelledError as cancelled:
+            await self._manager.__aexit__(type(cancelled), cancelled, cancelled.__traceback__)
+            raise
+        return await self._manager.__aexit__(exc_type, exc, tb)
+
+    def _start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+        def done(task: asyncio.Future[Any]) -> None:
+            self._portal._contexts.discard(self)
+            if not self._entered.done():
+                error = task.exception() if not task.cancelled() else None
+                self._entered.set_exception(error or MongoqError("the block was cancelled"))
+            if task.cancelled():
+                self._finished.set_exception(MongoqError("the block was cancelled"))
+            elif (error := task.exception()) is not None:
+                self._finished.set_exception(error)
+            else:
+                self._finished.set_result(task.result())
+
+        self._task.add_done_callback(done)
+
+    def cancel(self) -> None:
+        task = self._task
+        if task is not None:
+            self._portal._loop.call_soon_threadsafe(task.cancel)
+            with contextlib.suppress(Exception):
+                self._finished.exception(timeout=CANCEL_GRACE)
+
+    def __enter__(self) -> Any:
+        self._portal._check_caller()
+        self._portal._contexts.add(self)
+        self._portal._loop.call_soon_threadsafe(self._start)
+        try:
+            return self._entered.result()
+        except BaseException:
+            self.cancel()  # interrupted, or __aenter__ failed (then this is a no-op)
+            raise
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        exit_future = self._exit
+        if exit_future is not None and not self._finished.done():
+
+            def leave() -> None:
+                if not exit_future.done():
+                    exit_future.set_result((exc_type, exc, tb))
+
+            self._portal._loop.call_soon_threadsafe(leave)
+        try:
+            return bool(self._finished.result())
+        except BaseException:
+            if not self._finished.done():  # interrupted while exiting
+                self.cancel()
+            raise
 
 
 class Database:
@@ -160,6 +292,11 @@ class Database:
 def _shutdown(portal: Portal, db: Any) -> None:
     if portal.pid != os.getpid():
         return  # a forked child's copy: the thread lives in the parent only
+    if threading.get_ident() == portal.thread_id:
+        # Collected inside the portal's own loop: it cannot wait on itself; hand it over.
+        threading.Thread(target=_shutdown, args=(portal, db), daemon=True).start()
+        return
+    portal.cancel_open_blocks()  # while the client can still release their leases
     with contextlib.suppress(Exception):  # the loop may already be gone at interpreter exit
         portal.call(_driver.close, db)
     portal.close()
@@ -197,19 +334,24 @@ class Facade:
     def _build(
         self, database: Database, factory: Callable[..., Any], *args: Any, **kwargs: Any
     ) -> None:
-        """Create the wrapped async object inside the portal, and remember how (for a fork)."""
-        args = tuple(_unwrap(database, arg) for arg in args)
-        kwargs = {key: _unwrap(database, value) for key, value in kwargs.items()}
+        """Create the wrapped async object inside the portal, and remember how (for a fork).
+
+        The recipe keeps the facade arguments, not what they wrap: rebuilt in a forked child,
+        the object gets the child's fresh client, not the parent's."""
         self._database = database
-        self._recipe = lambda: factory(*args, **kwargs)
-        self._wrapped = database.call(self._recipe)
+        self._recipe = lambda: self._database.call(
+            factory,
+            *(_unwrap(database, arg) for arg in args),
+            **{key: _unwrap(database, value) for key, value in kwargs.items()},
+        )
+        self._wrapped = self._recipe()
         self._built_by = os.getpid()
 
     def _target(self) -> Any:
         if self._built_by != os.getpid():
             if self._recipe is None:
                 raise MongoqError(f"this {type(self).__name__} belongs to the parent process")
-            self._wrapped = self._database.call(self._recipe)
+            self._wrapped = self._recipe()
             self._built_by = os.getpid()
         return self._wrapped
 
@@ -229,12 +371,12 @@ class Facade:
 
     def _enter(self) -> Any:
         """``__enter__`` of a facade over an async context manager."""
-        self._context = self._database.portal.context(self._target())
+        self._context: Any = self._database.portal.context(self._target())
         self._context.__enter__()
         return self
 
     def _exit(self, *exc_info: Any) -> bool | None:
-        return self._context.__exit__(*exc_info)
+        return bool(self._context.__exit__(*exc_info))
 
 
 def _unwrap(database: Database, value: Any) -> Any:

@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import traceback
 import uuid
 from collections.abc import Awaitable, Callable
@@ -33,6 +34,7 @@ import anyio.lowlevel
 from mongoq import _driver
 from mongoq._validation import check_worker_id
 from mongoq.clock import Clock
+from mongoq.errors import MongoqError
 
 __all__ = ["KeepAlive", "WorkerHost", "WorkerLoop", "default_worker_id", "error_text"]
 
@@ -103,6 +105,12 @@ class WorkerLoop(Generic[Item]):
             nap.cancel()
 
     async def run(self, *, handle_signals: bool = False) -> None:
+        if handle_signals and threading.current_thread() is not threading.main_thread():
+            raise MongoqError(
+                "handle_signals needs the main thread's event loop; from mongoq_sync, Ctrl-C "
+                "during run() cancels it (in-flight work is released), and stop() stops it "
+                "gracefully"
+            )
         async with anyio.create_task_group() as group:
             if handle_signals:
                 group.start_soon(self._watch_signals, group.cancel_scope)

@@ -8,6 +8,8 @@ Ctrl-C, fork).
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import os
 import signal
 import subprocess
@@ -210,3 +212,49 @@ def test_a_forked_child_gets_a_fresh_portal(blocking_db: mongoq_sync.Database) -
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert queue.get("parent") is not None  # the parent's facade still works
+
+
+def test_closing_the_database_with_an_open_lease_block_releases_the_task() -> None:
+    database = mongoq_sync.connect()  # the embedded backend: its data outlives the client
+    queue = mongoq_sync.TaskQueue(database, "tasks", clock=ManualClock(), backoff_base=10)
+    queue.ensure_indexes()
+    queue.put("t1")
+    task = queue.claim("w")
+    block = queue.leased(task)
+    block.__enter__()
+    raw = database.async_database
+    database.close()  # returns: the open block is cancelled, not waited for
+    doc = asyncio.run(raw["tasks"].find_one({"_id": "t1"}))
+    # Cancelled, never completed: released for retry (the attempt counts), with its reason.
+    assert (doc["status"], doc["attempts"], doc["result"]) == ("pending", 1, None)
+    assert "CancelledError" in doc["error"]
+
+
+def test_run_with_handle_signals_explains_itself(blocking_db: mongoq_sync.Database) -> None:
+    queue = mongoq_sync.TaskQueue(blocking_db, "tasks", clock=ManualClock())
+    with pytest.raises(MongoqError, match="handle_signals needs the main thread"):
+        queue.run(lambda task: None, stop_when_empty=True, handle_signals=True)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_rebuilds_on_its_own_client_and_closes_cleanly(
+    blocking_db: mongoq_sync.Database,
+) -> None:
+    queue = mongoq_sync.TaskQueue(blocking_db, "tasks", clock=ManualClock())
+    queue.ensure_indexes()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(30)  # a hang in the child fails the test instead of stalling it
+        status = 1
+        try:
+            queue.put("child")
+            rebuilt = queue._target()
+            fresh = rebuilt.db is blocking_db.async_database  # the child's own client
+            blocking_db.close()  # and letting go of everything does not hang
+            del queue, rebuilt
+            gc.collect()
+            status = 0 if fresh else 3
+        finally:
+            os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
