@@ -59,6 +59,23 @@ async def lifecycle_publish_many(uri: str | None, count: int, groups: int) -> Re
         )
 
 
+async def lifecycle_batched(uri: str | None, count: int, groups: int) -> Result:
+    """publish_many, claim_many and ack_many in batches of 100."""
+    async with counted_database(uri) as bench:
+        clock = ManualClock()
+        transport = await _transport(bench.db, clock)
+        bench.start()
+        batch = _messages(count, groups)
+        for start in range(0, count, 100):
+            await transport.publish_many(batch[start : start + 100])
+        acked = 0
+        while leases := await transport.claim_many(100, "bench"):
+            acked += sum(await transport.ack_many(leases))
+            clock.advance(0.001)
+        assert acked == count
+        return bench.stop(f"groups: publish/claim/ack_many(100) ({count // groups}/group)", count)
+
+
 async def claim_cost(uri: str | None, groups: int, claims: int = 20) -> Result:
     async with counted_database(uri) as bench:
         clock = ManualClock()
@@ -84,6 +101,7 @@ def scenarios(
             "group lifecycle publish_many",
             lambda uri: lifecycle_publish_many(uri, count, count // 10),
         ),
+        ("group lifecycle batched", lambda uri: lifecycle_batched(uri, count, count // 10)),
     ]
     for groups in groups_list:
         runs.append(

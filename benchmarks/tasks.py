@@ -53,6 +53,23 @@ async def lifecycle_put_many(uri: str | None, tasks: int) -> Result:
         return bench.stop("tasks: put_many(100) + claim + complete", tasks)
 
 
+async def lifecycle_batched(uri: str | None, tasks: int) -> Result:
+    """put_many, claim_many and complete_many in batches of 100."""
+    async with counted_database(uri) as bench:
+        queue = await _queue(bench.db)
+        bench.start()
+        for start in range(0, tasks, 100):
+            await queue.put_many(
+                NewTask(f"t{number}", {"n": number})
+                for number in range(start, min(start + 100, tasks))
+            )
+        done = 0
+        while batch := await queue.claim_many(100, "bench"):
+            done += sum(await queue.complete_many(batch))
+        assert done == tasks
+        return bench.stop("tasks: put/claim/complete_many(100)", tasks)
+
+
 async def claim_cost(uri: str | None, backlog: int, claims: int = 20) -> Result:
     """Commands (and time) per claim+complete with `backlog` tasks waiting."""
     async with counted_database(uri) as bench:
@@ -74,6 +91,7 @@ def scenarios(tasks: int, backlogs: list[int]) -> list[tuple[str, Callable[[str 
     runs: list[tuple[str, Callable[[str | None], object]]] = [
         ("lifecycle single", lambda uri: lifecycle_single(uri, tasks)),
         ("lifecycle put_many", lambda uri: lifecycle_put_many(uri, tasks)),
+        ("lifecycle batched", lambda uri: lifecycle_batched(uri, tasks)),
     ]
     for backlog in backlogs:
         runs.append(

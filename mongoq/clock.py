@@ -43,6 +43,10 @@ class Clock(Protocol):
         """Wait `seconds` of this clock's time."""
         ...
 
+    async def sleep_until(self, deadline: datetime) -> None:
+        """Wait until this clock reads `deadline` (at once if it has passed)."""
+        ...
+
     async def refresh(self) -> None:
         """Re-synchronise if the clock follows another one; cheap when nothing is due."""
         ...
@@ -56,6 +60,9 @@ class SystemClock:
 
     async def sleep(self, seconds: float) -> None:
         await anyio.sleep(max(0.0, seconds))
+
+    async def sleep_until(self, deadline: datetime) -> None:
+        await self.sleep((deadline - self.now()).total_seconds())
 
     async def refresh(self) -> None:
         return None

@@ -911,15 +911,14 @@ class AsyncTaskQueue(WorkerHost):
             outcome = lease.outcome or "unknown"
             setattr(summary, outcome, getattr(summary, outcome) + 1)
 
-        if batch_size > 1:
-            await self._run_batches(
-                handler, summary, worker, batch_size=batch_size, concurrency=concurrency,
-                poll=poll, stop_when_empty=stop_when_empty, handle_signals=handle_signals,
-            )  # fmt: skip
-            return summary
-        loop: WorkerLoop[Task] = WorkerLoop(
-            claim=claim,
-            process=process,
+        steps: tuple[Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]] = (
+            (claim, process)
+            if batch_size == 1
+            else self._batch_steps(handler, summary, worker, batch_size)
+        )
+        loop: WorkerLoop[Any] = WorkerLoop(
+            claim=steps[0],
+            process=steps[1],
             clock=self.clock,
             concurrency=concurrency,
             poll_interval=poll,
@@ -931,18 +930,15 @@ class AsyncTaskQueue(WorkerHost):
         await self._run_loop(loop, handle_signals=handle_signals)
         return summary
 
-    async def _run_batches(
+    def _batch_steps(
         self,
         handler: Callable[[Task], Awaitable[Any]],
         summary: RunSummary,
         worker: str,
-        *,
         batch_size: int,
-        concurrency: int,
-        poll: float,
-        stop_when_empty: bool,
-        handle_signals: bool,
-    ) -> None:
+    ) -> tuple[Callable[[], Awaitable[list[Task] | None]], Callable[[list[Task]], Awaitable[None]]]:
+        """The claim and process steps of `run` with batches."""
+
         async def claim() -> list[Task] | None:
             tasks = await self.claim_many(batch_size, worker)
             summary.claimed += len(tasks)
@@ -1011,15 +1007,4 @@ class AsyncTaskQueue(WorkerHost):
                         log.warning("settling a batch failed; its leases will expire",
                                     exc_info=True)  # fmt: skip
 
-        loop: WorkerLoop[list[Task]] = WorkerLoop(
-            claim=claim,
-            process=process,
-            clock=self.clock,
-            concurrency=concurrency,
-            poll_interval=poll,
-            stop_when_empty=stop_when_empty,
-            housekeeping=self.reclaim_expired,
-            housekeeping_interval=self.lease_ttl / 3,
-            name=f"tasks:{self.name}",
-        )
-        await self._run_loop(loop, handle_signals=handle_signals)
+        return claim, process

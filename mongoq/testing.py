@@ -73,14 +73,27 @@ class ManualClock:
         return None
 
     async def sleep(self, seconds: float) -> None:
-        if seconds <= 0:
-            await anyio.lowlevel.checkpoint()
-            return
+        await self._sleep(lambda now: now + timedelta(seconds=seconds))
+
+    async def sleep_until(self, deadline: datetime) -> None:
+        """Wait until the clock reads `deadline`: absolute, so an advance from another thread
+        between reading the clock and calling this cannot postpone the wake-up."""
+        deadline = to_millis(deadline)
+        await self._sleep(lambda now: deadline)
+
+    async def _sleep(self, deadline_from: Callable[[datetime], datetime]) -> None:
         wake = anyio.Event()
         loop = asyncio.get_running_loop()
         with self._lock:
-            entry = (self._now + timedelta(seconds=seconds), next(self._counter), wake, loop)
-            heapq.heappush(self._sleepers, entry)
+            deadline = deadline_from(self._now)
+            if deadline <= self._now:
+                entry = None
+            else:
+                entry = (deadline, next(self._counter), wake, loop)
+                heapq.heappush(self._sleepers, entry)
+        if entry is None:
+            await anyio.lowlevel.checkpoint()
+            return
         try:
             await wake.wait()
         finally:

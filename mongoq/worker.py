@@ -264,7 +264,7 @@ class KeepAlive:
 
     async def _run(self) -> None:
         while True:
-            await self._clock.sleep((self._next - self._clock.now()).total_seconds())
+            await self._clock.sleep_until(self._next)
             try:
                 held = await self._renew()
             except _driver.DRIVER_ERRORS as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
 import os
 import signal
 import subprocess
@@ -24,7 +25,7 @@ import anyio
 import pytest
 
 import mongoq_sync
-from mongoq import MongoqError, _driver
+from mongoq import AsyncGroupTransport, AsyncTaskQueue, MongoqError, TaskLease, _driver
 from mongoq._portal import Portal
 from mongoq.testing import ManualClock, settle
 from tests.conftest import TEST_URI
@@ -75,24 +76,41 @@ def test_the_generated_facade_is_current() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_the_facade_mirrors_every_public_method() -> None:
-    import inspect
+def _public_functions(cls: type) -> dict[str, Any]:
+    functions: dict[str, Any] = {}
+    for klass in cls.__mro__[:-1]:
+        for name, member in vars(klass).items():
+            if not name.startswith("_") and inspect.isfunction(member):
+                functions.setdefault(name, member)
+    return functions
 
-    from mongoq import AsyncGroupTransport, AsyncTaskQueue
 
-    for async_class, sync_class in (
+def _shape(function: Any) -> list[tuple[str, Any, Any]]:
+    """Each parameter's name, kind and default (annotations differ by the Awaitable rewrite)."""
+    return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+
+@pytest.mark.parametrize(
+    ("async_class", "sync_class"),
+    [
         (AsyncTaskQueue, mongoq_sync.TaskQueue),
+        (TaskLease, mongoq_sync.TaskLease),
         (AsyncGroupTransport, mongoq_sync.GroupTransport),
-    ):
-        for name, member in vars(async_class).items():
-            if name.startswith("_") or not inspect.isfunction(member):
-                continue
-            mirrored = getattr(sync_class, name)
-            assert not inspect.iscoroutinefunction(mirrored), name
-            assert inspect.getdoc(mirrored) == inspect.getdoc(member), name
-            assert list(inspect.signature(mirrored).parameters) == list(
-                inspect.signature(member).parameters
-            ), name
+    ],
+    ids=["TaskQueue", "TaskLease", "GroupTransport"],
+)
+def test_the_facade_mirrors_every_public_method(async_class: type, sync_class: type) -> None:
+    functions = _public_functions(async_class)
+    assert "stop" in functions or async_class is TaskLease  # inherited members count too
+    for name, member in functions.items():
+        mirrored = getattr(sync_class, name)
+        assert not inspect.iscoroutinefunction(mirrored), name
+        assert inspect.getdoc(mirrored) == inspect.getdoc(member), name
+        assert _shape(mirrored) == _shape(member), name
+    for name in ("__init__",) if async_class is not TaskLease else ():
+        assert _shape(getattr(sync_class, name)) == _shape(getattr(async_class, name))
+    if hasattr(async_class, "__aenter__"):
+        assert hasattr(sync_class, "__enter__") and hasattr(sync_class, "__exit__")
 
 
 def test_a_blocking_handler_longer_than_the_lease_keeps_it(

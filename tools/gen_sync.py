@@ -13,6 +13,7 @@ call through the portal (`mongoq._portal`); the generated code holds no logic.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import inspect
 import os
@@ -87,7 +88,7 @@ from typing import Any, cast
 from mongoq._portal import Database, Facade, in_worker_thread
 '''
 
-_HANDLER = re.compile(r"^Callable\[(\[.*\]), Awaitable\[(.*)\]\]$")
+_HANDLER = re.compile(r"^Callable\[(\[.*\]), Awaitable\[(.*)\]\]( \| None)?$")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _KNOWN = {"Any", "Callable", "Iterable", "None", "Database", "cast"} | set(dir(__builtins__))
 
@@ -97,34 +98,72 @@ def _annotation(text: object, renames: dict[str, str]) -> str:
     return _IDENTIFIER.sub(lambda m: renames.get(m.group(0), m.group(0)), source)
 
 
+class GenerationError(Exception):
+    """The async core has something the generator does not know how to mirror."""
+
+
+def _default(where: str, value: object) -> str:
+    text = repr(value)
+    try:
+        same = ast.literal_eval(text) == value
+    except (ValueError, SyntaxError):
+        same = False
+    if not same:
+        raise GenerationError(f"{where}: default {text} is not a literal the facade can repeat")
+    return text
+
+
 def _parameters(
-    function: object, renames: dict[str, str], spec: Spec, constructor: bool
-) -> tuple[str, str, list[str]]:
-    """(signature text, call arguments text, names of handler parameters)."""
+    function: object, renames: dict[str, str], spec: Spec, constructor: bool, where: str
+) -> tuple[str, str]:
+    """(signature text, call arguments text), every parameter kind kept."""
     signature = inspect.signature(function)  # type: ignore[arg-type]
     declared: list[str] = []
     passed: list[str] = []
-    handlers: list[str] = []
-    star_done = False
+    kinds = inspect.Parameter
+    previous = None
     for parameter in list(signature.parameters.values())[1:]:
+        name = parameter.name
+        if parameter.annotation is inspect.Parameter.empty:
+            raise GenerationError(f"{where}: parameter {name!r} has no annotation")
         annotation = _annotation(parameter.annotation, renames)
-        if constructor and parameter.name in spec.database_params:
+        if constructor and name in spec.database_params:
             annotation = "Database"
         handler = _HANDLER.match(annotation)
         if handler:
-            annotation = f"Callable[{handler.group(1)}, {handler.group(2)}]"
-            handlers.append(parameter.name)
-        text = f"{parameter.name}: {annotation}"
-        if parameter.default is not inspect.Parameter.empty:
-            text += f" = {parameter.default!r}"
-        if parameter.kind is inspect.Parameter.KEYWORD_ONLY and not star_done:
+            optional = handler.group(3) is not None
+            annotation = f"Callable[{handler.group(1)}, {handler.group(2)}]" + (
+                " | None" if optional else ""
+            )
+            value = f"in_worker_thread({name})" + (
+                f" if {name} is not None else None" if optional else ""
+            )
+        else:
+            value = name
+        if previous is kinds.POSITIONAL_ONLY and parameter.kind is not kinds.POSITIONAL_ONLY:
+            declared.append("/")
+        if parameter.kind is kinds.KEYWORD_ONLY and previous not in (
+            kinds.KEYWORD_ONLY,
+            kinds.VAR_POSITIONAL,
+        ):
             declared.append("*")
-            star_done = True
+        prefix = {kinds.VAR_POSITIONAL: "*", kinds.VAR_KEYWORD: "**"}.get(parameter.kind, "")
+        text = f"{prefix}{name}: {annotation}"
+        if parameter.default is not inspect.Parameter.empty:
+            text += f" = {_default(f'{where}({name})', parameter.default)}"
         declared.append(text)
-        value = f"in_worker_thread({parameter.name})" if handler else parameter.name
-        passed.append(value if parameter.kind is not inspect.Parameter.KEYWORD_ONLY
-                      else f"{parameter.name}={value}")  # fmt: skip
-    return ", ".join(["self", *declared]), ", ".join(passed), handlers
+        if parameter.kind is kinds.KEYWORD_ONLY:
+            passed.append(f"{name}={value}")
+        elif prefix:
+            if handler:
+                raise GenerationError(f"{where}: a handler cannot be {prefix}{name}")
+            passed.append(f"{prefix}{name}")
+        else:
+            passed.append(value)
+        previous = parameter.kind
+    if previous is kinds.POSITIONAL_ONLY:
+        declared.append("/")
+    return ", ".join(["self", *declared]), ", ".join(passed)
 
 
 def _docstring(obj: object, indent: str) -> list[str]:
@@ -141,20 +180,32 @@ def _docstring(obj: object, indent: str) -> list[str]:
 
 
 def _public_methods(cls: type) -> list[tuple[str, object]]:
-    """Public functions of `cls` and its mongoq bases, in definition order, own ones first."""
+    """Public functions of `cls` and its bases, in definition order, own ones first; anything
+    public the facade cannot mirror (a classmethod, an async generator...) stops generation."""
     methods: dict[str, object] = {}
     for klass in cls.__mro__:
         if klass is object:
             continue
         for name, member in vars(klass).items():
-            if not name.startswith("_") and inspect.isfunction(member):
-                methods.setdefault(name, member)
+            if name.startswith("_") or name in methods or isinstance(member, property):
+                continue
+            if inspect.isasyncgenfunction(member) or not inspect.isfunction(member):
+                if callable(member) or isinstance(member, classmethod | staticmethod):
+                    raise GenerationError(
+                        f"{cls.__name__}.{name}: a {type(member).__name__} the facade cannot mirror"
+                    )
+                continue
+            methods[name] = member
     return list(methods.items())
 
 
 def _properties(cls: type) -> list[str]:
-    return [name for name, member in cls.__dict__.items()
-            if isinstance(member, property) and not name.startswith("_")]  # fmt: skip
+    names: dict[str, None] = {}
+    for klass in cls.__mro__:
+        for name, member in vars(klass).items():
+            if isinstance(member, property) and not name.startswith("_"):
+                names.setdefault(name)
+    return list(names)
 
 
 def generate() -> tuple[str, str]:
@@ -172,14 +223,16 @@ def generate() -> tuple[str, str]:
         lines += _docstring(cls, "    ")
         lines.append("")
         if not spec.adopted:
-            signature, passed, _ = _parameters(cls.__init__, renames, spec, constructor=True)
+            signature, passed = _parameters(
+                cls.__init__, renames, spec, constructor=True, where=f"{spec.async_name}()"
+            )
             lines.append(f"    def __init__({signature}) -> None:")
             lines.append(f"        self._build(db, {alias}, {passed})")
             lines.append("")
             used |= set(_IDENTIFIER.findall(signature))
         attributes = [*spec.attributes, *((name, "") for name in _properties(cls))]
         for name, annotation in attributes:
-            prop = cls.__dict__.get(name)
+            prop = inspect.getattr_static(cls, name, None)
             if isinstance(prop, property) and prop.fget is not None:
                 annotation = _annotation(inspect.signature(prop.fget).return_annotation, renames)
             elif name in getattr(cls, "__annotations__", {}):
@@ -190,7 +243,9 @@ def generate() -> tuple[str, str]:
             lines.append(f'        return cast("{annotation}", self._get("{name}"))')
             lines.append("")
         for name, function in _public_methods(cls):
-            signature, passed, _ = _parameters(function, renames, spec, constructor=False)
+            signature, passed = _parameters(
+                function, renames, spec, constructor=False, where=f"{spec.async_name}.{name}"
+            )
             returns = _annotation(inspect.signature(function).return_annotation, renames)
             awaitable = re.fullmatch(r"Awaitable\[(.*)\]", returns)
             if awaitable:
@@ -202,7 +257,7 @@ def generate() -> tuple[str, str]:
             lines.append(f"        {call}" if returns == "None"
                          else f'        return cast("{returns}", {call})')  # fmt: skip
             lines.append("")
-        if "__aenter__" in cls.__dict__:
+        if hasattr(cls, "__aenter__"):
             lines.append(f"    def __enter__(self) -> {spec.sync_name}:")
             lines.append("        return cast(" + f'"{spec.sync_name}", self._enter())')
             lines.append("")
@@ -249,15 +304,32 @@ def generate() -> tuple[str, str]:
 
 
 def _format(source: str, path: Path) -> str:
-    """Run ruff on the generated text so that it is formatted like the rest of the project."""
+    """Format the generated text like the rest of the project, and fail on any lint error."""
     for command in (
-        ["ruff", "check", "--fix", "--quiet", "--exit-zero", "--stdin-filename", str(path), "-"],
+        [
+            "ruff",
+            "check",
+            "--fix",
+            "--select",
+            "I,F401",
+            "--quiet",
+            "--stdin-filename",
+            str(path),
+            "-",
+        ],
         ["ruff", "format", "--quiet", "--stdin-filename", str(path), "-"],
+        ["ruff", "check", "--quiet", "--stdin-filename", str(path), "-"],
     ):
-        source = subprocess.run(
+        run = subprocess.run(
             [sys.executable, "-m", *command], input=source, capture_output=True, text=True,
-            check=True, cwd=ROOT,
-        ).stdout  # fmt: skip
+            check=False, cwd=ROOT,
+        )  # fmt: skip
+        if run.returncode != 0:
+            raise GenerationError(f"{' '.join(command[:2])} rejects the generated code:\n"
+                                  f"{run.stdout}{run.stderr}")  # fmt: skip
+        if command[1] != "check" or "--fix" in command:  # a plain check prints no source
+            source = run.stdout
+    compile(source, str(path), "exec")  # what is written must at least be Python
     return source
 
 
