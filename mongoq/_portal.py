@@ -29,6 +29,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
+import anyio
 import anyio.to_thread
 
 from mongoq import _driver
@@ -309,6 +310,10 @@ def connect(
     return Database(uri, database, driver)
 
 
+#: Serialises the rebuilds after a fork (rare; never held while waiting on the portal's lock).
+_REBUILD = threading.RLock()
+
+
 class Facade:
     """The base of every generated blocking class."""
 
@@ -349,10 +354,14 @@ class Facade:
 
     def _target(self) -> Any:
         if self._built_by != os.getpid():
-            if self._recipe is None:
-                raise MongoqError(f"this {type(self).__name__} belongs to the parent process")
-            self._wrapped = self._recipe()
-            self._built_by = os.getpid()
+            with _REBUILD:  # one rebuild, however many threads of the child ask at once
+                if self._built_by != os.getpid():
+                    if self._recipe is None:
+                        raise MongoqError(
+                            f"this {type(self).__name__} belongs to the parent process"
+                        )
+                    self._wrapped = self._recipe()
+                    self._built_by = os.getpid()
         return self._wrapped
 
     def _call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
@@ -387,11 +396,19 @@ def _unwrap(database: Database, value: Any) -> Any:
     return value
 
 
+#: Worker threads one wrapped handler may use at once; a run's `concurrency` bounds it anyway.
+HANDLER_THREADS = 1000
+
+
 def in_worker_thread(function: Callable[..., T]) -> Callable[..., Any]:
     """A blocking handler as a coroutine function that runs it in a worker thread, so that it
-    never stalls the portal's loop (and the heartbeats in it)."""
+    never stalls the portal's loop (and the heartbeats in it). Each wrapped handler has its
+    own thread limit: runs on one database do not share anyio's default 40 threads."""
+    limiter: list[anyio.CapacityLimiter] = []
 
     async def handler(*args: Any) -> T:
-        return await anyio.to_thread.run_sync(function, *args)
+        if not limiter:  # created in the loop, on first use
+            limiter.append(anyio.CapacityLimiter(HANDLER_THREADS))
+        return await anyio.to_thread.run_sync(function, *args, limiter=limiter[0])
 
     return handler
