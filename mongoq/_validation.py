@@ -8,7 +8,7 @@ Owns no collections.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import bson
@@ -21,6 +21,8 @@ MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
 #: What a payload may take of it, leaving room for the bookkeeping fields around it.
 MAX_PAYLOAD_BYTES = MAX_DOCUMENT_BYTES - 64 * 1024
 MAX_ID_LENGTH = 1024
+#: The largest batch a batched call takes (a bulk write's natural size).
+MAX_BATCH = 1000
 #: Durations beyond ten years are mistakes (and overflow date arithmetic near year 9999).
 MAX_SECONDS = 10 * 365 * 24 * 3600
 _INT64 = (-(2**63), 2**63 - 1)
@@ -115,3 +117,11 @@ def check_payload(field: str, value: Any, *, limit: int = MAX_PAYLOAD_BYTES) -> 
     if size > limit:
         raise InvalidInput(field, f"encodes to {size} bytes; the limit is {limit}")
     return size
+
+
+def check_batch(field: str, items: Iterable[Any]) -> list[Any]:
+    """A batch argument as a list, refused when larger than `MAX_BATCH`."""
+    batch = list(items)
+    if len(batch) > MAX_BATCH:
+        raise InvalidInput(field, f"at most {MAX_BATCH} per call, got {len(batch)}")
+    return batch

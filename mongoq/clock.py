@@ -20,7 +20,7 @@ import anyio
 
 from mongoq import _driver
 
-__all__ = ["Clock", "ServerClock", "SystemClock", "to_millis"]
+__all__ = ["Clock", "ServerClock", "SystemClock", "stored_instant", "to_millis"]
 
 log = logging.getLogger("mongoq.clock")
 
@@ -29,6 +29,12 @@ def to_millis(instant: datetime) -> datetime:
     """Truncate to BSON precision (milliseconds) and make the instant UTC-aware."""
     instant = instant.replace(tzinfo=UTC) if instant.tzinfo is None else instant.astimezone(UTC)
     return instant.replace(microsecond=instant.microsecond // 1000 * 1000)
+
+
+def stored_instant(value: Any) -> datetime | None:
+    """An instant read back from a document (naive or aware, by driver) as UTC-aware; None for
+    anything that is not a datetime."""
+    return to_millis(value) if isinstance(value, datetime) else None
 
 
 @runtime_checkable

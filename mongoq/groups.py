@@ -72,8 +72,16 @@ import anyio
 from pymongo import DeleteOne, ReturnDocument
 
 from mongoq import _driver
-from mongoq._validation import check_id, check_int, check_name, check_payload, check_seconds
-from mongoq.clock import Clock, ServerClock, to_millis
+from mongoq._validation import (
+    MAX_BATCH,
+    check_batch,
+    check_id,
+    check_int,
+    check_name,
+    check_payload,
+    check_seconds,
+)
+from mongoq.clock import Clock, ServerClock, stored_instant
 from mongoq.errors import InvalidInput, PermanentError
 from mongoq.worker import KeepAlive, WorkerHost, WorkerLoop, error_text
 
@@ -92,18 +100,12 @@ log = logging.getLogger("mongoq.groups")
 NEVER_CLAIMED = datetime(1970, 1, 1, tzinfo=UTC)
 PRIORITIES = (0, 4)
 ALL_PRIORITIES = range(PRIORITIES[0], PRIORITIES[1] + 1)
-#: The largest batch a batched call takes.
-MAX_BATCH = 1000
 CLAIM_INDEX = "claim"
 HEAD_INDEX = "group_head"
 SEQ_COUNTER = "seq"
 GroupId = str | int
 #: `_take_head`'s answer when the head belongs to another live lease.
 _REFUSED = object()
-
-
-def _utc(value: Any) -> datetime | None:
-    return to_millis(value) if isinstance(value, datetime) else None
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,8 @@ class GroupRunSummary:
     acked: int = 0
     retried: int = 0
     dead: int = 0
+    #: leases given back unused (a stopped batch), their delivery not counted
+    released: int = 0
     lost: int = 0
     #: settles that raised a driver error: applied or not, the lease expiry recovers the group
     unknown: int = 0
@@ -436,7 +440,8 @@ class AsyncGroupTransport(WorkerHost):
             for head in heads.values()
             if head.get("dead") is None
             and (
-                head.get("token") is None or (_utc(head.get("stamp_until")) or NEVER_CLAIMED) <= now
+                head.get("token") is None
+                or (stored_instant(head.get("stamp_until")) or NEVER_CLAIMED) <= now
             )
         ]
         if free:
@@ -456,42 +461,62 @@ class AsyncGroupTransport(WorkerHost):
         stamped_ids = set(free)
         leases: list[GroupLease] = []
         for group_id in order:
-            lock = locks.get(group_id)
-            if lock is None:
-                continue  # leased by someone else in between
-            head = heads.get(group_id)
-            if head is None:
-                await self._drop_if_empty(group_id, token, lock.get("version"), now)
-                continue
-            if head["_id"] not in stamped_ids:
-                if head.get("dead") is not None:  # someone's burial stopped midway: finish it
-                    await self._finish_burial(head)
-                # Held by another live stamp, or changed since it was read: give it back.
-                await self._release(group_id, token, now)
-                continue
-            deliveries = int(head.get("deliveries", 0)) + 1
-            if self.max_deliveries is not None and deliveries > self.max_deliveries:
-                error = (
-                    head.get("last_error") or f"not acked after {self.max_deliveries} deliveries"
+            try:
+                lease = await self._lease_fromcheck_batch(
+                    group_id, locks, heads, stamped_ids, token, worker, now, lease_until
                 )
-                await self._bury(head["_id"], token, now, error)
-                await self._release(group_id, token, now)
+            except _driver.DRIVER_ERRORS:
+                # One group's follow-up failed: its lease expires by itself; the others stand.
+                log.warning("claim_many: settling group %r failed", group_id, exc_info=True)
                 continue
-            leases.append(
-                GroupLease(
-                    seq=head["_id"],
-                    group_id=group_id,
-                    event=head.get("event"),
-                    token=token,
-                    worker_id=worker,
-                    deliveries=deliveries,
-                    priority=int(lock.get("priority", 0)),
-                    lease_until=lease_until,
-                    group_version=lock.get("version"),
-                    was_last=head["_id"] == lock.get("last_seq"),
-                )
-            )
+            if lease is not None:
+                leases.append(lease)
         return leases
+
+    async def _lease_fromcheck_batch(
+        self,
+        group_id: GroupId,
+        locks: Mapping[GroupId, Any],
+        heads: Mapping[GroupId, Any],
+        stamped_ids: set[int],
+        token: str,
+        worker: str,
+        now: datetime,
+        lease_until: datetime,
+    ) -> GroupLease | None:
+        """The lease `claim_many` got on one group, or None after settling it as `claim`
+        would (an empty group dropped, a marked head moved on, an over-limit head buried)."""
+        lock = locks.get(group_id)
+        if lock is None:
+            return None  # leased by someone else in between
+        head = heads.get(group_id)
+        if head is None:
+            await self._drop_if_empty(group_id, token, lock.get("version"), now)
+            return None
+        if head["_id"] not in stamped_ids:
+            if head.get("dead") is not None:  # someone's burial stopped midway: finish it
+                await self._finish_burial(head)
+            # Held by another live stamp, or changed since it was read: give it back.
+            await self._release(group_id, token, now)
+            return None
+        deliveries = int(head.get("deliveries", 0)) + 1
+        if self.max_deliveries is not None and deliveries > self.max_deliveries:
+            error = head.get("last_error") or f"not acked after {self.max_deliveries} deliveries"
+            await self._bury(head["_id"], token, now, error)
+            await self._release(group_id, token, now)
+            return None
+        return GroupLease(
+            seq=head["_id"],
+            group_id=group_id,
+            event=head.get("event"),
+            token=token,
+            worker_id=worker,
+            deliveries=deliveries,
+            priority=int(lock.get("priority", 0)),
+            lease_until=lease_until,
+            group_version=lock.get("version"),
+            was_last=head["_id"] == lock.get("last_seq"),
+        )
 
     async def ack_many(self, leases: Sequence[GroupLease]) -> list[bool]:
         """`ack` for many leases in a fixed number of commands; returns, per lease, whether its
@@ -501,7 +526,7 @@ class AsyncGroupTransport(WorkerHost):
         groups whose last message they were have nothing left, drops those (fenced like `ack`)
         and releases the others: five commands for any number of leases.
         """
-        leases = list(leases)
+        leases = check_batch("leases", leases)
         for lease in leases:
             self._check_lease(lease)
         if not leases:
@@ -509,10 +534,10 @@ class AsyncGroupTransport(WorkerHost):
         held = await _driver.find_list(
             self.messages,
             {"$or": [{"_id": lease.seq, "token": lease.token} for lease in leases]},
-            projection={"_id": 1},
+            projection={"token": 1},
         )
-        ours: set[int] = {doc["_id"] for doc in held}
-        acked = [lease for lease in leases if lease.seq in ours]
+        ours: set[tuple[int, str]] = {(doc["_id"], doc["token"]) for doc in held}
+        acked = [lease for lease in leases if (lease.seq, lease.token) in ours]
         if not acked:
             return [False] * len(leases)
 
@@ -521,16 +546,23 @@ class AsyncGroupTransport(WorkerHost):
             {"$or": [{"_id": lease.seq, "token": lease.token} for lease in acked]}
         )
         if removed.deleted_count != len(acked):
-            # A lease expired between the read and the delete and its head was restamped: those
-            # heads are still there, under another token. (One also acked by its new holder in
-            # that instant is gone either way and counts as acked here.)
-            left = await _driver.find_list(
-                self.messages,
-                {"_id": {"$in": [lease.seq for lease in acked]}},
-                projection={"_id": 1},
-            )
-            ours -= {doc["_id"] for doc in left}
-            acked = [lease for lease in acked if lease.seq in ours]
+            # A lease expired between the read and the delete and its head was restamped: it is
+            # still there, under another token. If as many heads are gone as were deleted, the
+            # gone ones are ours; otherwise a new holder also acked one in that instant and
+            # which is which cannot be told: none of them is reported as acked by this call.
+            left = {
+                doc["_id"]
+                for doc in await _driver.find_list(
+                    self.messages,
+                    {"_id": {"$in": [lease.seq for lease in acked]}},
+                    projection={"_id": 1},
+                )
+            }
+            gone = [lease for lease in acked if lease.seq not in left]
+            acked = gone if len(gone) == removed.deleted_count else []
+            ours = {(lease.seq, lease.token) for lease in acked}
+            if not acked:
+                return [False] * len(leases)
         now = await self._now()
         last = [lease for lease in acked if lease.was_last]
         if last:
@@ -557,7 +589,7 @@ class AsyncGroupTransport(WorkerHost):
             {"$or": [{"_id": lease.group_id, "token": lease.token} for lease in acked]},
             {"$set": {"available_at": now, "token": None, "parked": False}},
         )
-        return [lease.seq in ours for lease in leases]
+        return [(lease.seq, lease.token) in ours for lease in leases]
 
     async def _take_head(
         self, group_id: GroupId, token: str, now: datetime, lease_until: datetime
@@ -763,17 +795,17 @@ class AsyncGroupTransport(WorkerHost):
 
     async def extend_many(
         self, leases: Sequence[GroupLease], visibility: float | None = None
-    ) -> int:
+    ) -> list[bool]:
         """`extend` for many leases: the locks, a read of which are still held, and the stamps
-        of those heads (three commands). Returns how many are still held."""
-        leases = list(leases)
+        of those heads (three commands). Returns, per lease, whether it is still held."""
+        leases = check_batch("leases", leases)
         for lease in leases:
             self._check_lease(lease)
         seconds = self.visibility if visibility is None else check_seconds(
             "visibility", visibility, positive=True
         )  # fmt: skip
         if not leases:
-            return 0
+            return []
         now = await self._now()
         until = now + timedelta(seconds=seconds)
         fences = {"$or": [{"_id": lease.group_id, "token": lease.token} for lease in leases]}
@@ -788,7 +820,7 @@ class AsyncGroupTransport(WorkerHost):
                 {"$or": [{"_id": lease.seq, "token": lease.token} for lease in mine]},
                 {"$set": {"stamp_until": until}},
             )
-        return len(mine)
+        return [(lease.group_id, lease.token) in held for lease in leases]
 
     async def dead_letter(self, lease: GroupLease, error: BaseException | str | None) -> bool:
         """Move the head to the dead letters now and release the group (a permanent failure).
@@ -819,8 +851,8 @@ class AsyncGroupTransport(WorkerHost):
                 priority=int(doc.get("priority", 0)),
                 deliveries=int(doc.get("deliveries", 0)),
                 error=doc.get("error"),
-                published_at=_utc(doc.get("published_at")),
-                dead_at=_utc(doc.get("dead_at")),
+                published_at=stored_instant(doc.get("published_at")),
+                dead_at=stored_instant(doc.get("dead_at")),
             )
             for doc in docs
         ]
@@ -920,7 +952,7 @@ class AsyncGroupTransport(WorkerHost):
         oldest = await _driver.find_list(
             self.messages, {}, sort=[("_id", 1)], limit=1, projection={"published_at": 1}
         )
-        published = _utc(oldest[0].get("published_at")) if oldest else None
+        published = stored_instant(oldest[0].get("published_at")) if oldest else None
         age = (now - published).total_seconds() if published is not None else None
         return GroupStats(ready, in_flight, parked, messages, dead, age)
 
@@ -949,7 +981,8 @@ class AsyncGroupTransport(WorkerHost):
         With `batch_size` > 1 each slot leases up to that many groups at once (`claim_many`),
         runs their heads one after another under one renewal (`extend_many`), and acks the
         successful ones together (`ack_many`): a few commands per batch instead of four per
-        message.
+        message. A worker that crashes mid-batch costs every head of the batch a delivery:
+        size `max_deliveries` with that in mind.
         """
         check_int("concurrency", concurrency, low=1)
         check_int("min_priority", min_priority, low=PRIORITIES[0], high=PRIORITIES[1])
@@ -968,12 +1001,10 @@ class AsyncGroupTransport(WorkerHost):
             summary.claimed += len(leases)
             return leases or None
 
-        async def renew(leases: list[GroupLease]) -> bool | None:
-            if not leases:
-                return None
+        async def extend(leases: list[GroupLease]) -> list[bool]:
             if len(leases) == 1:
-                return await self.extend(leases[0])
-            return await self.extend_many(leases) > 0
+                return [await self.extend(leases[0])]
+            return await self.extend_many(leases)
 
         async def ack(leases: list[GroupLease]) -> list[bool]:
             return [await self.ack(leases[0])] if len(leases) == 1 else await self.ack_many(leases)
@@ -984,11 +1015,52 @@ class AsyncGroupTransport(WorkerHost):
         async def process(leases: list[GroupLease]) -> None:
             unsettled = list(leases)  # held by this slot: renewals cover them
             handled: list[GroupLease] = []
+            confirmed = [leases[0].lease_until]  # every lease of the batch holds until then
+
+            async def renew() -> bool | None:
+                if not unsettled:
+                    return None
+                renewing = list(unsettled)
+                held = await extend(renewing)
+                for lease, ok in zip(renewing, held, strict=True):
+                    if not ok:  # taken over: never start (or settle) it here
+                        unsettled.remove(lease)
+                        count("lost")
+                if all(held):
+                    confirmed[0] = self.clock.now() + timedelta(seconds=self.visibility)
+                return any(held)
+
+            async def still_held(lease: GroupLease) -> bool:
+                if lease not in unsettled:
+                    return False
+                if self.clock.now() < confirmed[0] or (await extend([lease]))[0]:
+                    return True
+                unsettled.remove(lease)
+                count("lost")
+                return False
+
+            async def settle(lease: GroupLease, failure: Exception) -> None:
+                if lease not in unsettled:  # a renewal found it lost (and counted it) meanwhile
+                    return
+                unsettled.remove(lease)
+                with anyio.CancelScope(shield=True):  # as the final settles below
+                    try:
+                        if isinstance(failure, PermanentError):
+                            outcome = "dead" if await self.dead_letter(lease, failure) else "lost"
+                        else:
+                            held = await self.nack(lease, retry, error=failure)
+                            outcome = "retried" if held else "lost"
+                    except _driver.DRIVER_ERRORS:
+                        outcome = "unknown"
+                        log.warning("settling group %r failed; its lease will expire",
+                                    lease.group_id, exc_info=True)  # fmt: skip
+                count(outcome)
+
             interval = self.visibility / 3
             keepalive = KeepAlive(
                 clock=self.clock,
                 interval=interval,
-                renew=lambda: renew(unsettled),
+                renew=renew,
                 first_at=leases[0].lease_until - timedelta(seconds=2 * interval),
                 name=f"{len(leases)} group(s)",
             )
@@ -996,15 +1068,12 @@ class AsyncGroupTransport(WorkerHost):
             try:
                 async with keepalive:
                     for current in leases:
+                        if not await still_held(current):
+                            continue  # taken over meanwhile: never run it twice at once
                         try:
                             await handler(current)
-                        except PermanentError as exc:
-                            unsettled.remove(current)
-                            count("dead" if await self.dead_letter(current, exc) else "lost")
                         except Exception as exc:
-                            unsettled.remove(current)
-                            held = await self.nack(current, retry, error=exc)
-                            count("retried" if held else "lost")
+                            await settle(current, exc)
                         else:
                             handled.append(current)  # a cancellation after this still acks
                     current = None
@@ -1013,6 +1082,8 @@ class AsyncGroupTransport(WorkerHost):
                 # dead server cannot hold the shutdown longer than the lease would have lasted.
                 with anyio.move_on_after(self.visibility, shield=True):
                     try:
+                        # Leave out what a renewal already found lost (and counted).
+                        handled = [lease for lease in handled if lease in unsettled]
                         if handled:
                             acked = await ack(handled)
                             count("acked", sum(acked))
@@ -1024,7 +1095,7 @@ class AsyncGroupTransport(WorkerHost):
                             if lease is current:  # cut short: that delivery counts
                                 count("retried" if await self.nack(lease, retry) else "lost")
                             else:  # never handed to the handler: not a delivery
-                                count("retried" if await self._unclaim(lease) else "lost")
+                                count("released" if await self._unclaim(lease) else "lost")
                     except _driver.DRIVER_ERRORS:
                         count("unknown", len(unsettled))
                         log.warning("settling %d group(s) failed; their leases will expire",

@@ -56,6 +56,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any, Literal
 
 import anyio
@@ -63,13 +64,15 @@ from pymongo import ReturnDocument
 
 from mongoq import _driver
 from mongoq._validation import (
+    MAX_BATCH,
+    check_batch,
     check_id,
     check_int,
     check_name,
     check_payload,
     check_seconds,
 )
-from mongoq.clock import Clock, ServerClock, to_millis
+from mongoq.clock import Clock, ServerClock, stored_instant
 from mongoq.errors import InvalidInput, LeaseLost, PermanentError
 from mongoq.worker import KeepAlive, WorkerHost, WorkerLoop, error_text
 
@@ -100,14 +103,8 @@ PutOutcome = Literal["inserted", "updated", "unchanged"]
 
 CLAIM_INDEX = "claim"
 CLAIM_ORDER = [("priority", -1), ("lease_until", 1)]
-#: The largest batch a batched call takes (a bulk write's natural size).
-MAX_BATCH = 1000
 NOT_AN_ATTEMPT_DELAY = 5.0
 TaskId = str | int
-
-
-def _utc(value: Any) -> datetime | None:
-    return to_millis(value) if isinstance(value, datetime) else None
 
 
 @dataclass(frozen=True)
@@ -141,13 +138,13 @@ class Task:
             attempts=int(doc.get("attempts", 0)),
             priority=int(doc.get("priority", 0)),
             revision=doc.get("revision"),
-            lease_until=_utc(doc.get("lease_until")),
+            lease_until=stored_instant(doc.get("lease_until")),
             worker_id=doc.get("worker_id"),
             lease_token=doc.get("lease_token"),
             error=doc.get("error"),
             result=doc.get("result"),
-            created_at=_utc(doc.get("created_at")),
-            updated_at=_utc(doc.get("updated_at")),
+            created_at=stored_instant(doc.get("created_at")),
+            updated_at=stored_instant(doc.get("updated_at")),
         )
 
 
@@ -542,7 +539,7 @@ class AsyncTaskQueue(WorkerHost):
         effect (to tell which) and one write for those whose revision changed. Returns, per
         task, whether it is now done by this call; a task no longer held is left unchanged
         (one whose revision changed goes back to pending, as with `complete`)."""
-        tasks = list(tasks)
+        tasks = check_batch("tasks", tasks)
         values = [None] * len(tasks) if results is None else list(results)
         if len(values) != len(tasks):
             raise InvalidInput("results", "must have one result per task")
@@ -588,17 +585,25 @@ class AsyncTaskQueue(WorkerHost):
                 lease.outcome = "completed" if ok else "lost"
         return done
 
-    async def heartbeat_many(self, tasks: Sequence[Task]) -> int:
-        """Extend the leases of `tasks` (one command); returns how many are still held."""
+    async def heartbeat_many(self, tasks: Sequence[Task]) -> list[bool]:
+        """Extend the leases of `tasks` (one command, plus one read when some are no longer
+        held, to tell which); returns, per task, whether it is still held."""
+        tasks = check_batch("tasks", tasks)
         fences = [self._fence(task) for task in tasks]
         if not fences:
-            return 0
+            return []
         now = await self._now()
-        held = await self.collection.update_many(
+        extended = await self.collection.update_many(
             {"$or": fences},
             {"$set": {"lease_until": now + timedelta(seconds=self.lease_ttl), "updated_at": now}},
         )
-        return int(held.matched_count)
+        if extended.matched_count == len(tasks):
+            return [True] * len(tasks)
+        held = await _driver.find_list(
+            self.collection, {"$or": fences}, projection={"lease_token": 1}
+        )
+        still = {(doc["_id"], doc.get("lease_token")) for doc in held}
+        return [(task.id, task.lease_token) in still for task in tasks]
 
     @staticmethod
     def _fence(task: Task) -> dict[str, Any]:
@@ -849,7 +854,7 @@ class AsyncTaskQueue(WorkerHost):
             limit=1,
             projection={"lease_until": 1},
         )
-        oldest_due = _utc(oldest[0]["lease_until"]) if oldest else None
+        oldest_due = stored_instant(oldest[0]["lease_until"]) if oldest else None
         age = (now - oldest_due).total_seconds() if oldest_due is not None else None
         return TaskQueueStats(counts, due, expired, age)
 
@@ -879,7 +884,9 @@ class AsyncTaskQueue(WorkerHost):
         With `batch_size` > 1 each slot claims up to that many tasks at once (`claim_many`),
         runs them one after another under one heartbeat (`heartbeat_many`), and completes the
         successful ones together (`complete_many`): a few commands per batch instead of three
-        per task, for short tasks whose latency matters less than throughput.
+        per task, for short tasks whose latency matters less than throughput. A worker that
+        crashes mid-batch costs every task of the batch an attempt (the claim counts them):
+        size `max_attempts` with that in mind.
         """
         check_int("concurrency", concurrency, low=1)
         check_int("batch_size", batch_size, low=1, high=MAX_BATCH)
@@ -948,12 +955,46 @@ class AsyncTaskQueue(WorkerHost):
             unsettled = list(tasks)  # held by this batch: heartbeats cover them
             finished: list[tuple[Task, Any]] = []
 
-            async def renew() -> bool | None:
-                return await self.heartbeat_many(unsettled) > 0 if unsettled else None
+            lost: set[str] = set()  # ids of the tasks a renewal found taken over
+            confirmed = [tasks[0].lease_until or self.clock.now()]  # held by all until then
 
-            async def settle(task: Task, outcome: str, call: Awaitable[bool]) -> None:
+            async def renew() -> bool | None:
+                if not unsettled:
+                    return None
+                renewing = list(unsettled)
+                held = await self.heartbeat_many(renewing)
+                for task, ok in zip(renewing, held, strict=True):
+                    if not ok:
+                        lost.add(str(task.id))
+                        unsettled.remove(task)
+                        summary.lost += 1
+                if all(held):
+                    confirmed[0] = self.clock.now() + timedelta(seconds=self.lease_ttl)
+                return any(held)
+
+            async def still_held(task: Task) -> bool:
+                """Before a handler starts: not found lost, and the lease known to hold."""
+                if str(task.id) in lost:
+                    return False
+                if self.clock.now() < confirmed[0]:
+                    return True
+                if await self.heartbeat(task):
+                    return True
                 unsettled.remove(task)
-                field = outcome if await call else "lost"
+                summary.lost += 1
+                return False
+
+            async def settle(task: Task, outcome: str, call: Callable[[], Awaitable[bool]]) -> None:
+                if task not in unsettled:  # a renewal found it lost (and counted it) meanwhile
+                    return
+                unsettled.remove(task)
+                with anyio.CancelScope(shield=True):  # as the final settle below
+                    try:
+                        field = outcome if await call() else "lost"
+                    except _driver.DRIVER_ERRORS:
+                        field = "unknown"
+                        log.warning("settling %r failed; its lease will expire", task.id,
+                                    exc_info=True)  # fmt: skip
                 setattr(summary, field, getattr(summary, field) + 1)
 
             interval = self.lease_ttl / 3
@@ -969,16 +1010,20 @@ class AsyncTaskQueue(WorkerHost):
             try:
                 async with keepalive:
                     for current in tasks:
+                        if not await still_held(current):
+                            continue  # taken over meanwhile: never start it twice
                         try:
                             result = await handler(current)
                             check_payload("result", result)
                         except (PermanentError, InvalidInput) as exc:
-                            await settle(current, "failed", self.fail(current, exc))
+                            await settle(current, "failed", partial(self.fail, current, exc))
                         except Exception as exc:
                             # On its last attempt the release fails the task: count it so.
                             last = current.attempts >= self.max_attempts
                             outcome = "failed" if last else "retried"
-                            await settle(current, outcome, self.release_for_retry(current, exc))
+                            await settle(
+                                current, outcome, partial(self.release_for_retry, current, exc)
+                            )
                         else:
                             finished.append((current, result))
                     current = None
@@ -987,6 +1032,8 @@ class AsyncTaskQueue(WorkerHost):
                 # task cut short counts an attempt; the ones not started do not.
                 with anyio.move_on_after(self.lease_ttl, shield=True):
                     try:
+                        # Leave out what a renewal already found lost (and counted).
+                        finished = [(task, r) for task, r in finished if task in unsettled]
                         if finished:
                             batch = [task for task, _ in finished]
                             done = await self.complete_many(batch, [r for _, r in finished])
@@ -997,11 +1044,15 @@ class AsyncTaskQueue(WorkerHost):
                         for task in list(unsettled):
                             if task is current:
                                 last = task.attempts >= self.max_attempts
-                                call = self.release_for_retry(task)
-                                await settle(task, "failed" if last else "retried", call)
+                                await settle(
+                                    task, "failed" if last else "retried",
+                                    partial(self.release_for_retry, task),
+                                )  # fmt: skip
                             else:
-                                call = self.release_not_an_attempt(task, delay=0)
-                                await settle(task, "released", call)
+                                await settle(
+                                    task, "released",
+                                    partial(self.release_not_an_attempt, task, delay=0),
+                                )  # fmt: skip
                     except _driver.DRIVER_ERRORS:
                         summary.unknown += len(unsettled)
                         log.warning("settling a batch failed; its leases will expire",

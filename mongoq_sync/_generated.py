@@ -138,9 +138,11 @@ class TaskQueue(Facade):
         """
         return cast("list[bool]", self._call("complete_many", tasks, results))
 
-    def heartbeat_many(self, tasks: Sequence[Task]) -> int:
-        """Extend the leases of `tasks` (one command); returns how many are still held."""
-        return cast("int", self._call("heartbeat_many", tasks))
+    def heartbeat_many(self, tasks: Sequence[Task]) -> list[bool]:
+        """Extend the leases of `tasks` (one command, plus one read when some are no longer
+        held, to tell which); returns, per task, whether it is still held.
+        """
+        return cast("list[bool]", self._call("heartbeat_many", tasks))
 
     def heartbeat(self, task: Task) -> bool:
         """Extend the lease by `lease_ttl` from now; False when the task is no longer held."""
@@ -241,7 +243,9 @@ class TaskQueue(Facade):
         With `batch_size` > 1 each slot claims up to that many tasks at once (`claim_many`),
         runs them one after another under one heartbeat (`heartbeat_many`), and completes the
         successful ones together (`complete_many`): a few commands per batch instead of three
-        per task, for short tasks whose latency matters less than throughput.
+        per task, for short tasks whose latency matters less than throughput. A worker that
+        crashes mid-batch costs every task of the batch an attempt (the claim counts them):
+        size `max_attempts` with that in mind.
         """
         return cast(
             "RunSummary",
@@ -444,11 +448,13 @@ class GroupTransport(Facade):
         """
         return cast("bool", self._call("extend", lease, visibility))
 
-    def extend_many(self, leases: Sequence[GroupLease], visibility: float | None = None) -> int:
+    def extend_many(
+        self, leases: Sequence[GroupLease], visibility: float | None = None
+    ) -> list[bool]:
         """`extend` for many leases: the locks, a read of which are still held, and the stamps
-        of those heads (three commands). Returns how many are still held.
+        of those heads (three commands). Returns, per lease, whether it is still held.
         """
-        return cast("int", self._call("extend_many", leases, visibility))
+        return cast("list[bool]", self._call("extend_many", leases, visibility))
 
     def dead_letter(self, lease: GroupLease, error: BaseException | str | None) -> bool:
         """Move the head to the dead letters now and release the group (a permanent failure).
@@ -514,7 +520,8 @@ class GroupTransport(Facade):
         With `batch_size` > 1 each slot leases up to that many groups at once (`claim_many`),
         runs their heads one after another under one renewal (`extend_many`), and acks the
         successful ones together (`ack_many`): a few commands per batch instead of four per
-        message.
+        message. A worker that crashes mid-batch costs every head of the batch a delivery:
+        size `max_deliveries` with that in mind.
         """
         return cast(
             "GroupRunSummary",

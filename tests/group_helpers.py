@@ -61,6 +61,18 @@ async def lock(db: Any, group_id: Any, prefix: str = PREFIX) -> dict[str, Any] |
     return None if doc is None else utc(dict(doc))
 
 
+async def assert_released(
+    db: Any, group_id: Any, at: datetime, prefix: str = PREFIX
+) -> dict[str, Any]:
+    """The group's lock is there, held by nobody, claimable from `at` (a released group); the
+    lock, for further checks."""
+    stored = await lock(db, group_id, prefix)
+    assert stored is not None, f"no lock for {group_id!r}"
+    released = (stored["available_at"], stored["token"])
+    assert released == (at, None), f"{group_id!r} not released at {at}: {stored}"
+    return stored
+
+
 async def message(db: Any, seq: int, prefix: str = PREFIX) -> dict[str, Any] | None:
     doc = await db[f"{prefix}_messages"].find_one({"_id": seq})
     return None if doc is None else utc(dict(doc))

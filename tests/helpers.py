@@ -6,18 +6,29 @@ Reads go to the collection directly (not through the queue), so assertions see w
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections import Counter
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import bson
+import pytest
 
-from mongoq import AsyncTaskQueue, Task
-from mongoq.testing import ManualClock, settle
+from mongoq import AsyncTaskQueue, InvalidInput, Task
+from mongoq.testing import Interleaving, ManualClock, all_interleavings, instrument, settle
 
 #: The lease used by the tests' queues: short enough to reason about, heartbeats every 10 s.
 LEASE_TTL = 30.0
 QUEUE = "tasks"
+#: The largest BSON document a server stores.
+SIXTEEN_MIB = 16 * 1024 * 1024
+
+#: The actors of a race, by name: each runs its commands in the turns the order gives it.
+Actors = dict[str, Callable[[], Awaitable[Any]]]
+#: The commands of a race as they ran: (actor, collection, command name).
+Trace = list[tuple[str, str, str]]
+Subject = TypeVar("Subject")
 
 
 async def new_queue(
@@ -87,3 +98,39 @@ async def wait_for(predicate: Callable[[], bool], what: str, rounds: int = 200_0
             return
         await settle(1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def rejects(field: str) -> Any:
+    """`pytest.raises` for an `InvalidInput` whose message starts with the field `field`."""
+    return pytest.raises(InvalidInput, match=f"^{re.escape(field)}")
+
+
+async def every_order(
+    db: Any,
+    counts: dict[str, int],
+    fresh: Callable[[Any, str], Awaitable[Subject]],
+    setup: Callable[[Subject], Awaitable[Actors]],
+    check: Callable[[Subject, dict[str, Any], Trace], Awaitable[str]],
+) -> Counter[str]:
+    """For every interleaving of `counts`: `fresh(db, name)` makes the queue or transport under
+    test on fresh collections named after `name` (``race{n}``), its commands going through the
+    interleaving; `setup` it (its commands run freely) and get the actors, run them in that
+    order, then `check(subject, results, trace)`, which asserts and names the outcome. An actor
+    with fewer commands than its turns has them skipped; commands beyond its turns run freely
+    once the order is used up. Returns the outcomes seen: a race whose orders all end the same
+    way did not test much."""
+    outcomes: Counter[str] = Counter()
+    for number, order in enumerate(all_interleavings(counts)):
+        interleaving = Interleaving(order)
+        subject = await fresh(instrument(db, interleaving), f"race{number}")
+        actors = await setup(subject)
+        results = await interleaving.run(actors)
+        label = "".join(order)
+        errors = {actor: r for actor, r in results.items() if isinstance(r, BaseException)}
+        assert not errors, f"order {label}: {errors}"
+        assert interleaving.trace[0][0] == order[0], f"order {label}: {interleaving.trace}"
+        try:
+            outcomes[await check(subject, results, interleaving.trace)] += 1
+        except AssertionError as failure:
+            raise AssertionError(f"order {label}: {failure}\n{interleaving.trace}") from failure
+    return outcomes

@@ -19,6 +19,7 @@ from tests.group_helpers import (
     VISIBILITY,
     Bookkeeping,
     assert_empty,
+    assert_released,
     claim_one,
     counter_value,
     dead,
@@ -221,9 +222,7 @@ async def test_publish_claim_and_ack_cost_three_two_and_two_or_three_commands(
     assert await transport.ack(lease)
     assert counter.counts == {"mq_messages.delete_one": 1, "mq_locks.update_one": 1}
     assert list(await messages(db)) == [2]
-    released = await lock(db, "g")
-    assert released is not None
-    assert (released["available_at"], released["token"]) == (clock.now(), None)
+    await assert_released(db, "g", clock.now())
     lease = await claim_one(transport, group="g", event="g1")
     counter.reset()
     # g1 was the group's last message and nothing was published since: the ack deletes the
@@ -289,9 +288,7 @@ async def test_round_robin_a_backlog_delays_later_groups_by_at_most_one_turn(
 
     await transport.publish_many(NewMessage("big", f"b{i}") for i in range(6))
     await turn()  # b0
-    acked_big = await lock(db, "big")
-    assert acked_big is not None
-    assert (acked_big["available_at"], acked_big["token"]) == (clock.now(), None)
+    await assert_released(db, "big", clock.now())
     await transport.publish_many([NewMessage("a", "a0"), NewMessage("a", "a1")])
     assert (await lock(db, "a") or {})["available_at"] == EPOCH  # sorts before "big"
     await turn()  # a0: published after big's turn, served before big's next one
@@ -375,13 +372,8 @@ async def test_ack_removes_the_head_and_releases_the_group(
     assert await transport.ack(lease)
 
     assert list(await messages(db)) == [2]
-    released = await lock(db, "g")
-    assert released is not None
-    assert (released["available_at"], released["token"], released["parked"]) == (
-        clock.now(),
-        None,
-        False,
-    )
+    released = await assert_released(db, "g", clock.now())
+    assert released["parked"] is False
     assert not await transport.ack(lease)  # once only
     assert list(await messages(db)) == [2]
     nxt = await claim_one(transport, "B", group="g", event="g1")
@@ -401,13 +393,8 @@ async def test_nack_without_delay_makes_the_group_claimable_at_once_behind_those
 
     assert await transport.nack(lease)
 
-    released = await lock(db, "g")
-    assert released is not None
-    assert (released["available_at"], released["token"], released["parked"]) == (
-        clock.now(),
-        None,
-        False,
-    )
+    released = await assert_released(db, "g", clock.now())
+    assert released["parked"] is False
     # The head is given back too: no token, no stamp; the delivery stays counted.
     head = await message(db, 1)
     assert head is not None
@@ -476,13 +463,8 @@ async def test_the_parked_holder_can_still_ack(
     assert await transport.ack(lease)
 
     assert list(await messages(db)) == [2]
-    released = await lock(db, "g")
-    assert released is not None
-    assert (released["available_at"], released["token"], released["parked"]) == (
-        clock.now(),
-        None,
-        False,
-    )
+    released = await assert_released(db, "g", clock.now())
+    assert released["parked"] is False
     await claim_one(transport, "B", group="g", event="g1")
 
 
@@ -530,9 +512,7 @@ async def test_the_ack_of_a_groups_last_message_drops_its_lock(
 
     assert list(await locks(db)) == ["h"]  # "g" drained: gone at once, no claim needed
     assert await transport.ack(h)
-    released = await lock(db, "h")  # h1 waits: released, not dropped
-    assert released is not None
-    assert (released["available_at"], released["token"]) == (clock.now(), None)
+    await assert_released(db, "h", clock.now())  # h1 waits: released, not dropped
     last = await claim_one(transport, "C", group="h", event="h1")
     assert await transport.ack(last)
     await assert_empty(db)
@@ -558,9 +538,7 @@ async def test_an_ack_whose_group_got_a_publish_since_the_claim_releases_it(
         "mq_locks.update_one": 1,
     }
     assert await group_messages(db) == {"g": ["g1"]}
-    released = await lock(db, "g")
-    assert released is not None
-    assert (released["available_at"], released["token"]) == (clock.now(), None)
+    released = await assert_released(db, "g", clock.now())
     assert (released["version"], released["last_seq"]) == (2, 2)
     nxt = await claim_one(transport, "B", group="g", event="g1")
     assert await transport.ack(nxt)

@@ -13,6 +13,9 @@ stored documents.
 from __future__ import annotations
 
 import itertools
+import logging
+import os
+import signal
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
@@ -23,7 +26,15 @@ import anyio.lowlevel
 import pytest
 from pymongo.errors import AutoReconnect, NetworkTimeout
 
-from mongoq import AsyncGroupTransport, GroupLease, GroupRunSummary, NewMessage, PermanentError
+from mongoq import (
+    AsyncGroupTransport,
+    GroupLease,
+    GroupRunSummary,
+    InvalidInput,
+    NewMessage,
+    PermanentError,
+)
+from mongoq._validation import MAX_BATCH
 from mongoq.testing import (
     CommandCounter,
     FaultInjector,
@@ -263,9 +274,43 @@ async def test_empty_batches_cost_nothing(db: Any, clock: ManualClock) -> None:
     counter.reset()
 
     assert await transport.ack_many([]) == []
-    assert await transport.extend_many([]) == 0
+    assert await transport.extend_many([]) == []
 
     assert counter.total == 0
+
+
+@pytest.mark.parametrize("call", ["ack_many", "extend_many"])
+async def test_a_batch_over_the_limit_is_refused_before_any_command(
+    db: Any, clock: ManualClock, call: str
+) -> None:
+    """MAX_BATCH + 1 leases (the same lease repeated: the size alone is refused) raise
+    InvalidInput naming the argument, and nothing is sent."""
+    counter = CommandCounter()
+    transport = await new_transport(instrument(db, counter), clock)
+    await transport.publish("g", "g0")
+    (lease,) = await transport.claim_many(1, "A")
+    before = await snapshot(db)
+    counter.reset()
+
+    with pytest.raises(
+        InvalidInput, match=f"^leases: at most {MAX_BATCH} per call, got {MAX_BATCH + 1}$"
+    ):
+        await getattr(transport, call)([lease] * (MAX_BATCH + 1))
+
+    assert counter.total == 0
+    assert await snapshot(db) == before
+
+
+async def test_extend_many_accepts_a_batch_at_the_limit(db: Any, clock: ManualClock) -> None:
+    transport = await new_transport(db, clock)
+    await transport.publish("g", "g0")
+    (lease,) = await transport.claim_many(1, "A")
+    clock.advance(1)
+
+    assert await transport.extend_many([lease] * MAX_BATCH) == [True] * MAX_BATCH
+
+    stored = await lock(db, "g")
+    assert stored is not None and stored["available_at"] == later(clock, VISIBILITY)
 
 
 async def test_a_batched_lifecycle_over_100_groups_costs_at_most_0_2_commands_per_message(
@@ -629,13 +674,21 @@ async def test_a_batch_that_lost_some_groups_acks_only_the_ones_it_holds(
     assert await dead(db) == {}
 
 
-async def test_extend_many_counts_and_extends_only_the_groups_still_held(
+async def test_extend_many_tells_which_groups_are_held_and_extends_only_those(
     db: Any, clock: ManualClock
 ) -> None:
-    transport = await new_transport(db, clock)
+    counter = CommandCounter()
+    transport = await new_transport(instrument(db, counter), clock)
     batch, stolen, before = await lose_two_of_four(db, clock, transport)
+    counter.reset()
 
-    assert await transport.extend_many(batch) == 2
+    assert await transport.extend_many(batch) == [lease.group_id not in stolen for lease in batch]
+
+    assert counter.counts == {
+        "mq_locks.update_many": 1,
+        "mq_locks.find": 1,
+        "mq_messages.update_many": 1,
+    }
 
     assert await stored_groups(db, stolen) == before
     for lease in batch:
@@ -650,6 +703,97 @@ async def test_extend_many_counts_and_extends_only_the_groups_still_held(
     assert set(groups_of(await transport.claim_many(10, "C"))) < stolen
 
 
+async def test_ack_many_tells_a_stale_lease_from_the_live_one_on_the_same_head(
+    db: Any, clock: ManualClock
+) -> None:
+    """A's lease on g expired and B took g over: the same head (seq) under another token.
+    Acked in one batch, only B's lease takes effect and only B's is reported acked."""
+    counter = CommandCounter()
+    transport = await new_transport(instrument(db, counter), clock)
+    await transport.publish_many([NewMessage("g", "g0"), NewMessage("g", "g1")])
+    (stale,) = await transport.claim_many(1, "A")
+    clock.advance(VISIBILITY + 1)
+    (live,) = await transport.claim_many(1, "B")
+    assert (live.seq, live.deliveries) == (stale.seq, 2) and live.token != stale.token
+    counter.reset()
+
+    assert await transport.ack_many([stale, live]) == [False, True]
+
+    assert counter.counts == {
+        "mq_messages.find": 1,
+        "mq_messages.delete_many": 1,
+        "mq_locks.update_many": 1,
+    }
+    assert await group_messages(db) == {"g": ["g1"]}
+    released = await lock(db, "g")
+    assert released is not None
+    assert (released["token"], released["available_at"]) == (None, clock.now())
+    assert await dead(db) == {}
+
+
+@pytest.mark.parametrize("rival_acks", [False, True], ids=["taken-over", "taken-over-and-acked"])
+async def test_an_ack_many_overtaken_between_its_read_and_its_delete_reports_only_what_it_proves(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture, rival_acks: bool
+) -> None:
+    """A's leases on g and h expired. Between A's read of its heads and its delete, B takes
+    g over (and, in the second case, acks g's head). A's delete removes h's head only. If g's
+    head is still there, the one head gone is h's: A reports h acked. If g's head is gone too,
+    two heads vanished for one deleted and which one A removed cannot be told: A reports
+    neither (never an ack it may not have made), raises nothing, and both groups go on."""
+    faults = FaultInjector()
+    transport = await new_transport(instrument(db, faults), clock)
+    rival = await new_transport(db, clock)  # another process
+    await transport.publish_many(
+        [
+            NewMessage("g", "g0", priority=1),
+            NewMessage("h", "h0"),
+            NewMessage("g", "g1", priority=1),
+            NewMessage("h", "h1"),
+        ]
+    )
+    stale = await transport.claim_many(2, "A")
+    by_group_id = {lease.group_id: lease for lease in stale}
+    assert sorted(by_group_id) == ["g", "h"]
+    clock.advance(VISIBILITY + 1)
+    delete = faults.pause_before("delete_many", collection="mq_messages")
+    results: list[list[bool]] = []
+
+    async def ack() -> None:
+        results.append(await transport.ack_many(stale))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(ack)
+        await wait_for(delete.reached.is_set, "A's delete")
+        taken = await claim_one(rival, "B", group="g", min_priority=1)
+        assert (taken.event, taken.deliveries) == ("g0", 2)
+        if rival_acks:
+            assert await rival.ack(taken)
+        delete.release()
+
+    (acked,) = results
+    assert acked == [lease.group_id == "h" and not rival_acks for lease in stale]
+    assert await group_messages(db) == {
+        "g": ["g1"] if rival_acks else ["g0", "g1"],
+        "h": ["h1"],  # A's delete did remove h0
+    }
+    h = await lock(db, "h")
+    assert h is not None
+    if rival_acks:  # released or not, h is claimable now (A's lease on it ended)
+        assert h["token"] in (None, by_group_id["h"].token)
+        assert h["available_at"] <= clock.now()
+    else:
+        assert (h["token"], h["available_at"]) == (None, clock.now())
+        await assert_holds(db, taken)
+        assert await rival.ack(taken)
+    clock.advance(0.001)
+
+    delivered = await drain_batched(db, transport, clock)
+
+    assert sorted((x.event, x.deliveries) for x in delivered) == [("g1", 1), ("h1", 1)]
+    await assert_empty(db)
+    assert await dead(db) == {}
+
+
 async def test_a_batch_whose_groups_were_all_taken_changes_nothing(
     db: Any, clock: ManualClock
 ) -> None:
@@ -660,7 +804,7 @@ async def test_a_batch_whose_groups_were_all_taken_changes_nothing(
     assert len(await transport.claim_many(2, "B")) == 2
     before = await snapshot(db)
 
-    assert await transport.extend_many(batch) == 0
+    assert await transport.extend_many(batch) == [False, False]
     assert await transport.ack_many(batch) == [False, False]
 
     assert await snapshot(db) == before
@@ -957,13 +1101,28 @@ BURIAL = {
 }
 
 
+def assert_logged_follow_up_failure(caplog: pytest.LogCaptureFixture, group: str) -> None:
+    """claim_many logged that settling `group` failed (and raised nothing)."""
+    failures = [
+        record
+        for record in caplog.records
+        if record.name == "mongoq.groups"
+        and record.levelno == logging.WARNING
+        and record.getMessage() == f"claim_many: settling group {group!r} failed"
+    ]
+    assert len(failures) == 1, [record.getMessage() for record in caplog.records]
+    assert failures[0].exc_info is not None
+
+
 @pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("command", list(BURIAL))
 async def test_a_dead_lettering_by_claim_many_that_failed_on_any_command_is_recoverable(
-    db: Any, clock: ManualClock, command: str, when: str
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture, command: str, when: str
 ) -> None:
-    """Whichever command of the burial failed, batched workers alone finish it: the head ends
-    in the dead letters exactly once and the group's next message is delivered."""
+    """Whichever command of the burial failed, claim_many logs it and still returns the other
+    group's lease; the burial stops exactly there, the failed group stays leased until its
+    lease ends (unless the release applied), and batched workers alone then finish it: the
+    head ends in the dead letters exactly once and the group's next message is delivered."""
     faults = FaultInjector()
     transport = await new_transport(instrument(db, faults), clock, max_deliveries=2)
     await transport.publish_many([NewMessage("g", "poison"), NewMessage("g", "g1")])
@@ -976,16 +1135,120 @@ async def test_a_dead_lettering_by_claim_many_that_failed_on_any_command_is_reco
     collection, name = BURIAL[command]
     (faults.fail_before if when == "before" else faults.fail_after)(name, collection=collection)
 
-    with pytest.raises(AutoReconnect if when == "before" else NetworkTimeout):
-        await transport.claim_many(10, "A")
+    with caplog.at_level(logging.WARNING, logger="mongoq.groups"):
+        leases = await transport.claim_many(10, "A")
+
+    assert len(faults.triggered) == 1
+    assert_logged_follow_up_failure(caplog, "g")
+    (h,) = leases
+    assert (h.group_id, h.event, h.deliveries, h.was_last) == ("h", "h0", 1, True)
+    await assert_holds(db, h)
+    # The burial went exactly as far as the failed command (which applied, if "after").
+    applied = list(BURIAL).index(command) + (when == "after")
+    head = await message(db, 1)
+    if applied >= 3:  # deleted
+        assert head is None
+    else:
+        assert head is not None and head["event"] == "poison"
+        assert (head["dead"] is not None) == (applied >= 1)
+    assert len(await dead(db)) == (1 if applied >= 2 else 0)
+    g = await lock(db, "g")
+    assert g is not None
+    if applied == 4:  # released
+        assert (g["token"], g["available_at"]) == (None, clock.now())
+    else:  # left to its lease: nobody gets g until it ends
+        assert (g["token"], g["available_at"]) == (h.token, h.lease_until)
+    assert await transport.ack_many([h]) == [True]
+    if applied < 4:
+        assert await transport.claim_many(10, "B") == []
 
     clock.advance(VISIBILITY + 0.001)
     delivered = await drain_batched(db, transport, clock)
 
-    # h0 was leased and stamped by the failed claim_many, never handed out: delivered again.
-    assert sorted((x.event, x.deliveries) for x in delivered) == [("g1", 1), ("h0", 2)]
+    assert [(x.event, x.deliveries) for x in delivered] == [("g1", 1)]
     (buried,) = (await dead(db)).values()
     assert (buried["_id"], buried["event"], buried["error"]) == (1, "poison", "boom")
+    await assert_empty(db)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+async def test_a_claim_many_whose_drop_of_an_empty_group_failed_returns_the_others(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture, when: str
+) -> None:
+    """g's lock outlived its last message (dead-lettered). The drop claim_many sends for it
+    fails: logged, h's lease returned; g is gone if the drop applied, else leased until its
+    lease ends and dropped by the claim after it."""
+    faults = FaultInjector()
+    transport = await new_transport(instrument(db, faults), clock)
+    await transport.publish("g", "g0")
+    assert await transport.dead_letter(await claim_one(transport, "A", group="g"), "bad")
+    await transport.publish("h", "h0")
+    (faults.fail_before if when == "before" else faults.fail_after)(
+        "delete_one", collection="mq_locks"
+    )
+
+    with caplog.at_level(logging.WARNING, logger="mongoq.groups"):
+        leases = await transport.claim_many(10, "A")
+
+    assert len(faults.triggered) == 1
+    assert_logged_follow_up_failure(caplog, "g")
+    (h,) = leases
+    assert (h.group_id, h.event, h.deliveries) == ("h", "h0", 1)
+    await assert_holds(db, h)
+    g = await lock(db, "g")
+    if when == "after":
+        assert g is None
+    else:
+        assert g is not None and (g["token"], g["available_at"]) == (h.token, h.lease_until)
+    assert await transport.ack_many([h]) == [True]
+    assert await transport.claim_many(10, "B") == []
+    clock.advance(VISIBILITY + 0.001)
+
+    assert await drain_batched(db, transport, clock) == []
+
+    await assert_empty(db)
+    (letter,) = (await dead(db)).values()
+    assert (letter["group_id"], letter["event"]) == ("g", "g0")
+
+
+async def test_a_claim_many_whose_finishing_of_a_burial_failed_returns_the_others(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A burial stopped after its mark; the claim_many that finds the marked head fails to
+    copy it: logged, h's lease returned, g left to the lease; the next claim finishes the
+    burial (one dead letter) and delivers g1."""
+    faults = FaultInjector()
+    transport = await new_transport(instrument(db, faults), clock)
+    await transport.publish_many([NewMessage("g", "g0"), NewMessage("g", "g1")])
+    (lease,) = await transport.claim_many(10, "A")
+    faults.fail_before("replace_one", collection="mq_dead")
+    with pytest.raises(AutoReconnect):
+        await transport.dead_letter(lease, "bad g0")
+    await transport.publish("h", "h0")
+    clock.advance(VISIBILITY + 0.001)
+    faults.fail_before("replace_one", collection="mq_dead")
+
+    with caplog.at_level(logging.WARNING, logger="mongoq.groups"):
+        leases = await transport.claim_many(10, "A")
+
+    assert len(faults.triggered) == 2
+    assert_logged_follow_up_failure(caplog, "g")
+    (h,) = leases
+    assert (h.group_id, h.event, h.deliveries) == ("h", "h0", 1)
+    marked = await message(db, 1)
+    assert marked is not None and marked["dead"] is not None
+    assert await dead(db) == {}
+    g = await lock(db, "g")
+    assert g is not None and (g["token"], g["available_at"]) == (h.token, h.lease_until)
+    assert await transport.ack_many([h]) == [True]
+    assert await transport.claim_many(10, "B") == []
+    clock.advance(VISIBILITY + 0.001)
+
+    delivered = await drain_batched(db, transport, clock)
+
+    assert [(x.event, x.deliveries) for x in delivered] == [("g1", 1)]
+    (letter,) = (await dead(db)).values()
+    assert (letter["_id"], letter["event"], letter["error"]) == (1, "g0", "bad g0")
     await assert_empty(db)
 
 
@@ -1227,23 +1490,392 @@ async def test_a_batch_longer_than_the_visibility_keeps_every_group_through_rene
     await assert_empty(db)
 
 
-async def test_run_with_batches_reports_a_group_lost_mid_batch(db: Any, clock: ManualClock) -> None:
-    """A head handled early in a batch whose group is taken over before the batch acks: the
-    batched ack refuses it (lost) and acks the others; the new holder keeps the head."""
-    transport = await new_transport(db, clock)
-    await transport.publish_many([NewMessage(g, f"{g}.0") for g in ("a", "b")])
+def is_extend_many(op: Operation) -> bool:
+    """The batch renewal's first command: the locks still held, extended."""
+    return (
+        op.collection.endswith("_locks")
+        and op.name == "update_many"
+        and set(op.filter) == {"$or"}
+        and "token" not in op.args[1]["$set"]
+    )
+
+
+def is_single_extend(op: Operation) -> bool:
+    """`extend`'s lock update (a re-check before a head starts, or a one-lease renewal)."""
+    update = op.args[1].get("$set", {}) if op.name == "update_one" else {}
+    return (
+        op.collection.endswith("_locks")
+        and set(update) == {"available_at", "parked"}
+        and update["parked"] is False
+    )
+
+
+def is_restamp(op: Operation) -> bool:
+    """The renewal's last command: the stamps of the heads whose locks are still held."""
+    update = op.args[1] if op.name == "update_many" else {}
+    return (
+        op.collection.endswith("_messages")
+        and set(update) == {"$set"}
+        and set(update["$set"]) == {"stamp_until"}
+    )
+
+
+def is_park(op: Operation) -> bool:
+    """`nack` with a delay: the lock parked."""
+    update = op.args[1].get("$set", {}) if op.name == "update_one" else {}
+    return op.collection.endswith("_locks") and update.get("parked") is True
+
+
+class Completed:
+    """A hook listing the commands that completed (applied or failed), in order."""
+
+    def __init__(self) -> None:
+        self.operations: list[Operation] = []
+
+    async def before(self, op: Operation) -> None:
+        return None
+
+    async def after(self, op: Operation, error: BaseException | None) -> None:
+        self.operations.append(op)
+
+
+def unexpected_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What the worker loop logged as escaping a batch's processing."""
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def three_groups_in_waiting_order(
+    transport: AsyncGroupTransport, clock: ManualClock, priorities: tuple[int, int, int]
+) -> None:
+    """Groups a, b and c (with these priorities), two messages each; their first messages
+    served a second apart in that order, so that the next claim_many takes a, b, c in that
+    order, with heads a.1, b.1 and c.1 (each its group's last message)."""
+    await transport.publish_many(
+        NewMessage(group, f"{group}.{n}", priority=priority)
+        for n in range(2)
+        for group, priority in zip("abc", priorities, strict=True)
+    )
+    first = {lease.group_id: lease for lease in await transport.claim_many(3, "setup")}
+    for group in "abc":
+        clock.advance(1)
+        assert await transport.ack_many([first[group]]) == [True]
+    clock.advance(1)
+
+
+@pytest.mark.parametrize("taken_over", [False, True], ids=["still-held", "taken-over"])
+async def test_a_batch_past_its_last_renewal_rechecks_each_lease_before_starting_its_head(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture, taken_over: bool
+) -> None:
+    """The batch stalls in its first handler past the visibility its claim granted, its
+    renewal held back. Before each later head starts, one `extend` re-checks its group:
+    still held (nobody took it), the head runs; taken over, it never starts under the lost
+    lease and counts as lost, and the new holder's lease is untouched."""
+    faults = FaultInjector()
+    counter = CommandCounter()
+    counter.record = True
+    transport = await new_transport(instrument(db, faults, counter), clock)
+    rival = await new_transport(db, clock)  # another process
+    renewal = faults.pause_before("update_many", collection="mq_locks", match=is_extend_many)
+    await three_groups_in_waiting_order(transport, clock, (0, 0, 0))
+    started: list[str] = []
+    stolen: list[GroupLease] = []
+
+    async def handler(lease: GroupLease) -> None:
+        started.append(lease.event)
+        if lease.group_id == "a":
+            clock.advance(VISIBILITY + 1)
+            await wait_for(renewal.reached.is_set, "the renewal to be due (and held back)")
+            if taken_over:
+                stolen.extend(await rival.claim_many(3, "B"))
+
+    with caplog.at_level(logging.WARNING):
+        summary = await run_until_empty(transport, handler, batch_size=3)
+
+    rechecks = [op.filter["_id"] for op in counter.operations if is_single_extend(op)]
+    assert rechecks == ["b", "c"]  # one extend each, before its head would start
+    assert not unexpected_errors(caplog)
+    if not taken_over:
+        assert started == ["a.1", "b.1", "c.1"]
+        assert (summary.claimed, summary.acked, summary.lost, summary.unknown) == (3, 3, 0, 0)
+        await assert_empty(db)
+        return
+    assert started == ["a.1"]  # never b.1 or c.1 under a lost lease
+    assert (summary.claimed, summary.acked, summary.lost, summary.unknown) == (3, 0, 3, 0)
+    assert sorted(lease.event for lease in stolen) == ["a.1", "b.1", "c.1"]
+    for lease in stolen:
+        assert lease.deliveries == 2
+        await assert_holds(db, lease)
+
+
+async def test_a_renewal_that_finds_groups_lost_keeps_the_batch_from_starting_their_heads(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The batch stalls in a's handler past its visibility; B takes b and c over; then the
+    batch's renewal runs: it keeps a, finds b and c lost, and the batch never starts their
+    heads (not even a re-check is sent) and counts them lost once; a is acked."""
+    faults = FaultInjector()
+    counter = CommandCounter()
+    counter.record = True
+    completed = Completed()
+    transport = await new_transport(instrument(db, faults, counter, completed), clock)
+    rival = await new_transport(db, clock)
+    renewal = faults.pause_before("update_many", collection="mq_locks", match=is_extend_many)
+    await three_groups_in_waiting_order(transport, clock, (0, 1, 1))
+    started: list[str] = []
+    stolen: list[GroupLease] = []
+
+    async def handler(lease: GroupLease) -> None:
+        started.append(lease.event)
+        clock.advance(VISIBILITY + 1)
+        await wait_for(renewal.reached.is_set, "the renewal to be due (and held back)")
+        stolen.extend(await rival.claim_many(10, "B", min_priority=1))
+        renewal.release()
+        await wait_for(
+            lambda: any(is_restamp(op) for op in completed.operations), "the renewal to end"
+        )
+
+    with caplog.at_level(logging.WARNING):
+        summary = await run_until_empty(transport, handler, batch_size=3)
+
+    assert started == ["a.1"]
+    assert (summary.claimed, summary.acked, summary.lost, summary.unknown) == (3, 1, 2, 0)
+    assert not unexpected_errors(caplog)
+    assert [op for op in counter.operations if is_single_extend(op)] == []
+    assert sorted(groups_of(stolen)) == ["b", "c"]
+    for lease in stolen:
+        await assert_holds(db, lease)
+    assert await group_messages(db) == {"b": ["b.1"], "c": ["c.1"]}
+
+
+@pytest.mark.parametrize("outcome", ["returns", "raises"])
+@pytest.mark.parametrize("seen_by", ["the settle", "a renewal"])
+async def test_run_with_batches_reports_a_group_lost_mid_batch(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture, seen_by: str, outcome: str
+) -> None:
+    """The batch stalls in a's handler past its visibility and B takes a over. Whether the
+    loss is found by a's settle (the renewal held back) or by the renewal while a's handler
+    still runs, a counts as lost once, nothing escapes the batch, b and c still run and are
+    acked, and B keeps a's head."""
+    faults = FaultInjector()
+    completed = Completed()
+    transport = await new_transport(instrument(db, faults, completed), clock)
+    rival = await new_transport(db, clock)
+    renewal = faults.pause_before("update_many", collection="mq_locks", match=is_extend_many)
+    await three_groups_in_waiting_order(transport, clock, (1, 0, 0))
+    started: list[str] = []
     taken: list[GroupLease] = []
 
     async def handler(lease: GroupLease) -> None:
-        await anyio.lowlevel.checkpoint()
-        if not taken:  # the first head is done; meanwhile its lease expires and B takes over
-            clock.advance(VISIBILITY + 1)
-            lease_b = await claim_one(transport, "B")
-            taken.append(lease_b)
+        started.append(lease.event)
+        if lease.group_id != "a":
+            return
+        clock.advance(VISIBILITY + 1)
+        await wait_for(renewal.reached.is_set, "the renewal to be due (and held back)")
+        taken.extend(await rival.claim_many(10, "B", min_priority=1))
+        if seen_by == "a renewal":
+            renewal.release()
+            await wait_for(
+                lambda: any(is_restamp(op) for op in completed.operations), "the renewal to end"
+            )
+        if outcome == "raises":
+            raise RuntimeError("a failed")
 
-    summary = await run_until_empty(transport, handler, batch_size=2)
+    with caplog.at_level(logging.WARNING):
+        summary = await run_until_empty(transport, handler, batch_size=3)
 
+    assert not unexpected_errors(caplog)
+    assert started == ["a.1", "b.1", "c.1"]
+    assert (summary.claimed, summary.acked, summary.lost) == (3, 2, 1)
+    assert summary.retried + summary.dead + summary.released + summary.unknown == 0
     (stolen,) = taken
-    assert (summary.claimed, summary.acked, summary.lost) == (2, 1, 1)
+    assert (stolen.group_id, stolen.deliveries) == ("a", 2)
     await assert_holds(db, stolen)
-    assert list(await group_messages(db)) == [stolen.group_id]
+    head = await message(db, stolen.seq)
+    assert head is not None and head.get("last_error") is None  # the lost nack wrote nothing
+    assert await group_messages(db) == {"a": ["a.1"]}
+
+
+@pytest.mark.parametrize("outcome", ["returns", "raises"])
+async def test_run_with_single_leases_reports_a_group_a_renewal_finds_lost_once(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture, outcome: str
+) -> None:
+    """batch_size=1 shares the batch code: the handler stalls past the visibility, B takes the
+    group over, and the renewal (a single `extend`) finds it lost while the handler runs.
+    When the handler then returns (or raises), the lease counts as lost once and nothing
+    escapes the loop; B keeps the head."""
+    faults = FaultInjector()
+    completed = Completed()
+    transport = await new_transport(instrument(db, faults, completed), clock)
+    rival = await new_transport(db, clock)
+    await transport.publish("g", "g0")
+    renewal = faults.pause_before("update_one", collection="mq_locks", match=is_single_extend)
+    taken: list[GroupLease] = []
+
+    async def handler(lease: GroupLease) -> None:
+        clock.advance(VISIBILITY + 1)
+        await wait_for(renewal.reached.is_set, "the renewal to be due (and held back)")
+        taken.append(await claim_one(rival, "B", group="g"))
+        renewal.release()
+        await wait_for(
+            lambda: any(is_single_extend(op) for op in completed.operations), "the renewal"
+        )
+        if outcome == "raises":
+            raise RuntimeError("g failed")
+
+    with caplog.at_level(logging.WARNING):
+        summary = await run_until_empty(transport, handler)
+
+    assert not unexpected_errors(caplog)
+    assert (summary.claimed, summary.acked, summary.lost) == (1, 0, 1)
+    assert summary.retried + summary.dead + summary.released + summary.unknown == 0
+    (stolen,) = taken
+    assert stolen.deliveries == 2
+    await assert_holds(db, stolen)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+async def test_a_failure_settle_that_raised_a_driver_error_counts_unknown_and_the_batch_goes_on(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture, when: str
+) -> None:
+    """a's handler fails and its nack raises a driver error (applied or not): counted
+    unknown, logged, and b and c still run and are acked. a's head is delivered again once
+    its lease ends."""
+    faults = FaultInjector()
+    transport = await new_transport(instrument(db, faults), clock)
+    await transport.publish_many([NewMessage(group, f"{group}0") for group in "abc"])
+    (faults.fail_before if when == "before" else faults.fail_after)(
+        "update_one", collection="mq_locks", match=is_park
+    )
+    leases: dict[Any, GroupLease] = {}
+
+    async def handler(lease: GroupLease) -> None:
+        leases[lease.group_id] = lease
+        if lease.group_id == "a":
+            raise RuntimeError("a failed")
+
+    with caplog.at_level(logging.WARNING):
+        summary = await run_until_empty(transport, handler, batch_size=3, retry_delay=5)
+
+    assert len(faults.triggered) == 1
+    assert (summary.claimed, summary.acked, summary.unknown) == (3, 2, 1)
+    assert summary.retried + summary.dead + summary.lost + summary.released == 0
+    assert any(
+        r.getMessage() == "settling group 'a' failed; its lease will expire" for r in caplog.records
+    )
+    assert not unexpected_errors(caplog)
+    assert await group_messages(db) == {"a": ["a0"]}
+    a = await lock(db, "a")
+    assert a is not None and a["token"] == leases["a"].token
+    if when == "before":  # untouched: held until the lease ends
+        assert (a["available_at"], a["parked"]) == (leases["a"].lease_until, False)
+    else:  # parked; the head's error was never written
+        assert (a["available_at"], a["parked"]) == (later(clock, 5), True)
+    head = await message(db, leases["a"].seq)
+    assert head is not None and head.get("last_error") is None
+    assert await transport.claim_many(10, "B") == []
+    clock.advance(VISIBILITY + 0.001)
+
+    delivered = await drain_batched(db, transport, clock)
+
+    assert [(x.event, x.deliveries) for x in delivered] == [("a0", 2)]
+    await assert_empty(db)
+
+
+async def test_a_failure_settle_in_a_cancelled_batch_is_shielded(
+    db: Any, clock: ManualClock
+) -> None:
+    """The run is cancelled while the first head's nack is on its way: the nack still
+    applies (parked for the retry delay, the error recorded). The cancellation then cuts the
+    second head short at its handler's first await (nacked, a delivery), and the third, never
+    started, is given back at once, its delivery not counted."""
+    faults = FaultInjector()
+    transport = await new_transport(instrument(db, faults), clock)
+    await transport.publish_many([NewMessage(group, f"{group}0") for group in "abc"])
+    settling = faults.pause_before("update_one", collection="mq_locks", match=is_park)
+    started: list[GroupLease] = []
+
+    async def handler(lease: GroupLease) -> None:
+        started.append(lease)
+        await anyio.lowlevel.checkpoint()
+        raise RuntimeError(f"{lease.group_id} failed")
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(lambda: transport.run(handler, batch_size=3, retry_delay=10))
+        await wait_for(settling.reached.is_set, "the first nack")
+        group.cancel_scope.cancel()
+        settling.release()
+
+    failed, cut = started
+    for lease in (failed, cut):
+        parked = await lock(db, lease.group_id)
+        assert parked is not None
+        assert (parked["token"], parked["available_at"], parked["parked"]) == (
+            lease.token,
+            later(clock, 10),
+            True,
+        )
+        head = await message(db, lease.seq)
+        assert head is not None and head["deliveries"] == 1
+    failed_head = await message(db, failed.seq)
+    assert failed_head is not None
+    assert failed_head["last_error"].endswith(f"RuntimeError: {failed.group_id} failed")
+    assert (await message(db, cut.seq) or {}).get("last_error") is None
+    (rest,) = set("abc") - {failed.group_id, cut.group_id}
+    given_back = await lock(db, rest)
+    assert given_back is not None
+    assert (given_back["token"], given_back["available_at"]) == (None, clock.now())
+    head = await message(db, "abc".index(rest) + 1)
+    assert head is not None and (head["token"], head["deliveries"]) == (None, 0)
+
+
+async def test_a_hard_stopped_batch_counts_the_heads_it_gave_back_unused_as_released(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A second SIGTERM cancels the in-flight batch and `run` returns its summary: the head
+    handled is acked, the one cut short retried (a delivery), and the two never handed to the
+    handler are counted `released`, not `retried`."""
+    transport = await new_transport(db, clock)
+    await publish_groups(transport, ["a", "b", "c", "d"], 2)
+    started: list[str] = []
+    summaries: list[GroupRunSummary] = []
+
+    async def handler(lease: GroupLease) -> None:
+        started.append(lease.event)
+        if len(started) == 2:
+            await anyio.sleep_forever()
+
+    async def worker() -> None:
+        summaries.append(
+            await transport.run(handler, batch_size=4, retry_delay=10, handle_signals=True)
+        )
+
+    def stopping() -> bool:
+        return any("stopping after" in record.getMessage() for record in caplog.records)
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # never the default: exit
+    try:
+        with caplog.at_level(logging.INFO, logger="mongoq.worker"):
+            async with anyio.create_task_group() as group:
+                group.start_soon(worker)
+                await wait_for(lambda: len(started) == 2, "the batch to reach its second head")
+                os.kill(os.getpid(), signal.SIGTERM)  # graceful: the batch goes on
+                await wait_for(stopping, "the first signal")
+                assert len(started) == 2
+                os.kill(os.getpid(), signal.SIGTERM)  # hard: the batch is cancelled
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+    (summary,) = summaries
+    assert (summary.claimed, summary.acked, summary.retried, summary.released) == (4, 1, 1, 2)
+    assert summary.dead + summary.lost + summary.unknown == 0
+    done, cut = (event.split(".")[0] for event in started)
+    assert (await group_messages(db))[done] == [f"{done}.1"]
+    cut_lock = await lock(db, cut)
+    assert cut_lock is not None
+    assert (cut_lock["available_at"], cut_lock["parked"]) == (later(clock, 10), True)
+    for group_id in sorted({"a", "b", "c", "d"} - {done, cut}):
+        stored = await lock(db, group_id)
+        assert stored is not None
+        assert (stored["token"], stored["available_at"]) == (None, clock.now())
+        head = await message(db, "abcd".index(group_id) + 1)
+        assert head is not None and (head["token"], head["deliveries"]) == (None, 0)

@@ -8,6 +8,7 @@ delivered at least once, in per-group order, and a stale holder changes nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -20,6 +21,7 @@ from tests.group_helpers import (
     EPOCH,
     VISIBILITY,
     assert_empty,
+    assert_released,
     by_group,
     claim_one,
     counter_value,
@@ -53,6 +55,20 @@ async def recover(transport: AsyncGroupTransport, clock: ManualClock) -> list[Gr
     clock.advance(VISIBILITY + 0.001)
     await transport.recover_orphans()
     return await drain(transport, clock)
+
+
+def failing(
+    faults: FaultInjector,
+    when: str,
+    name: str,
+    collection: str,
+    match: Callable[[Operation], bool] | None = None,
+) -> Any:
+    """Make the next `name` command on `collection` fail `when` it runs: "before" it applies,
+    or "after", its reply lost; `pytest.raises` for the error the caller then sees."""
+    inject = faults.fail_before if when == "before" else faults.fail_after
+    inject(name, collection=collection, match=match)
+    return pytest.raises(AutoReconnect if when == "before" else NetworkTimeout)
 
 
 # ---------------------------------------------------------------------- a consumer that dies
@@ -130,9 +146,7 @@ async def test_a_stale_holder_after_takeover_gets_false_and_changes_nothing(
         await assert_empty(db)
     else:  # g1 waits: the group is released
         assert list(await messages(db)) == [2]
-        released = await lock(db, "g")
-        assert released is not None
-        assert (released["available_at"], released["token"]) == (clock.now(), None)
+        await assert_released(db, "g", clock.now())
 
 
 @pytest.mark.parametrize("call", list(STALE_CALLS))
@@ -244,10 +258,8 @@ async def test_a_publish_that_failed_on_any_command_is_recoverable(
     group = "n" if new_group else "g"
     counter_before = await counter_value(db)
     version_before = (await lock(db, group) or {}).get("version")
-    inject = faults.fail_before if when == "before" else faults.fail_after
-    inject(name, collection=collection)
 
-    with pytest.raises(AutoReconnect if when == "before" else NetworkTimeout):
+    with failing(faults, when, name, collection):
         await transport.publish(group, f"{group}1")
 
     assert len(faults.triggered) == 1
@@ -300,10 +312,8 @@ async def test_a_claim_that_failed_on_any_command_is_recoverable(
     await transport.publish("g", "g0")
     await transport.publish("g", "g1")
     before = await snapshot(db)
-    inject = faults.fail_before if when == "before" else faults.fail_after
-    inject(name, collection=collection)
 
-    with pytest.raises(AutoReconnect if when == "before" else NetworkTimeout):
+    with failing(faults, when, name, collection):
         await transport.claim("A")
 
     leased = not (collection == "mq_locks" and when == "before")
@@ -333,92 +343,63 @@ async def test_a_claim_that_failed_on_any_command_is_recoverable(
     await assert_empty(db)
 
 
-ACK_COMMANDS = [("mq_messages", "delete_one"), ("mq_locks", "update_one")]
+#: what waits behind the head, and an ack's command: the ack deletes the head, then releases
+#: the group if another message waits or, after checking that none does, drops the drained
+#: group (the check is not failed here)
+ACK_COMMANDS = [
+    ("more-messages", "mq_messages", "delete_one"),
+    ("more-messages", "mq_locks", "update_one"),
+    ("last-message", "mq_messages", "delete_one"),
+    ("last-message", "mq_locks", "delete_one"),
+]
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
-@pytest.mark.parametrize(("collection", "name"), ACK_COMMANDS)
+@pytest.mark.parametrize(("rest", "collection", "name"), ACK_COMMANDS)
 async def test_an_ack_that_failed_on_any_command_is_recoverable(
     db: Any,
     transport: AsyncGroupTransport,
     clock: ManualClock,
     faults: FaultInjector,
+    rest: str,
     collection: str,
     name: str,
     when: str,
 ) -> None:
+    followed = rest == "more-messages"
     await transport.publish("g", "g0")
-    await transport.publish("g", "g1")
+    if followed:
+        await transport.publish("g", "g1")
     lease = await claim_one(transport, "A", group="g", event="g0")
     before = await snapshot(db)
     clock.advance(1)
-    inject = faults.fail_before if when == "before" else faults.fail_after
-    inject(name, collection=collection)
 
-    with pytest.raises(AutoReconnect if when == "before" else NetworkTimeout):
+    with failing(faults, when, name, collection):
         await transport.ack(lease)
 
     removed = not (collection == "mq_messages" and when == "before")
-    released = collection == "mq_locks" and when == "after"
+    let_go = collection == "mq_locks" and when == "after"  # released, or dropped if drained
     if not removed:
         assert await snapshot(db) == before
-    assert list(await messages(db)) == ([2] if removed else [1, 2])
+    assert list(await messages(db)) == [1] * (not removed) + [2] * followed
     stored = await lock(db, "g")
+    if let_go and not followed:  # dropped
+        assert stored is None
+        await assert_empty(db)
+        return
     assert stored is not None
-    if released:
+    if let_go:  # released
         assert (stored["available_at"], stored["token"]) == (clock.now(), None)
         delivered = await drain(transport, clock)  # no need to wait
     else:
+        # The lock stays A's until its lease ends; then a claim redelivers the head or, if it
+        # was removed, goes on to g1 or finds the group empty and drops it.
         assert (stored["available_at"], stored["token"]) == (lease.lease_until, lease.token)
         assert await transport.claim("B") is None
         delivered = await recover(transport, clock)
 
-    assert [(x.event, x.deliveries) for x in delivered] == [("g0", 2)] * (not removed) + [("g1", 1)]
-    await assert_empty(db)
-
-
-DROP_COMMANDS = [("mq_messages", "delete_one"), ("mq_locks", "delete_one")]
-
-
-@pytest.mark.parametrize("when", ["before", "after"])
-@pytest.mark.parametrize(("collection", "name"), DROP_COMMANDS)
-async def test_an_ack_that_drops_its_drained_group_and_failed_on_any_command_is_recoverable(
-    db: Any,
-    transport: AsyncGroupTransport,
-    clock: ManualClock,
-    faults: FaultInjector,
-    collection: str,
-    name: str,
-    when: str,
-) -> None:
-    await transport.publish("g", "g0")
-    lease = await claim_one(transport, "A", group="g", event="g0")
-    before = await snapshot(db)
-    clock.advance(1)
-    inject = faults.fail_before if when == "before" else faults.fail_after
-    inject(name, collection=collection)
-
-    with pytest.raises(AutoReconnect if when == "before" else NetworkTimeout):
-        await transport.ack(lease)
-
-    removed = not (collection == "mq_messages" and when == "before")
-    dropped = collection == "mq_locks" and when == "after"
-    if not removed:
-        assert await snapshot(db) == before
-    assert list(await messages(db)) == ([] if removed else [1])
-    stored = await lock(db, "g")
-    if dropped:
-        assert stored is None
-        await assert_empty(db)
-        return
-    # The lock stays A's until its lease ends; then a claim redelivers the head or, if it
-    # was removed, finds the group empty and drops it.
-    assert stored is not None
-    assert (stored["available_at"], stored["token"]) == (lease.lease_until, lease.token)
-    assert await transport.claim("B") is None
-    delivered = await recover(transport, clock)
-
-    assert [(x.event, x.deliveries) for x in delivered] == [("g0", 2)] * (not removed)
+    redelivered = [("g0", 2)] * (not removed)
+    assert [(x.event, x.deliveries) for x in delivered] == redelivered + [("g1", 1)] * followed
     await assert_empty(db)
 
 
@@ -501,8 +482,7 @@ async def test_an_unreadied_message_keeps_its_in_flight_group_from_being_dropped
             assert await transport.extend(lease)
         assert await transport.recover_orphans() == 0  # g1's group has a lock: no orphan
     assert await transport.ack(lease)
-    stored = await lock(db, "g")
-    assert stored is not None and (stored["available_at"], stored["token"]) == (clock.now(), None)
+    stored = await assert_released(db, "g", clock.now())
     assert (stored["version"], stored["last_seq"]) == (1, 1)  # g1 never readied it
     assert await group_messages(db) == {"g": ["g1"]}
     delivered = await drain(transport, clock)
@@ -665,9 +645,7 @@ async def test_dead_letter_moves_the_head_at_once_and_releases_the_group(
     )
     assert stored["error"].endswith("ValueError: bad input")
     assert stored["dead_at"] == clock.now()
-    released = await lock(db, "g")
-    assert released is not None
-    assert (released["available_at"], released["token"]) == (clock.now(), None)
+    await assert_released(db, "g", clock.now())
     assert not await transport.dead_letter(lease, "again")
     assert len(await dead(db)) == 1
     (letter,) = await transport.dead_letters(group_id="g")
@@ -706,22 +684,19 @@ async def test_a_dead_lettering_interrupted_after_the_mark_is_finished_by_the_ne
         await transport.publish("g", "g1", priority=2)
     first = await claim_one(transport, "A", group="g", event="g0")
     when, collection, name = BURIAL_STOPS[stop]
-    inject = faults.fail_before if when == "before" else faults.fail_after
     match = _is_burial_step if collection == "mq_messages" else None
     if via == "dead_letter":
         clock.advance(1)
         marked_at = clock.now()
         error = "bad g0"
-        inject(name, collection=collection, match=match)
-        with pytest.raises(AutoReconnect if when == "before" else NetworkTimeout):
+        with failing(faults, when, name, collection, match):
             await transport.dead_letter(first, error)
         holder_token, held_until, delivered = first.token, first.lease_until, 1
     else:  # A died; B's claim finds the head over the limit and buries it
         clock.advance(VISIBILITY)
         marked_at = clock.now()
         error = "not acked after 1 deliveries"
-        inject(name, collection=collection, match=match)
-        with pytest.raises(AutoReconnect if when == "before" else NetworkTimeout):
+        with failing(faults, when, name, collection, match):
             await transport.claim("B")
         holder_token = (await lock(db, "g") or {})["token"]
         assert holder_token.startswith("B:")

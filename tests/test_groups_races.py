@@ -17,7 +17,7 @@ import pytest
 from pymongo.errors import AutoReconnect
 
 from mongoq import AsyncGroupTransport, GroupLease, GroupRunSummary, NewMessage
-from mongoq.testing import FaultInjector, Interleaving, ManualClock, all_interleavings, instrument
+from mongoq.testing import FaultInjector, ManualClock, instrument
 from tests.group_helpers import (
     EPOCH,
     VISIBILITY,
@@ -33,10 +33,7 @@ from tests.group_helpers import (
     new_transport,
     snapshot,
 )
-from tests.helpers import later
-
-Actors = dict[str, Callable[[], Awaitable[Any]]]
-Trace = list[tuple[str, str, str]]
+from tests.helpers import Actors, Trace, every_order, later
 
 
 async def race(
@@ -46,33 +43,32 @@ async def race(
     setup: Callable[[AsyncGroupTransport], Awaitable[Actors]],
     check: Callable[[AsyncGroupTransport, dict[str, Any], Trace], Awaitable[str]],
 ) -> Counter[str]:
-    """For every interleaving of `counts`, on fresh collections (prefix ``race{n}``): `setup`
-    the transport (its commands run freely) and get the actors, run them in that order, then
-    `check(transport, results, trace)`, which asserts and names the outcome. An actor with
-    fewer commands than its turns has them skipped; commands beyond its turns run freely once
-    the order is used up. Returns the outcomes seen: a race whose orders all end the same way
-    did not test much."""
-    outcomes: Counter[str] = Counter()
-    for number, order in enumerate(all_interleavings(counts)):
-        interleaving = Interleaving(order)
-        transport = await new_transport(instrument(db, interleaving), clock, prefix=f"race{number}")
-        actors = await setup(transport)
-        results = await interleaving.run(actors)
-        label = "".join(order)
-        errors = {actor: r for actor, r in results.items() if isinstance(r, BaseException)}
-        assert not errors, f"order {label}: {errors}"
-        assert interleaving.trace[0][0] == order[0], f"order {label}: {interleaving.trace}"
-        try:
-            outcomes[await check(transport, results, interleaving.trace)] += 1
-        except AssertionError as failure:
-            raise AssertionError(f"order {label}: {failure}\n{interleaving.trace}") from failure
-    return outcomes
+    """`every_order` on a transport with fresh collections (prefix ``race{n}``) per order."""
+
+    async def fresh(db: Any, prefix: str) -> AsyncGroupTransport:
+        return await new_transport(db, clock, prefix=prefix)
+
+    return await every_order(db, counts, fresh, setup, check)
 
 
 def commands_of(trace: Trace, actor: str) -> list[str]:
     return [
         f"{collection.split('_', 1)[1]}.{name}" for who, collection, name in trace if who == actor
     ]
+
+
+def last_ack_outcome(commands: list[str]) -> str:
+    """What the ack of a group's last message did while a publish raced it, from the ack's
+    `commands`: it deleted the head and checked for another message of the group, then
+    released the group (the check saw the new message), dropped it (the publish then makes a
+    new lock), or had its drop refused (the ready moved the version) and released it."""
+    checked = ["messages.delete_one", "messages.find_one"]
+    if commands == [*checked, "locks.update_one"]:
+        return "seen by the check, released"
+    if commands == [*checked, "locks.delete_one"]:
+        return "dropped, re-created by the publish"
+    assert commands == [*checked, "locks.delete_one", "locks.update_one"]
+    return "drop refused, released"
 
 
 async def assert_nothing_stranded(db: Any, prefix: str) -> None:
@@ -125,24 +121,16 @@ async def test_a_publish_racing_the_ack_that_drops_its_drained_group_is_never_st
         assert await group_messages(db, transport.prefix) == {"g": ["g1"]}
         stored = await lock(db, "g", transport.prefix)
         assert stored is not None and stored["token"] is None  # claimable now
-        path = commands_of(trace, "A")
+        outcome = last_ack_outcome(commands_of(trace, "A"))
         insert = trace.index(("P", f"{transport.prefix}_messages", PUBLISH_INSERT[publish]))
         look = trace.index(("A", f"{transport.prefix}_messages", "find_one"))
-        if path == ["messages.delete_one", "messages.find_one", "locks.update_one"]:
+        if outcome == "seen by the check, released":
             # The check saw g1: no drop, the group is released.
             assert insert < look
-            outcome = "seen by the check, released"
-        elif path == ["messages.delete_one", "messages.find_one", "locks.delete_one"]:
+        elif outcome == "dropped, re-created by the publish":
             # Dropped before the ready: the publish made a new lock, as for a new group.
             assert (stored["available_at"], stored["version"], stored["last_seq"]) == (EPOCH, 1, 2)
-            outcome = "dropped, re-created by the publish"
-        else:
-            assert path == [
-                "messages.delete_one",
-                "messages.find_one",
-                "locks.delete_one",
-                "locks.update_one",
-            ]
+        else:  # drop refused, released
             # The ready bumped version first: the drop matched nothing; released instead.
             ready = trace.index(("P", f"{transport.prefix}_locks", PUBLISH_READY[publish]))
             drop = trace.index(("A", f"{transport.prefix}_locks", "delete_one"))
@@ -152,7 +140,6 @@ async def test_a_publish_racing_the_ack_that_drops_its_drained_group_is_never_st
                 2,
                 2,
             )
-            outcome = "drop refused, released"
         await deliver_the_rest(db, transport, clock, ["g1"])
         return outcome
 
@@ -208,19 +195,10 @@ async def test_a_publish_racing_the_claim_and_ack_of_its_groups_last_message_is_
         if not lease.was_last:
             assert path == ["messages.delete_one", "locks.update_one"]
             outcome = "not the last: released"
-        elif path == ["messages.delete_one", "messages.find_one", "locks.update_one"]:
-            outcome = "seen by the check, released"
-        elif path == ["messages.delete_one", "messages.find_one", "locks.delete_one"]:
-            assert stored["available_at"] == EPOCH
-            outcome = "dropped, re-created by the publish"
         else:
-            assert path == [
-                "messages.delete_one",
-                "messages.find_one",
-                "locks.delete_one",
-                "locks.update_one",
-            ]
-            outcome = "drop refused, released"
+            outcome = last_ack_outcome(path)
+            if outcome == "dropped, re-created by the publish":
+                assert stored["available_at"] == EPOCH
         await deliver_the_rest(db, transport, clock, ["g1"])
         return outcome
 

@@ -4,18 +4,16 @@ naming the field, before any command is sent, so nothing is written."""
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from mongoq import AsyncGroupTransport, GroupLease, InvalidInput, NewMessage
+from mongoq import AsyncGroupTransport, GroupLease, NewMessage
 from mongoq.testing import CommandCounter, ManualClock, instrument
 from tests.group_helpers import PREFIX, claim_one, new_transport, snapshot
-
-SIXTEEN_MIB = 16 * 1024 * 1024
+from tests.helpers import SIXTEEN_MIB, rejects
 
 
 @pytest.fixture
@@ -47,11 +45,6 @@ async def before(db: Any, lease: GroupLease, counter: CommandCounter) -> dict[st
     state = await snapshot(db)
     counter.reset()
     return state
-
-
-def rejects(field: str) -> Any:
-    """`pytest.raises` for an `InvalidInput` whose message starts with the field `field`."""
-    return pytest.raises(InvalidInput, match=f"^{re.escape(field)}")
 
 
 async def assert_nothing_written(db: Any, counter: CommandCounter, before: Any) -> None:

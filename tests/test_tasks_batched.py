@@ -11,6 +11,7 @@ before it applied or applied with its reply lost. Assertions read the stored doc
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
@@ -21,7 +22,16 @@ import anyio.lowlevel
 import pytest
 from pymongo.errors import AutoReconnect, NetworkTimeout
 
-from mongoq import AsyncTaskQueue, NewTask, PermanentError, ReclaimResult, RunSummary, Task
+from mongoq import (
+    AsyncTaskQueue,
+    InvalidInput,
+    NewTask,
+    PermanentError,
+    ReclaimResult,
+    RunSummary,
+    Task,
+)
+from mongoq._validation import MAX_BATCH
 from mongoq.testing import (
     CommandCounter,
     FaultInjector,
@@ -157,6 +167,7 @@ async def test_complete_many_costs_one_command_when_every_task_is_held(
 async def test_heartbeat_many_costs_one_command_and_extends_every_lease(
     db: Any, clock: ManualClock
 ) -> None:
+    """Every lease still held: one update, and no read to tell which."""
     counter = CommandCounter()
     queue = await new_queue(instrument(db, counter), clock)
     await put_ids(queue, clock, 5)
@@ -164,7 +175,7 @@ async def test_heartbeat_many_costs_one_command_and_extends_every_lease(
     clock.advance(HEARTBEAT)
     counter.reset()
 
-    assert await queue.heartbeat_many(batch) == 5
+    assert await queue.heartbeat_many(batch) == [True] * 5
 
     assert counter.counts == {"tasks.update_many": 1}
     for doc in (await read_all(db)).values():
@@ -178,9 +189,36 @@ async def test_empty_batches_cost_nothing(db: Any, clock: ManualClock) -> None:
     counter.reset()
 
     assert await queue.complete_many([]) == []
-    assert await queue.heartbeat_many([]) == 0
+    assert await queue.heartbeat_many([]) == []
 
     assert counter.total == 0
+
+
+@pytest.mark.parametrize("call", ["complete_many", "heartbeat_many"])
+async def test_a_batch_over_the_limit_is_refused_before_any_command(
+    db: Any, clock: ManualClock, call: str
+) -> None:
+    """MAX_BATCH + 1 tasks (the same claimed task repeated: the size alone is refused) raise
+    InvalidInput naming the argument, and nothing is sent; MAX_BATCH itself is accepted."""
+    counter = CommandCounter()
+    queue = await new_queue(instrument(db, counter), clock)
+    await put_ids(queue, clock, 1)
+    (task,) = await queue.claim_many(1, "w")
+    before = {key: encoded(doc) for key, doc in (await read_all(db)).items()}
+    method = getattr(queue, call)
+    counter.reset()
+
+    with pytest.raises(
+        InvalidInput, match=f"^tasks: at most {MAX_BATCH} per call, got {MAX_BATCH + 1}$"
+    ):
+        await method([task] * (MAX_BATCH + 1))
+
+    assert counter.total == 0
+    assert {key: encoded(doc) for key, doc in (await read_all(db)).items()} == before
+    clock.advance(1)
+    assert await method([task] * MAX_BATCH) == [True] * MAX_BATCH
+    doc = await read(db, task.id)
+    assert doc is not None and doc["updated_at"] == clock.now()
 
 
 async def test_a_batched_lifecycle_costs_at_most_a_tenth_of_a_command_per_task(
@@ -432,6 +470,48 @@ async def test_an_expired_batch_completing_while_a_batch_claimer_takes_over_has_
     assert outcomes == {"A completed 3, B took 0": 16, "A completed 1, B took 2": 4}
 
 
+async def test_an_expired_batch_heartbeating_while_a_batch_claimer_takes_over_tells_which(
+    db: Any, clock: ManualClock
+) -> None:
+    """A's leases on t1..t3 expired; A heartbeats them while B claims two. Per task, A's
+    answer is True exactly when A's lease was extended and B does not hold the task."""
+
+    async def setup(queue: AsyncTaskQueue) -> Actors:
+        await queue.put_many([NewTask(f"t{i}") for i in (1, 2, 3)])
+        stale = await queue.claim_many(3, "A")
+        clock.advance(LEASE_TTL + 1)
+
+        async def heartbeat() -> tuple[list[Task], list[bool]]:
+            return stale, await queue.heartbeat_many(stale)
+
+        return {"A": heartbeat, "B": lambda: queue.claim_many(2, "B")}
+
+    async def check(queue: AsyncTaskQueue, name: str, results: dict[str, Any]) -> str:
+        stale, held = results["A"]
+        taken: list[Task] = results["B"]
+        docs = await read_all(db, name)
+        by_b = {task.id: task for task in taken}
+        for task, ok in zip(stale, held, strict=True):
+            doc = docs[task.id]
+            if ok:
+                assert task.id not in by_b
+                assert (doc["status"], doc["lease_token"], doc["attempts"]) == (
+                    "processing",
+                    task.lease_token,
+                    1,
+                )
+                assert doc["lease_until"] == later(clock, LEASE_TTL)
+            else:
+                assert task.id in by_b, f"{task.id}: A told False, B does not hold it"
+                assert_held(doc, by_b[task.id])
+                assert doc["attempts"] == 2
+        return f"A held {sum(held)}, B took {len(taken)}"
+
+    outcomes = await race(db, clock, {"A": 2, "B": 3}, setup, check)
+    # B takes two only if its read and its claim both come before A's update (3 orders of 10).
+    assert outcomes == {"A held 3, B took 0": 7, "A held 1, B took 2": 3}
+
+
 # ---------------------------------------------------------------------- a batch losing leases
 
 
@@ -478,13 +558,18 @@ async def test_a_batch_that_lost_some_leases_completes_only_the_ones_it_holds(
     assert statuses == ["done", "processing"]  # B's completion, and B's task in flight
 
 
-async def test_heartbeat_many_counts_and_extends_only_the_leases_still_held(
+async def test_heartbeat_many_tells_which_leases_are_held_and_extends_only_those(
     db: Any, clock: ManualClock
 ) -> None:
-    queue = await new_queue(db, clock)
+    """Some leases lost: the update, then one read to tell which tasks are still held."""
+    counter = CommandCounter()
+    queue = await new_queue(instrument(db, counter), clock)
     batch, stolen = await lose_two_of_four(db, clock, queue)
+    counter.reset()
 
-    assert await queue.heartbeat_many(batch) == 2
+    assert await queue.heartbeat_many(batch) == [task.id not in stolen for task in batch]
+
+    assert counter.counts == {"tasks.update_many": 1, "tasks.find": 1}
 
     for task_id, stored in stolen.items():
         assert encoded(await read(db, task_id)) == stored
@@ -509,7 +594,7 @@ async def test_a_batch_whose_tasks_were_all_taken_changes_nothing(
     assert sorted(ids(await queue.claim_many(3, "B"))) == ["t1", "t2"]
     before = {key: encoded(doc) for key, doc in (await read_all(db)).items()}
 
-    assert await queue.heartbeat_many(batch) == 0
+    assert await queue.heartbeat_many(batch) == [False, False, False]
     assert await queue.complete_many(batch) == [False, False, False]
 
     assert {key: encoded(doc) for key, doc in (await read_all(db)).items()} == before
@@ -718,7 +803,7 @@ async def test_a_heartbeat_many_whose_reply_was_lost_extended_the_leases(
 
     for doc in (await read_all(db)).values():
         assert doc["lease_until"] == later(clock, LEASE_TTL)
-    assert await queue.heartbeat_many(batch) == 3
+    assert await queue.heartbeat_many(batch) == [True] * 3
 
 
 # ------------------------------------------------------------------------- run(batch_size=N)
@@ -1012,3 +1097,277 @@ async def test_a_batch_longer_than_the_lease_keeps_every_lease_through_heartbeat
         if op.name == "update_many" and set(op.args[1]["$set"]) == {"lease_until", "updated_at"}
     ]
     assert len(heartbeats) == 7  # at 10, 20, ... 70 s: one command each for the whole batch
+
+
+# ------------------------------------------------- run(batch_size=N): leases lost mid-batch
+
+
+def is_heartbeat_many(op: Operation) -> bool:
+    return op.name == "update_many" and set(op.filter) == {"$or"}
+
+
+def is_heartbeat(op: Operation) -> bool:
+    """A single heartbeat: fenced on the lease (not the revision), extends it."""
+    return (
+        op.name == "update_one"
+        and "revision" not in op.filter
+        and set(op.args[1].get("$set", {})) == {"lease_until", "updated_at"}
+    )
+
+
+def is_reclaim(op: Operation) -> bool:
+    return op.name == "update_many" and "attempts" in op.filter
+
+
+def is_retry(op: Operation) -> bool:
+    """release_for_retry's settle: fenced on the revision, back to pending with the error."""
+    return op.name == "update_one" and "revision" in op.filter and "error" in op.args[1]["$set"]
+
+
+class Completed:
+    """A hook listing the commands that completed (applied or failed), in order."""
+
+    def __init__(self) -> None:
+        self.operations: list[Operation] = []
+
+    async def before(self, op: Operation) -> None:
+        return None
+
+    async def after(self, op: Operation, error: BaseException | None) -> None:
+        self.operations.append(op)
+
+
+def unexpected_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What the worker loop logged as escaping a batch's processing."""
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@pytest.mark.parametrize("taken_over", [False, True], ids=["still-held", "taken-over"])
+async def test_a_batch_past_its_last_renewal_rechecks_each_lease_before_starting_it(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture, taken_over: bool
+) -> None:
+    """The batch stalls in its first handler past the lease the claim granted, its renewal
+    held back. Before each later task starts, one heartbeat re-checks its lease: still held
+    (nobody took it), the task runs; taken over by another worker, it never starts under the
+    lost lease and counts as lost, and the new holder's claim is untouched."""
+    faults = FaultInjector()
+    counter = CommandCounter()
+    counter.record = True
+    queue = await new_queue(instrument(db, faults, counter), clock)
+    rival = await new_queue(db, clock)  # another process
+    renewal = faults.pause_before("update_many", collection="tasks", match=is_heartbeat_many)
+    # Only the rival takes over here: this worker's own reclaim of expired leases fails.
+    faults.fail_before("update_many", collection="tasks", match=is_reclaim, times=100)
+    await put_in_order(queue, clock, ["t1", "t2", "t3"])
+    started: list[Any] = []
+    stolen: list[Task] = []
+
+    async def handler(task: Task) -> Any:
+        started.append(task.id)
+        if task.id == "t1":
+            clock.advance(LEASE_TTL + 1)
+            await wait_for(renewal.reached.is_set, "the renewal to be due (and held back)")
+            if taken_over:
+                stolen.extend(await rival.claim_many(3, "B"))
+        return f"done {task.id}"
+
+    with caplog.at_level(logging.WARNING):
+        summary = await run_until_empty(queue, handler, batch_size=3)
+
+    rechecks = [op.filter["_id"] for op in counter.operations if is_heartbeat(op)]
+    assert rechecks == ["t2", "t3"]  # one heartbeat each, before it would start
+    assert not unexpected_errors(caplog)
+    docs = await read_all(db)
+    if not taken_over:
+        assert started == ["t1", "t2", "t3"]
+        assert (summary.claimed, summary.completed, summary.lost, summary.unknown) == (3, 3, 0, 0)
+        for task_id, doc in docs.items():
+            assert (doc["status"], doc["attempts"], doc["result"]) == ("done", 1, f"done {task_id}")
+        return
+    assert started == ["t1"]  # never t2 or t3 under a lost lease
+    assert (summary.claimed, summary.completed, summary.lost, summary.unknown) == (3, 0, 3, 0)
+    assert sorted(ids(stolen)) == ["t1", "t2", "t3"]
+    for task in stolen:
+        assert_held(docs[task.id], task)
+        assert (docs[task.id]["attempts"], docs[task.id]["result"]) == (2, None)
+
+
+async def test_a_renewal_that_finds_tasks_lost_keeps_the_batch_from_starting_them(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While t1 runs an operator removes t2 and t3; the batch's renewal (on time) finds them
+    no longer held: they are counted lost once and never started (no re-check is even sent),
+    and t1 completes."""
+    in_flight = InFlight()
+    counter = CommandCounter()
+    counter.record = True
+    queue = await new_queue(instrument(db, in_flight, counter), clock)
+    operator = await new_queue(db, clock)
+    await put_in_order(queue, clock, ["t1", "t2", "t3"])
+    started: list[Any] = []
+    summaries: list[RunSummary] = []
+
+    async def handler(task: Task) -> Any:
+        started.append(task.id)
+        if task.id == "t1":
+            assert await operator.remove("t2")
+            assert await operator.remove("t3")
+            await clock.sleep(15)
+        return f"done {task.id}"
+
+    async def worker() -> None:
+        summaries.append(await run_until_empty(queue, handler, batch_size=3))
+
+    def napping() -> bool:  # the handler, the heartbeat and the reclaim timer sleep
+        return clock.sleepers == 3 and in_flight.count == 0
+
+    with caplog.at_level(logging.WARNING):
+        async with anyio.create_task_group() as group:
+            group.start_soon(worker)
+            await wait_for(napping, "t1 to run")
+            clock.advance(10)  # the renewal
+            await wait_for(napping, "the renewal")
+            clock.advance(5)  # t1 ends
+
+    (summary,) = summaries
+    assert started == ["t1"]
+    assert (summary.claimed, summary.completed, summary.lost, summary.unknown) == (3, 1, 2, 0)
+    assert not unexpected_errors(caplog)
+    assert [op for op in counter.operations if is_heartbeat(op)] == []
+    assert len([op for op in counter.operations if is_heartbeat_many(op)]) == 1
+    docs = await read_all(db)
+    assert (docs["t1"]["status"], docs["t1"]["result"]) == ("done", "done t1")
+    assert {docs[t]["status"] for t in ("t2", "t3")} == {"tombstone"}
+
+
+@pytest.mark.parametrize("outcome", ["returns", "raises"])
+async def test_a_task_a_renewal_finds_lost_under_its_handler_counts_once_and_the_rest_runs(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture, outcome: str
+) -> None:
+    """An operator removes t1 while its handler runs; the batch's renewal finds t1 lost. When
+    the handler then returns (or raises), t1 is counted lost once, nothing escapes the batch,
+    and t2 and t3 still run and complete under the batch's claim."""
+    in_flight = InFlight()
+    queue = await new_queue(instrument(db, in_flight), clock)
+    operator = await new_queue(db, clock)
+    await put_in_order(queue, clock, ["t1", "t2", "t3"])
+    started: list[Any] = []
+    summaries: list[RunSummary] = []
+
+    async def handler(task: Task) -> Any:
+        started.append(task.id)
+        if task.id == "t1":
+            assert await operator.remove("t1")
+            await clock.sleep(15)
+            if outcome == "raises":
+                raise RuntimeError("t1 failed")
+        return f"done {task.id}"
+
+    async def worker() -> None:
+        summaries.append(await run_until_empty(queue, handler, batch_size=3))
+
+    def napping() -> bool:
+        return clock.sleepers == 3 and in_flight.count == 0
+
+    with caplog.at_level(logging.WARNING):
+        async with anyio.create_task_group() as group:
+            group.start_soon(worker)
+            await wait_for(napping, "t1 to run")
+            clock.advance(10)  # the renewal finds t1 removed
+            await wait_for(napping, "the renewal")
+            clock.advance(5)  # t1's handler ends
+
+    (summary,) = summaries
+    assert not unexpected_errors(caplog)
+    assert started == ["t1", "t2", "t3"]
+    assert (summary.claimed, summary.completed, summary.lost) == (3, 2, 1)
+    assert summary.retried + summary.failed + summary.released + summary.unknown == 0
+    docs = await read_all(db)
+    assert docs["t1"]["status"] == "tombstone"
+    for task_id in ("t2", "t3"):
+        assert (docs[task_id]["status"], docs[task_id]["attempts"], docs[task_id]["result"]) == (
+            "done",
+            1,
+            f"done {task_id}",
+        )
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+async def test_a_failure_settle_that_raised_a_driver_error_counts_unknown_and_the_batch_goes_on(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture, when: str
+) -> None:
+    """t1's handler fails and its release for retry raises a driver error (applied or not):
+    counted unknown, logged, and t2 and t3 still run and complete. t1 is released (reply
+    lost) or still held until its lease ends; either way it runs again."""
+    faults = FaultInjector()
+    queue = await new_queue(instrument(db, faults), clock, backoff_base=1, backoff_cap=1)
+    await put_in_order(queue, clock, ["t1", "t2", "t3"])
+    (faults.fail_before if when == "before" else faults.fail_after)(
+        "update_one", collection="tasks", match=is_retry
+    )
+
+    async def handler(task: Task) -> Any:
+        if task.id == "t1" and task.attempts == 1:
+            raise RuntimeError("t1 failed")
+        return f"done {task.id}"
+
+    with caplog.at_level(logging.WARNING):
+        summary = await run_until_empty(queue, handler, batch_size=3)
+
+    assert len(faults.triggered) == 1
+    assert (summary.claimed, summary.completed, summary.unknown) == (3, 2, 1)
+    assert summary.retried + summary.failed + summary.lost + summary.released == 0
+    assert any(
+        r.getMessage() == "settling 't1' failed; its lease will expire" for r in caplog.records
+    )
+    assert not unexpected_errors(caplog)
+    docs = await read_all(db)
+    assert {docs[t]["status"] for t in ("t2", "t3")} == {"done"}
+    t1 = docs["t1"]
+    if when == "before":
+        assert (t1["status"], t1["attempts"], t1["worker_id"]) == ("processing", 1, "w")
+        assert t1["error"] is None
+        clock.advance(LEASE_TTL + 0.001)
+    else:
+        assert (t1["status"], t1["attempts"], t1["lease_token"]) == ("pending", 1, None)
+        assert t1["error"].endswith("RuntimeError: t1 failed")
+        clock.advance(2)  # past the backoff
+
+    assert [(task.id, task.attempts) for task in await drain_batched(queue)] == [("t1", 2)]
+
+
+async def test_a_failure_settle_in_a_cancelled_batch_is_shielded(
+    db: Any, clock: ManualClock
+) -> None:
+    """The run is cancelled while t1's release for retry is on its way: the release still
+    applies (an attempt, with backoff and the error). The cancellation then cuts t2 short at
+    its handler's first await (an attempt, no error), and t3, never started, is released
+    without counting one."""
+    faults = FaultInjector()
+    queue = await new_queue(instrument(db, faults), clock, backoff_base=10, backoff_cap=10)
+    await put_in_order(queue, clock, ["t1", "t2", "t3"])
+    settling = faults.pause_before("update_one", collection="tasks", match=is_retry)
+    started: list[Any] = []
+
+    async def handler(task: Task) -> Any:
+        started.append(task.id)
+        await anyio.lowlevel.checkpoint()
+        raise RuntimeError(f"{task.id} failed")
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(lambda: queue.run(handler, batch_size=3, worker_id="w"))
+        await wait_for(settling.reached.is_set, "t1's release")
+        group.cancel_scope.cancel()
+        settling.release()
+
+    assert started == ["t1", "t2"]
+    docs = await read_all(db)
+    for task_id in ("t1", "t2"):
+        doc = docs[task_id]
+        assert (doc["status"], doc["attempts"], doc["lease_token"]) == ("pending", 1, None)
+        assert later(clock, 10) <= doc["lease_until"] < later(clock, 15)
+    assert docs["t1"]["error"].endswith("RuntimeError: t1 failed")
+    assert docs["t2"]["error"] is None
+    t3 = docs["t3"]
+    assert (t3["status"], t3["attempts"], t3["lease_token"]) == ("pending", 0, None)
+    assert t3["lease_until"] == clock.now()

@@ -18,18 +18,14 @@ import pytest
 from pymongo.errors import AutoReconnect, NetworkTimeout
 
 from mongoq import AsyncTaskQueue, NewTask, ReclaimResult, RunSummary, Task
-from mongoq.testing import (
-    FaultInjector,
-    Interleaving,
-    ManualClock,
-    Operation,
-    all_interleavings,
-    instrument,
-)
+from mongoq.testing import FaultInjector, ManualClock, Operation, instrument
 from tests.helpers import (
     LEASE_TTL,
+    Actors,
+    Trace,
     claim_one,
     encoded,
+    every_order,
     later,
     new_queue,
     read,
@@ -40,9 +36,6 @@ from tests.helpers import (
 # ------------------------------------------------------------------------------ interleavings
 
 
-Actors = dict[str, Callable[[], Awaitable[Any]]]
-
-
 async def race(
     db: Any,
     clock: ManualClock,
@@ -50,26 +43,16 @@ async def race(
     setup: Callable[[AsyncTaskQueue], Awaitable[Actors]],
     check: Callable[[str, dict[str, Any]], Awaitable[str]],
 ) -> Counter[str]:
-    """For every interleaving of `counts`, on a fresh collection: `setup` the queue (its
-    commands run freely) and get the actors, run them in that order, then `check(name,
-    results)`, which asserts the invariants and names the outcome. Returns the outcomes seen:
-    a race whose orders all end the same way did not test much."""
-    outcomes: Counter[str] = Counter()
-    for number, order in enumerate(all_interleavings(counts)):
-        interleaving = Interleaving(order)
-        name = f"race{number}"
-        queue = await new_queue(instrument(db, interleaving), clock, name=name)
-        actors = await setup(queue)
-        results = await interleaving.run(actors)
-        label = "".join(order)
-        errors = {actor: r for actor, r in results.items() if isinstance(r, BaseException)}
-        assert not errors, f"order {label}: {errors}"
-        assert interleaving.trace[0][0] == order[0], f"order {label}: {interleaving.trace}"
-        try:
-            outcomes[await check(name, results)] += 1
-        except AssertionError as failure:
-            raise AssertionError(f"order {label}: {failure}") from failure
-    return outcomes
+    """`every_order` on a queue with a fresh collection (``race{n}``) per order; `check(name,
+    results)` asserts the invariants and names the outcome."""
+
+    async def fresh(db: Any, name: str) -> AsyncTaskQueue:
+        return await new_queue(db, clock, name=name)
+
+    async def check_by_name(queue: AsyncTaskQueue, results: dict[str, Any], trace: Trace) -> str:
+        return await check(queue.name, results)
+
+    return await every_order(db, counts, fresh, setup, check_by_name)
 
 
 def claimer(queue: AsyncTaskQueue, worker: str) -> Callable[[], Awaitable[Any]]:

@@ -4,7 +4,6 @@ anything is written."""
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import mongomock
@@ -13,9 +12,16 @@ import pytest
 
 from mongoq import AsyncTaskQueue, InvalidInput, NewTask, Task
 from mongoq.testing import CommandCounter, ManualClock, instrument
-from tests.helpers import QUEUE, claim_one, encoded, new_queue, read, read_all
-
-SIXTEEN_MIB = 16 * 1024 * 1024
+from tests.helpers import (
+    QUEUE,
+    SIXTEEN_MIB,
+    claim_one,
+    encoded,
+    new_queue,
+    read,
+    read_all,
+    rejects,
+)
 
 
 @pytest.fixture
@@ -30,11 +36,6 @@ async def queue(db: Any, clock: ManualClock, counter: CommandCounter) -> AsyncTa
     await queue.put("existing", {"keep": True}, revision="r1")
     counter.reset()
     return queue
-
-
-def rejects(field: str) -> Any:
-    """`pytest.raises` for an `InvalidInput` whose message starts with the field `field`."""
-    return pytest.raises(InvalidInput, match=f"^{re.escape(field)}")
 
 
 async def assert_unchanged(db: Any, before: dict[Any, dict[str, Any]]) -> None:
