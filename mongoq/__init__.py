@@ -11,7 +11,7 @@ from typing import Any
 
 from mongoq import _driver
 from mongoq.clock import Clock, ServerClock, SystemClock
-from mongoq.errors import InvalidInput, LeaseLost, MongoqError, PermanentError, UnsupportedByBackend
+from mongoq.errors import InvalidInput, LeaseLost, MongoqError, PermanentError
 from mongoq.groups import (
     AsyncGroupTransport,
     DeadLetter,
@@ -53,7 +53,6 @@ __all__ = [
     "Task",
     "TaskLease",
     "TaskQueueStats",
-    "UnsupportedByBackend",
     "connect",
 ]
 

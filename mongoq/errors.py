@@ -7,7 +7,7 @@ outcome is unknown", and every primitive is built so that such an outcome is rec
 
 from __future__ import annotations
 
-__all__ = ["InvalidInput", "LeaseLost", "MongoqError", "PermanentError", "UnsupportedByBackend"]
+__all__ = ["InvalidInput", "LeaseLost", "MongoqError", "PermanentError"]
 
 
 class MongoqError(Exception):
@@ -37,7 +37,3 @@ class LeaseLost(MongoqError):
 
 class PermanentError(MongoqError):
     """Raised by a handler to fail its work item now, without further retries."""
-
-
-class UnsupportedByBackend(MongoqError):
-    """The connected backend cannot do this (e.g. transactions on the embedded backend)."""
