@@ -7,7 +7,7 @@ assertions see what is stored, with every datetime made UTC-aware.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -15,9 +15,9 @@ from typing import Any
 import anyio.lowlevel
 import bson
 
-from mongoq import AsyncGroupTransport, GroupLease
+from mongoq import AsyncGroupTransport, GroupLease, NewMessage, PermanentError
 from mongoq.testing import ManualClock, settle
-from tests.helpers import utc
+from tests.helpers import Actors, Trace, every_order, later, utc
 
 #: The visibility of the tests' transports: a lease lasts 30 s, run() renews it every 10 s.
 VISIBILITY = 30.0
@@ -192,3 +192,55 @@ async def eventually(check: Callable[[], Awaitable[bool]], what: str, rounds: in
         if await check():
             return
     raise AssertionError(f"timed out waiting for {what}")
+
+
+async def race(
+    db: Any,
+    clock: ManualClock,
+    counts: dict[str, int],
+    setup: Callable[[AsyncGroupTransport], Awaitable[Actors]],
+    check: Callable[[AsyncGroupTransport, dict[str, Any], Trace], Awaitable[str]],
+) -> Counter[str]:
+    """`every_order` on a transport with fresh collections (prefix ``race{n}``) per order."""
+
+    async def fresh(db: Any, prefix: str) -> AsyncGroupTransport:
+        return await new_transport(db, clock, prefix=prefix)
+
+    return await every_order(db, counts, fresh, setup, check)
+
+
+#: The two ways to publish g1 to group "g" (the actor of a race).
+PUBLISHES: dict[str, Callable[[AsyncGroupTransport], Awaitable[Any]]] = {
+    "publish": lambda transport: transport.publish("g", "g1"),
+    "publish_many": lambda transport: transport.publish_many([NewMessage("g", "g1")]),
+}
+
+
+def failing_handler(handled: list[tuple[Any, int]]) -> Callable[[GroupLease], Awaitable[None]]:
+    """A handler that records each (event, deliveries) in `handled`, fails "permanent" for good
+    (PermanentError) and "flaky" on its first delivery, and handles every other event."""
+
+    async def handler(lease: GroupLease) -> None:
+        handled.append((lease.event, lease.deliveries))
+        if lease.event == "permanent":
+            raise PermanentError("cannot ever work")
+        if lease.event == "flaky" and lease.deliveries == 1:
+            raise RuntimeError("try later")
+
+    return handler
+
+
+async def assert_permanent_buried_and_flaky_parked(
+    db: Any, clock: ManualClock, retry_delay: float
+) -> None:
+    """After a run of `failing_handler` over g = ["permanent", "g-ok"] and h = ["flaky" (seq 3),
+    "h-ok"]: "permanent" is dead-lettered with its error, and h is parked for `retry_delay`
+    with both its messages left and the error recorded on its head."""
+    (buried,) = (await dead(db)).values()
+    assert buried["event"] == "permanent"
+    assert buried["error"].endswith("PermanentError: cannot ever work")
+    assert await group_messages(db) == {"h": ["flaky", "h-ok"]}
+    parked = await lock(db, "h")
+    assert parked is not None
+    assert (parked["available_at"], parked["parked"]) == (later(clock, retry_delay), True)
+    assert (await message(db, 3) or {})["last_error"].endswith("RuntimeError: try later")

@@ -6,17 +6,27 @@ Reads go to the collection directly (not through the queue), so assertions see w
 
 from __future__ import annotations
 
+import itertools
+import logging
 import re
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
+import anyio.lowlevel
 import bson
 import pytest
 
 from mongoq import AsyncTaskQueue, InvalidInput, Task
-from mongoq.testing import Interleaving, ManualClock, all_interleavings, instrument, settle
+from mongoq.testing import (
+    Interleaving,
+    ManualClock,
+    Operation,
+    all_interleavings,
+    instrument,
+    settle,
+)
 
 #: The lease used by the tests' queues: short enough to reason about, heartbeats every 10 s.
 LEASE_TTL = 30.0
@@ -134,3 +144,71 @@ async def every_order(
         except AssertionError as failure:
             raise AssertionError(f"order {label}: {failure}\n{interleaving.trace}") from failure
     return outcomes
+
+
+async def race(
+    db: Any,
+    clock: ManualClock,
+    counts: dict[str, int],
+    setup: Callable[[AsyncTaskQueue], Awaitable[Actors]],
+    check: Callable[[AsyncTaskQueue, dict[str, Any]], Awaitable[str]],
+) -> Counter[str]:
+    """`every_order` on a task queue with a fresh collection (``race{n}``, the queue's `name`)
+    per order; `check(queue, results)` asserts the invariants and names the outcome."""
+
+    async def fresh(db: Any, name: str) -> AsyncTaskQueue:
+        return await new_queue(db, clock, name=name)
+
+    async def check_results(queue: AsyncTaskQueue, results: dict[str, Any], trace: Trace) -> str:
+        return await check(queue, results)
+
+    return await every_order(db, counts, fresh, setup, check_results)
+
+
+def nth(index: int) -> Callable[[Operation], bool]:
+    """A fault rule's `match` that picks the `index`-th (from 0) matching command it sees."""
+    seen = itertools.count()
+    return lambda op: next(seen) == index
+
+
+class InFlight:
+    """A hook counting the commands sent and not answered yet."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    async def before(self, op: Operation) -> None:
+        self.count += 1
+
+    async def after(self, op: Operation, error: BaseException | None) -> None:
+        self.count -= 1
+
+
+def unexpected_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What the worker loop logged as escaping a batch's processing."""
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+class Bookkeeping:
+    """A task handler that notices two runs of one task overlapping, counts runs per task, and
+    fails the first attempt of the `flaky` tasks."""
+
+    def __init__(self, flaky: set[str]) -> None:
+        self.flaky = flaky
+        self.in_flight: set[Any] = set()
+        self.overlaps: list[Any] = []
+        self.runs: Counter[Any] = Counter()
+
+    async def handler(self, task: Task) -> dict[str, Any]:
+        if task.id in self.in_flight:
+            self.overlaps.append(task.id)
+        self.in_flight.add(task.id)
+        try:
+            for _ in range(3):
+                await anyio.lowlevel.checkpoint()  # let the other slots interleave
+            self.runs[task.id] += 1
+            if task.id in self.flaky and task.attempts == 1:
+                raise RuntimeError(f"transient failure of {task.id}")
+            return {"attempt": task.attempts}
+        finally:
+            self.in_flight.discard(task.id)

@@ -12,11 +12,10 @@ stored documents.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import signal
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
@@ -32,27 +31,27 @@ from mongoq import (
     GroupRunSummary,
     InvalidInput,
     NewMessage,
-    PermanentError,
 )
 from mongoq._validation import MAX_BATCH
 from mongoq.testing import (
     CommandCounter,
     FaultInjector,
-    Interleaving,
     ManualClock,
     Operation,
-    all_interleavings,
     instrument,
 )
 from tests.group_helpers import (
     EPOCH,
     PREFIX,
+    PUBLISHES,
     VISIBILITY,
     Bookkeeping,
     assert_empty,
+    assert_permanent_buried_and_flaky_parked,
     by_group,
     claim_one,
     dead,
+    failing_handler,
     first_occurrences,
     group_messages,
     lock,
@@ -60,12 +59,10 @@ from tests.group_helpers import (
     message,
     messages,
     new_transport,
+    race,
     snapshot,
 )
-from tests.helpers import later, wait_for
-
-Actors = dict[str, Callable[[], Awaitable[Any]]]
-Trace = list[tuple[str, str, str]]
+from tests.helpers import Actors, Trace, later, nth, unexpected_errors, wait_for
 
 
 def groups_of(leases: list[GroupLease]) -> list[Any]:
@@ -421,32 +418,6 @@ async def test_a_group_published_between_rounds_goes_before_the_groups_served_ag
 
 
 # ------------------------------------------------------------------------------ exclusivity
-
-
-async def race(
-    db: Any,
-    clock: ManualClock,
-    counts: dict[str, int],
-    setup: Callable[[AsyncGroupTransport], Awaitable[Actors]],
-    check: Callable[[AsyncGroupTransport, dict[str, Any], Trace], Awaitable[str]],
-) -> Counter[str]:
-    """For every interleaving of `counts`, on fresh collections (prefix ``race{n}``): `setup`
-    the transport (its commands run freely), run the actors in that order, then
-    `check(transport, results, trace)`, which asserts and names the outcome."""
-    outcomes: Counter[str] = Counter()
-    for number, order in enumerate(all_interleavings(counts)):
-        interleaving = Interleaving(order)
-        transport = await new_transport(instrument(db, interleaving), clock, prefix=f"race{number}")
-        actors = await setup(transport)
-        results = await interleaving.run(actors)
-        label = "".join(order)
-        errors = {actor: r for actor, r in results.items() if isinstance(r, BaseException)}
-        assert not errors, f"order {label}: {errors}"
-        try:
-            outcomes[await check(transport, results, interleaving.trace)] += 1
-        except AssertionError as failure:
-            raise AssertionError(f"order {label}: {failure}\n{interleaving.trace}") from failure
-    return outcomes
 
 
 async def assert_one_holder_per_group(
@@ -871,7 +842,7 @@ async def test_claim_many_drops_an_empty_group_and_returns_the_others(
     assert counter.total == 6
 
 
-@pytest.mark.parametrize("publish", ["publish", "publish_many"])
+@pytest.mark.parametrize("publish", list(PUBLISHES))
 async def test_a_publish_racing_the_claim_many_that_finds_its_group_empty_is_never_stranded(
     db: Any, clock: ManualClock, publish: str
 ) -> None:
@@ -883,13 +854,10 @@ async def test_a_publish_racing_the_claim_many_that_finds_its_group_empty_is_nev
         await transport.publish("g", "g0")
         lease = await claim_one(transport, "A", group="g")
         assert await transport.dead_letter(lease, "bad")
-
-        async def publish_g1() -> Any:
-            if publish == "publish":
-                return await transport.publish("g", "g1")
-            return await transport.publish_many([NewMessage("g", "g1")])
-
-        return {"C": lambda: transport.claim_many(2, "C"), "P": publish_g1}
+        return {
+            "C": lambda: transport.claim_many(2, "C"),
+            "P": lambda: PUBLISHES[publish](transport),
+        }
 
     async def check(transport: AsyncGroupTransport, results: dict[str, Any], trace: Trace) -> str:
         prefix = transport.prefix
@@ -970,12 +938,6 @@ async def test_a_publish_racing_the_ack_many_that_drops_its_drained_group_is_nev
 
 
 # -------------------------------------------------------------------------------- faults
-
-
-def nth(index: int) -> Callable[[Operation], bool]:
-    """A fault rule's `match` that picks the `index`-th (from 0) matching command it sees."""
-    seen = itertools.count()
-    return lambda op: next(seen) == index
 
 
 #: claim_many's five commands: (collection, command, a fresh `match` for the rule)
@@ -1114,6 +1076,31 @@ def assert_logged_follow_up_failure(caplog: pytest.LogCaptureFixture, group: str
     assert failures[0].exc_info is not None
 
 
+async def interrupt_a_burial_after_its_mark(
+    transport: AsyncGroupTransport, faults: FaultInjector
+) -> None:
+    """g gets g0 and g1; A leases g and dead-letters g0 ("bad g0"): the head is marked, then
+    the copy to the dead letters fails."""
+    await transport.publish_many([NewMessage("g", "g0"), NewMessage("g", "g1")])
+    (lease,) = await transport.claim_many(10, "A")
+    faults.fail_before("replace_one", collection="mq_dead")
+    with pytest.raises(AutoReconnect):
+        await transport.dead_letter(lease, "bad g0")
+
+
+async def assert_batched_workers_finish_the_burial(
+    db: Any, transport: AsyncGroupTransport, clock: ManualClock, event: str, error: str
+) -> None:
+    """Once g's lease has ended, batched workers alone (`drain_batched`) deliver g1 once and
+    leave exactly one dead letter: g's first message (seq 1, `event`) with `error`."""
+    clock.advance(VISIBILITY + 0.001)
+    delivered = await drain_batched(db, transport, clock)
+    assert [(x.event, x.deliveries) for x in delivered] == [("g1", 1)]
+    (letter,) = (await dead(db)).values()
+    assert (letter["_id"], letter["event"], letter["error"]) == (1, event, error)
+    await assert_empty(db)
+
+
 @pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("command", list(BURIAL))
 async def test_a_dead_lettering_by_claim_many_that_failed_on_any_command_is_recoverable(
@@ -1162,13 +1149,7 @@ async def test_a_dead_lettering_by_claim_many_that_failed_on_any_command_is_reco
     if applied < 4:
         assert await transport.claim_many(10, "B") == []
 
-    clock.advance(VISIBILITY + 0.001)
-    delivered = await drain_batched(db, transport, clock)
-
-    assert [(x.event, x.deliveries) for x in delivered] == [("g1", 1)]
-    (buried,) = (await dead(db)).values()
-    assert (buried["_id"], buried["event"], buried["error"]) == (1, "poison", "boom")
-    await assert_empty(db)
+    await assert_batched_workers_finish_the_burial(db, transport, clock, "poison", "boom")
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
@@ -1219,11 +1200,7 @@ async def test_a_claim_many_whose_finishing_of_a_burial_failed_returns_the_other
     burial (one dead letter) and delivers g1."""
     faults = FaultInjector()
     transport = await new_transport(instrument(db, faults), clock)
-    await transport.publish_many([NewMessage("g", "g0"), NewMessage("g", "g1")])
-    (lease,) = await transport.claim_many(10, "A")
-    faults.fail_before("replace_one", collection="mq_dead")
-    with pytest.raises(AutoReconnect):
-        await transport.dead_letter(lease, "bad g0")
+    await interrupt_a_burial_after_its_mark(transport, faults)
     await transport.publish("h", "h0")
     clock.advance(VISIBILITY + 0.001)
     faults.fail_before("replace_one", collection="mq_dead")
@@ -1242,14 +1219,8 @@ async def test_a_claim_many_whose_finishing_of_a_burial_failed_returns_the_other
     assert g is not None and (g["token"], g["available_at"]) == (h.token, h.lease_until)
     assert await transport.ack_many([h]) == [True]
     assert await transport.claim_many(10, "B") == []
-    clock.advance(VISIBILITY + 0.001)
 
-    delivered = await drain_batched(db, transport, clock)
-
-    assert [(x.event, x.deliveries) for x in delivered] == [("g1", 1)]
-    (letter,) = (await dead(db)).values()
-    assert (letter["_id"], letter["event"], letter["error"]) == (1, "g0", "bad g0")
-    await assert_empty(db)
+    await assert_batched_workers_finish_the_burial(db, transport, clock, "g0", "bad g0")
 
 
 async def test_a_burial_interrupted_after_the_mark_is_finished_by_claim_many(
@@ -1262,22 +1233,12 @@ async def test_a_burial_interrupted_after_the_mark_is_finished_by_claim_many(
     never delivered."""
     faults = FaultInjector()
     transport = await new_transport(instrument(db, faults), clock)
-    await transport.publish_many([NewMessage("g", "g0"), NewMessage("g", "g1")])
-    (lease,) = await transport.claim_many(10, "A")
-    faults.fail_before("replace_one", collection="mq_dead")
-    with pytest.raises(AutoReconnect):
-        await transport.dead_letter(lease, "bad g0")
+    await interrupt_a_burial_after_its_mark(transport, faults)
     marked = await message(db, 1)
     assert marked is not None and marked["dead"] is not None
     assert await dead(db) == {}
-    clock.advance(VISIBILITY + 0.001)
 
-    delivered = await drain_batched(db, transport, clock)
-
-    assert [(x.event, x.deliveries) for x in delivered] == [("g1", 1)]
-    (letter,) = (await dead(db)).values()
-    assert (letter["_id"], letter["event"], letter["error"]) == (1, "g0", "bad g0")
-    await assert_empty(db)
+    await assert_batched_workers_finish_the_burial(db, transport, clock, "g0", "bad g0")
 
 
 # ------------------------------------------------------------------------- run(batch_size=N)
@@ -1375,26 +1336,13 @@ async def test_run_with_batches_nacks_failures_and_dead_letters_permanent_errors
         ]
     )
     handled: list[tuple[Any, int]] = []
-
-    async def handler(lease: GroupLease) -> None:
-        handled.append((lease.event, lease.deliveries))
-        if lease.event == "permanent":
-            raise PermanentError("cannot ever work")
-        if lease.event == "flaky" and lease.deliveries == 1:
-            raise RuntimeError("try later")
+    handler = failing_handler(handled)
 
     first = await run_until_empty(transport, handler, batch_size=10, retry_delay=5)
 
     assert sorted(handled) == [("flaky", 1), ("g-ok", 1), ("k0", 1), ("permanent", 1)]
     assert (first.claimed, first.acked, first.dead, first.retried, first.lost) == (4, 2, 1, 1, 0)
-    (buried,) = (await dead(db)).values()
-    assert buried["event"] == "permanent"
-    assert buried["error"].endswith("PermanentError: cannot ever work")
-    assert await group_messages(db) == {"h": ["flaky", "h-ok"]}
-    parked = await lock(db, "h")
-    assert parked is not None
-    assert (parked["available_at"], parked["parked"]) == (later(clock, 5), True)
-    assert (await message(db, 3) or {})["last_error"].endswith("RuntimeError: try later")
+    await assert_permanent_buried_and_flaky_parked(db, clock, retry_delay=5)
 
     clock.advance(5)
     second = await run_until_empty(transport, handler, batch_size=10, retry_delay=5)
@@ -1402,6 +1350,29 @@ async def test_run_with_batches_nacks_failures_and_dead_letters_permanent_errors
     assert handled[4:] == [("flaky", 2), ("h-ok", 1)]
     assert (second.claimed, second.acked, second.retried) == (2, 2, 0)
     await assert_empty(db)
+
+
+async def assert_cut_short_at_the_second_head(
+    db: Any, clock: ManualClock, started: list[str]
+) -> str:
+    """A batch over a, b, c and d (two messages each, seqs 1-4 their heads) was cut short, with
+    a retry delay of 10 s, while its second head ran (`started`: the two heads, in order): the
+    first head was acked, the group cut short is parked for the retry delay, and the other two
+    are given back at once with their heads untouched. The group cut short."""
+    done, cut = (event.split(".")[0] for event in started)
+    rest = sorted({"a", "b", "c", "d"} - {done, cut})
+    assert (await group_messages(db))[done] == [f"{done}.1"]
+    cut_lock = await lock(db, cut)
+    assert cut_lock is not None
+    assert (cut_lock["available_at"], cut_lock["parked"]) == (later(clock, 10), True)
+    for group in rest:
+        stored = await lock(db, group)
+        assert stored is not None
+        assert (stored["token"], stored["available_at"]) == (None, clock.now())
+        head = await message(db, "abcd".index(group) + 1)
+        assert head is not None and head["token"] is None
+        assert head["deliveries"] == 0, f"{group}'s head never reached the handler"
+    return cut
 
 
 async def test_a_cancelled_batch_acks_the_finished_and_gives_back_the_rest(
@@ -1425,20 +1396,8 @@ async def test_a_cancelled_batch_acks_the_finished_and_gives_back_the_rest(
         clock.advance(3)
         group.cancel_scope.cancel()
 
-    done, cut = (event.split(".")[0] for event in started)
-    rest = sorted({"a", "b", "c", "d"} - {done, cut})
-    assert (await group_messages(db))[done] == [f"{done}.1"]
-    cut_lock = await lock(db, cut)
-    assert cut_lock is not None
-    assert (cut_lock["available_at"], cut_lock["parked"]) == (later(clock, 10), True)
+    cut = await assert_cut_short_at_the_second_head(db, clock, started)
     assert (await message(db, "abcd".index(cut) + 1) or {})["deliveries"] == 1
-    for group in rest:
-        stored = await lock(db, group)
-        assert stored is not None
-        assert (stored["token"], stored["available_at"]) == (None, clock.now())
-        head = await message(db, "abcd".index(group) + 1)
-        assert head is not None and head["token"] is None
-        assert head["deliveries"] == 0, f"{group}'s head never reached the handler"
 
 
 async def test_a_batch_longer_than_the_visibility_keeps_every_group_through_renewals(
@@ -1537,11 +1496,6 @@ class Completed:
 
     async def after(self, op: Operation, error: BaseException | None) -> None:
         self.operations.append(op)
-
-
-def unexpected_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
-    """What the worker loop logged as escaping a batch's processing."""
-    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 async def three_groups_in_waiting_order(
@@ -1868,14 +1822,4 @@ async def test_a_hard_stopped_batch_counts_the_heads_it_gave_back_unused_as_rele
     (summary,) = summaries
     assert (summary.claimed, summary.acked, summary.retried, summary.released) == (4, 1, 1, 2)
     assert summary.dead + summary.lost + summary.unknown == 0
-    done, cut = (event.split(".")[0] for event in started)
-    assert (await group_messages(db))[done] == [f"{done}.1"]
-    cut_lock = await lock(db, cut)
-    assert cut_lock is not None
-    assert (cut_lock["available_at"], cut_lock["parked"]) == (later(clock, 10), True)
-    for group_id in sorted({"a", "b", "c", "d"} - {done, cut}):
-        stored = await lock(db, group_id)
-        assert stored is not None
-        assert (stored["token"], stored["available_at"]) == (None, clock.now())
-        head = await message(db, "abcd".index(group_id) + 1)
-        assert head is not None and (head["token"], head["deliveries"]) == (None, 0)
+    await assert_cut_short_at_the_second_head(db, clock, started)

@@ -15,12 +15,13 @@ import anyio
 import pytest
 from pymongo.errors import AutoReconnect, NetworkTimeout
 
-from mongoq import AsyncGroupTransport, GroupLease, GroupRunSummary, NewMessage, PermanentError
+from mongoq import AsyncGroupTransport, GroupLease, GroupRunSummary, NewMessage
 from mongoq.testing import FaultInjector, ManualClock, Operation, instrument, settle
 from tests.group_helpers import (
     EPOCH,
     VISIBILITY,
     assert_empty,
+    assert_permanent_buried_and_flaky_parked,
     assert_released,
     by_group,
     claim_one,
@@ -28,6 +29,7 @@ from tests.group_helpers import (
     dead,
     drain,
     eventually,
+    failing_handler,
     first_occurrences,
     group_messages,
     lock,
@@ -758,26 +760,13 @@ async def test_run_dead_letters_permanent_errors_and_nacks_the_rest_with_retry_d
     await transport.publish("h", "flaky")
     await transport.publish("h", "h-ok")
     handled: list[tuple[Any, int]] = []
-
-    async def handler(lease: GroupLease) -> None:
-        handled.append((lease.event, lease.deliveries))
-        if lease.event == "permanent":
-            raise PermanentError("cannot ever work")
-        if lease.event == "flaky" and lease.deliveries == 1:
-            raise RuntimeError("try later")
+    handler = failing_handler(handled)
 
     first = await transport.run(handler, retry_delay=5, stop_when_empty=True)
 
     assert (first.claimed, first.acked, first.dead, first.retried, first.lost) == (3, 1, 1, 1, 0)
     assert sorted(handled) == [("flaky", 1), ("g-ok", 1), ("permanent", 1)]
-    (buried,) = (await dead(db)).values()
-    assert buried["event"] == "permanent"
-    assert buried["error"].endswith("PermanentError: cannot ever work")
-    assert await group_messages(db) == {"h": ["flaky", "h-ok"]}
-    parked = await lock(db, "h")
-    assert parked is not None
-    assert (parked["available_at"], parked["parked"]) == (later(clock, 5), True)
-    assert (await message(db, 3) or {})["last_error"].endswith("RuntimeError: try later")
+    await assert_permanent_buried_and_flaky_parked(db, clock, retry_delay=5)
 
     clock.advance(5)
     second = await transport.run(handler, retry_delay=5, stop_when_empty=True)

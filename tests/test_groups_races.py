@@ -8,7 +8,6 @@ delivers it), a group has one holder at a time, and a group's messages come in p
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -20,6 +19,7 @@ from mongoq import AsyncGroupTransport, GroupLease, GroupRunSummary, NewMessage
 from mongoq.testing import FaultInjector, ManualClock, instrument
 from tests.group_helpers import (
     EPOCH,
+    PUBLISHES,
     VISIBILITY,
     Bookkeeping,
     assert_empty,
@@ -31,24 +31,10 @@ from tests.group_helpers import (
     message,
     messages,
     new_transport,
+    race,
     snapshot,
 )
-from tests.helpers import Actors, Trace, every_order, later
-
-
-async def race(
-    db: Any,
-    clock: ManualClock,
-    counts: dict[str, int],
-    setup: Callable[[AsyncGroupTransport], Awaitable[Actors]],
-    check: Callable[[AsyncGroupTransport, dict[str, Any], Trace], Awaitable[str]],
-) -> Counter[str]:
-    """`every_order` on a transport with fresh collections (prefix ``race{n}``) per order."""
-
-    async def fresh(db: Any, prefix: str) -> AsyncGroupTransport:
-        return await new_transport(db, clock, prefix=prefix)
-
-    return await every_order(db, counts, fresh, setup, check)
+from tests.helpers import Actors, Trace, later
 
 
 def commands_of(trace: Trace, actor: str) -> list[str]:
@@ -90,12 +76,6 @@ async def deliver_the_rest(
 
 
 # ------------------------------------------------- a publish racing the drain of its group
-
-
-PUBLISHES: dict[str, Callable[[AsyncGroupTransport], Awaitable[Any]]] = {
-    "publish": lambda transport: transport.publish("g", "g1"),
-    "publish_many": lambda transport: transport.publish_many([NewMessage("g", "g1")]),
-}
 
 
 @pytest.mark.parametrize("publish", list(PUBLISHES))

@@ -10,10 +10,7 @@ before it applied or applied with its reply lost. Assertions read the stored doc
 
 from __future__ import annotations
 
-import itertools
 import logging
-from collections import Counter
-from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
@@ -35,15 +32,27 @@ from mongoq._validation import MAX_BATCH
 from mongoq.testing import (
     CommandCounter,
     FaultInjector,
-    Interleaving,
     ManualClock,
     Operation,
-    all_interleavings,
     instrument,
 )
-from tests.helpers import LEASE_TTL, claim_one, encoded, later, new_queue, read, read_all, wait_for
+from tests.helpers import (
+    LEASE_TTL,
+    Actors,
+    Bookkeeping,
+    InFlight,
+    claim_one,
+    encoded,
+    later,
+    new_queue,
+    nth,
+    race,
+    read,
+    read_all,
+    unexpected_errors,
+    wait_for,
+)
 
-Actors = dict[str, Callable[[], Awaitable[Any]]]
 HEARTBEAT = LEASE_TTL / 3
 
 
@@ -324,33 +333,6 @@ async def test_claim_many_takes_over_expired_leases_with_attempts_to_spare(
 # ------------------------------------------------------------------------------ exclusivity
 
 
-async def race(
-    db: Any,
-    clock: ManualClock,
-    counts: dict[str, int],
-    setup: Callable[[AsyncTaskQueue], Awaitable[Actors]],
-    check: Callable[[AsyncTaskQueue, str, dict[str, Any]], Awaitable[str]],
-) -> Counter[str]:
-    """For every interleaving of `counts`, on a fresh collection: `setup` the queue (its
-    commands run freely), run the actors in that order, then `check(queue, name, results)`,
-    which asserts and names the outcome. Returns the outcomes seen."""
-    outcomes: Counter[str] = Counter()
-    for number, order in enumerate(all_interleavings(counts)):
-        interleaving = Interleaving(order)
-        name = f"race{number}"
-        queue = await new_queue(instrument(db, interleaving), clock, name=name)
-        actors = await setup(queue)
-        results = await interleaving.run(actors)
-        label = "".join(order)
-        errors = {actor: r for actor, r in results.items() if isinstance(r, BaseException)}
-        assert not errors, f"order {label}: {errors}"
-        try:
-            outcomes[await check(queue, name, results)] += 1
-        except AssertionError as failure:
-            raise AssertionError(f"order {label}: {failure}\n{interleaving.trace}") from failure
-    return outcomes
-
-
 async def assert_one_holder_each(
     db: Any, clock: ManualClock, name: str, claimed: dict[str, list[Task]], universe: list[str]
 ) -> None:
@@ -382,8 +364,8 @@ async def test_two_batch_claimers_never_share_a_task_in_any_order(
         await put_in_order(queue, clock, universe)
         return {"A": lambda: queue.claim_many(2, "A"), "B": lambda: queue.claim_many(2, "B")}
 
-    async def check(queue: AsyncTaskQueue, name: str, results: dict[str, Any]) -> str:
-        await assert_one_holder_each(db, clock, name, results, universe)
+    async def check(queue: AsyncTaskQueue, results: dict[str, Any]) -> str:
+        await assert_one_holder_each(db, clock, queue.name, results, universe)
         for tasks in results.values():  # each batch in claim order
             assert ids(tasks) == sorted(ids(tasks))
         # Whatever is left is claimable at once by a third worker.
@@ -417,8 +399,8 @@ async def test_a_batch_claimer_and_a_single_claimer_never_share_a_task_in_any_or
 
         return {"A": lambda: queue.claim_many(3, "A"), "S": single}
 
-    async def check(queue: AsyncTaskQueue, name: str, results: dict[str, Any]) -> str:
-        await assert_one_holder_each(db, clock, name, results, universe)
+    async def check(queue: AsyncTaskQueue, results: dict[str, Any]) -> str:
+        await assert_one_holder_each(db, clock, queue.name, results, universe)
         assert len(results["S"]) == 1  # a single claim always finds a due task here
         return f"A {''.join(ids(results['A']))} / S {results['S'][0].id}"
 
@@ -445,10 +427,10 @@ async def test_an_expired_batch_completing_while_a_batch_claimer_takes_over_has_
 
         return {"A": complete, "B": lambda: queue.claim_many(2, "B")}
 
-    async def check(queue: AsyncTaskQueue, name: str, results: dict[str, Any]) -> str:
+    async def check(queue: AsyncTaskQueue, results: dict[str, Any]) -> str:
         stale, done = results["A"]
         taken: list[Task] = results["B"]
-        docs = await read_all(db, name)
+        docs = await read_all(db, queue.name)
         by_b = {task.id: task for task in taken}
         for task, ok in zip(stale, done, strict=True):
             doc = docs[task.id]
@@ -486,10 +468,10 @@ async def test_an_expired_batch_heartbeating_while_a_batch_claimer_takes_over_te
 
         return {"A": heartbeat, "B": lambda: queue.claim_many(2, "B")}
 
-    async def check(queue: AsyncTaskQueue, name: str, results: dict[str, Any]) -> str:
+    async def check(queue: AsyncTaskQueue, results: dict[str, Any]) -> str:
         stale, held = results["A"]
         taken: list[Task] = results["B"]
-        docs = await read_all(db, name)
+        docs = await read_all(db, queue.name)
         by_b = {task.id: task for task in taken}
         for task, ok in zip(stale, held, strict=True):
             doc = docs[task.id]
@@ -638,12 +620,6 @@ async def test_a_task_re_put_with_a_new_revision_in_the_batch_goes_back_to_pendi
 
 
 # -------------------------------------------------------------------------------- faults
-
-
-def nth(index: int) -> Callable[[Operation], bool]:
-    """A fault rule's `match` that picks the `index`-th (from 0) matching command it sees."""
-    seen = itertools.count()
-    return lambda op: next(seen) == index
 
 
 #: claim_many's commands: the candidates, the conditional claim, the read-back by token
@@ -853,30 +829,6 @@ async def test_run_with_batches_processes_everything_in_fewer_commands(
     assert counters["single"].total >= 2 * 30
 
 
-class Bookkeeping:
-    """A handler that notices two runs of one task overlapping, and counts runs per task."""
-
-    def __init__(self, flaky: set[str]) -> None:
-        self.flaky = flaky
-        self.in_flight: set[Any] = set()
-        self.overlaps: list[Any] = []
-        self.runs: Counter[Any] = Counter()
-
-    async def handler(self, task: Task) -> dict[str, Any]:
-        if task.id in self.in_flight:
-            self.overlaps.append(task.id)
-        self.in_flight.add(task.id)
-        try:
-            for _ in range(3):
-                await anyio.lowlevel.checkpoint()  # let the other slots interleave
-            self.runs[task.id] += 1
-            if task.id in self.flaky and task.attempts == 1:
-                raise RuntimeError(f"transient failure of {task.id}")
-            return {"attempt": task.attempts}
-        finally:
-            self.in_flight.discard(task.id)
-
-
 async def test_concurrent_batched_slots_never_process_one_task_twice_at_once(
     db: Any, clock: ManualClock
 ) -> None:
@@ -1031,19 +983,6 @@ async def test_a_cancelled_batch_completes_the_finished_and_releases_the_rest(
     assert [(task.id, task.attempts) for task in await queue.claim_many(10, "w")] == [("t2", 2)]
 
 
-class InFlight:
-    """A hook counting the commands sent and not answered yet."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    async def before(self, op: Operation) -> None:
-        self.count += 1
-
-    async def after(self, op: Operation, error: BaseException | None) -> None:
-        self.count -= 1
-
-
 async def test_a_batch_longer_than_the_lease_keeps_every_lease_through_heartbeats(
     db: Any, clock: ManualClock
 ) -> None:
@@ -1124,24 +1063,6 @@ def is_retry(op: Operation) -> bool:
     return op.name == "update_one" and "revision" in op.filter and "error" in op.args[1]["$set"]
 
 
-class Completed:
-    """A hook listing the commands that completed (applied or failed), in order."""
-
-    def __init__(self) -> None:
-        self.operations: list[Operation] = []
-
-    async def before(self, op: Operation) -> None:
-        return None
-
-    async def after(self, op: Operation, error: BaseException | None) -> None:
-        self.operations.append(op)
-
-
-def unexpected_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
-    """What the worker loop logged as escaping a batch's processing."""
-    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-
-
 @pytest.mark.parametrize("taken_over", [False, True], ids=["still-held", "taken-over"])
 async def test_a_batch_past_its_last_renewal_rechecks_each_lease_before_starting_it(
     db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture, taken_over: bool
@@ -1192,6 +1113,31 @@ async def test_a_batch_past_its_last_renewal_rechecks_each_lease_before_starting
         assert (docs[task.id]["attempts"], docs[task.id]["result"]) == (2, None)
 
 
+async def run_through_one_renewal(
+    queue: AsyncTaskQueue, clock: ManualClock, in_flight: InFlight, handler: Any
+) -> RunSummary:
+    """`run(batch_size=3)` until nothing is due, `handler` sleeping 15 s on the clock in t1:
+    once the worker naps (nothing in flight), the clock moves on to the batch's renewal (10 s),
+    then, once the renewal is done, to the end of t1's handler. The run's summary."""
+    summaries: list[RunSummary] = []
+
+    async def worker() -> None:
+        summaries.append(await run_until_empty(queue, handler, batch_size=3))
+
+    def napping() -> bool:  # the handler, the heartbeat and the reclaim timer sleep
+        return clock.sleepers == 3 and in_flight.count == 0
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(worker)
+        await wait_for(napping, "t1 to run")
+        clock.advance(10)  # the renewal
+        await wait_for(napping, "the renewal")
+        clock.advance(5)  # t1's handler ends
+
+    (summary,) = summaries
+    return summary
+
+
 async def test_a_renewal_that_finds_tasks_lost_keeps_the_batch_from_starting_them(
     db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1205,7 +1151,6 @@ async def test_a_renewal_that_finds_tasks_lost_keeps_the_batch_from_starting_the
     operator = await new_queue(db, clock)
     await put_in_order(queue, clock, ["t1", "t2", "t3"])
     started: list[Any] = []
-    summaries: list[RunSummary] = []
 
     async def handler(task: Task) -> Any:
         started.append(task.id)
@@ -1215,21 +1160,9 @@ async def test_a_renewal_that_finds_tasks_lost_keeps_the_batch_from_starting_the
             await clock.sleep(15)
         return f"done {task.id}"
 
-    async def worker() -> None:
-        summaries.append(await run_until_empty(queue, handler, batch_size=3))
-
-    def napping() -> bool:  # the handler, the heartbeat and the reclaim timer sleep
-        return clock.sleepers == 3 and in_flight.count == 0
-
     with caplog.at_level(logging.WARNING):
-        async with anyio.create_task_group() as group:
-            group.start_soon(worker)
-            await wait_for(napping, "t1 to run")
-            clock.advance(10)  # the renewal
-            await wait_for(napping, "the renewal")
-            clock.advance(5)  # t1 ends
+        summary = await run_through_one_renewal(queue, clock, in_flight, handler)
 
-    (summary,) = summaries
     assert started == ["t1"]
     assert (summary.claimed, summary.completed, summary.lost, summary.unknown) == (3, 1, 2, 0)
     assert not unexpected_errors(caplog)
@@ -1252,7 +1185,6 @@ async def test_a_task_a_renewal_finds_lost_under_its_handler_counts_once_and_the
     operator = await new_queue(db, clock)
     await put_in_order(queue, clock, ["t1", "t2", "t3"])
     started: list[Any] = []
-    summaries: list[RunSummary] = []
 
     async def handler(task: Task) -> Any:
         started.append(task.id)
@@ -1263,21 +1195,9 @@ async def test_a_task_a_renewal_finds_lost_under_its_handler_counts_once_and_the
                 raise RuntimeError("t1 failed")
         return f"done {task.id}"
 
-    async def worker() -> None:
-        summaries.append(await run_until_empty(queue, handler, batch_size=3))
-
-    def napping() -> bool:
-        return clock.sleepers == 3 and in_flight.count == 0
-
     with caplog.at_level(logging.WARNING):
-        async with anyio.create_task_group() as group:
-            group.start_soon(worker)
-            await wait_for(napping, "t1 to run")
-            clock.advance(10)  # the renewal finds t1 removed
-            await wait_for(napping, "the renewal")
-            clock.advance(5)  # t1's handler ends
+        summary = await run_through_one_renewal(queue, clock, in_flight, handler)
 
-    (summary,) = summaries
     assert not unexpected_errors(caplog)
     assert started == ["t1", "t2", "t3"]
     assert (summary.claimed, summary.completed, summary.lost) == (3, 2, 1)

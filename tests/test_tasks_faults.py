@@ -8,51 +8,31 @@ one holder at a time, and every task recoverable (nothing lost).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
-import anyio.lowlevel
 import pytest
 from pymongo.errors import AutoReconnect, NetworkTimeout
 
 from mongoq import AsyncTaskQueue, NewTask, ReclaimResult, RunSummary, Task
-from mongoq.testing import FaultInjector, ManualClock, Operation, instrument
+from mongoq.testing import FaultInjector, ManualClock, instrument
 from tests.helpers import (
     LEASE_TTL,
     Actors,
-    Trace,
+    Bookkeeping,
+    InFlight,
     claim_one,
     encoded,
-    every_order,
     later,
     new_queue,
+    race,
     read,
     read_all,
     wait_for,
 )
 
 # ------------------------------------------------------------------------------ interleavings
-
-
-async def race(
-    db: Any,
-    clock: ManualClock,
-    counts: dict[str, int],
-    setup: Callable[[AsyncTaskQueue], Awaitable[Actors]],
-    check: Callable[[str, dict[str, Any]], Awaitable[str]],
-) -> Counter[str]:
-    """`every_order` on a queue with a fresh collection (``race{n}``) per order; `check(name,
-    results)` asserts the invariants and names the outcome."""
-
-    async def fresh(db: Any, name: str) -> AsyncTaskQueue:
-        return await new_queue(db, clock, name=name)
-
-    async def check_by_name(queue: AsyncTaskQueue, results: dict[str, Any], trace: Trace) -> str:
-        return await check(queue.name, results)
-
-    return await every_order(db, counts, fresh, setup, check_by_name)
 
 
 def claimer(queue: AsyncTaskQueue, worker: str) -> Callable[[], Awaitable[Any]]:
@@ -72,11 +52,11 @@ async def test_claimers_never_share_a_task_in_any_order(db: Any, clock: ManualCl
         await queue.put_many([NewTask("t1"), NewTask("t2")])
         return {worker: claimer(queue, worker) for worker in "ABC"}
 
-    async def check(name: str, results: dict[str, Any]) -> str:
+    async def check(queue: AsyncTaskQueue, results: dict[str, Any]) -> str:
         claimed = {w: task for w, (task, _) in results.items() if task is not None}
         assert sorted(task.id for task in claimed.values()) == ["t1", "t2"]
         assert all(done for task, done in results.values() if task is not None)
-        docs = await read_all(db, name)
+        docs = await read_all(db, queue.name)
         for worker, task in claimed.items():
             doc = docs[task.id]
             assert (doc["status"], doc["attempts"]) == ("done", 1)
@@ -106,7 +86,7 @@ async def test_an_expired_holder_and_two_claimers_leave_exactly_one_holder(
 
         return {"A": holder, "B": claimer(queue, "B"), "C": claimer(queue, "C")}
 
-    async def check(name: str, results: dict[str, Any]) -> str:
+    async def check(queue: AsyncTaskQueue, results: dict[str, Any]) -> str:
         holders = [w for w in "BC" if results[w][0] is not None]
         if results["A"][0]:
             holders.append("A")
@@ -114,7 +94,7 @@ async def test_an_expired_holder_and_two_claimers_leave_exactly_one_holder(
         (winner,) = holders
         settled = {"A": results["A"][1], "B": results["B"][1], "C": results["C"][1]}
         assert [w for w, done in settled.items() if done] == [winner]
-        doc = await read(db, "t1", name)
+        doc = await read(db, "t1", queue.name)
         assert doc is not None
         assert (doc["status"], doc["result"], doc["worker_id"]) == ("done", winner, winner)
         assert doc["attempts"] == (1 if winner == "A" else 2)
@@ -136,9 +116,9 @@ async def test_a_revision_put_racing_two_workers_is_never_done_for_the_old_revis
 
         return {"A": claimer(queue, "A"), "B": claimer(queue, "B"), "P": producer}
 
-    async def check(name: str, results: dict[str, Any]) -> str:
+    async def check(queue: AsyncTaskQueue, results: dict[str, Any]) -> str:
         assert results["P"] == "updated"
-        doc = await read(db, "t1", name)
+        doc = await read(db, "t1", queue.name)
         assert doc is not None
         assert (doc["revision"], doc["payload"]) == ("r2", {"v": 2})
         stale = [w for w in "AB" if results[w][0] is not None and results[w][0].revision == "r1"]
@@ -170,11 +150,11 @@ async def test_reclaim_racing_a_late_heartbeat_leaves_one_owner(
 
         return {"A": holder, "R": queue.reclaim_expired}
 
-    async def check(name: str, results: dict[str, Any]) -> str:
+    async def check(queue: AsyncTaskQueue, results: dict[str, Any]) -> str:
         held, completed = results["A"]
         reclaimed: ReclaimResult = results["R"]
         assert reclaimed.failed == 0
-        doc = await read(db, "t1", name)
+        doc = await read(db, "t1", queue.name)
         assert doc is not None
         if held:
             assert completed and reclaimed.requeued == 0
@@ -190,30 +170,6 @@ async def test_reclaim_racing_a_late_heartbeat_leaves_one_owner(
 
 
 # ----------------------------------------------------------------- many slots, yield between
-
-
-class Bookkeeping:
-    """A handler that notices two runs of one task overlapping, and counts runs per task."""
-
-    def __init__(self, flaky: set[str]) -> None:
-        self.flaky = flaky
-        self.in_flight: set[Any] = set()
-        self.overlaps: list[Any] = []
-        self.runs: Counter[Any] = Counter()
-
-    async def handler(self, task: Task) -> dict[str, Any]:
-        if task.id in self.in_flight:
-            self.overlaps.append(task.id)
-        self.in_flight.add(task.id)
-        try:
-            for _ in range(3):
-                await anyio.lowlevel.checkpoint()  # let the other slots interleave
-            self.runs[task.id] += 1
-            if task.id in self.flaky and task.attempts == 1:
-                raise RuntimeError(f"transient failure of {task.id}")
-            return {"attempt": task.attempts}
-        finally:
-            self.in_flight.discard(task.id)
 
 
 async def test_concurrent_run_slots_never_process_one_task_twice_at_once(
@@ -472,19 +428,6 @@ async def test_a_failed_heartbeat_is_retried_and_the_lease_kept(
 
     doc = await read(db, "t1")
     assert doc is not None and (doc["status"], doc["attempts"]) == ("done", 1)
-
-
-class InFlight:
-    """A hook counting the commands sent and not answered yet."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    async def before(self, op: Operation) -> None:
-        self.count += 1
-
-    async def after(self, op: Operation, error: BaseException | None) -> None:
-        self.count -= 1
 
 
 async def test_run_survives_transient_claim_errors(
