@@ -130,9 +130,22 @@ async def find_list(
     return list(await cursor.to_list(None))
 
 
-async def aggregate_list(collection: Any, pipeline: Sequence[Mapping[str, Any]]) -> list[Any]:
+def owned_by(pairs: Sequence[tuple[Any, str]], token_field: str = "token") -> dict[str, Any]:
+    """A filter matching the documents ``(_id, token)`` of `pairs`: one ``_id $in`` per distinct
+    token (a batch shares one), rather than an ``$or`` branch per document."""
+    by_token: dict[str, list[Any]] = {}
+    for doc_id, token in pairs:
+        by_token.setdefault(token, []).append(doc_id)
+    branches = [{"_id": {"$in": ids}, token_field: token} for token, ids in by_token.items()]
+    return branches[0] if len(branches) == 1 else {"$or": branches}
+
+
+async def aggregate_list(
+    collection: Any, pipeline: Sequence[Mapping[str, Any]], *, hint: str | None = None
+) -> list[Any]:
     """Run an aggregation and read all of it, whichever driver."""
-    cursor = collection.aggregate(list(pipeline))
+    options = {} if hint is None else {"hint": hint}
+    cursor = collection.aggregate(list(pipeline), **options)
     if inspect.isawaitable(cursor):
         cursor = await cursor
     return list(await cursor.to_list(None))

@@ -433,6 +433,7 @@ class AsyncGroupTransport(WorkerHost):
                     {"$sort": {"group_id": 1, "_id": 1}},
                     {"$group": {"_id": "$group_id", "head": {"$first": "$$ROOT"}}},
                 ],
+                hint=HEAD_INDEX,  # a DISTINCT_SCAN: one key per group, not its whole backlog
             )
         }
         free = [
@@ -533,7 +534,7 @@ class AsyncGroupTransport(WorkerHost):
             return []
         held = await _driver.find_list(
             self.messages,
-            {"$or": [{"_id": lease.seq, "token": lease.token} for lease in leases]},
+            _driver.owned_by([(lease.seq, lease.token) for lease in leases]),
             projection={"token": 1},
         )
         ours: set[tuple[int, str]] = {(doc["_id"], doc["token"]) for doc in held}
@@ -543,7 +544,7 @@ class AsyncGroupTransport(WorkerHost):
 
         # Only this lease's holder can remove a head stamped with its token.
         removed = await self.messages.delete_many(
-            {"$or": [{"_id": lease.seq, "token": lease.token} for lease in acked]}
+            _driver.owned_by([(lease.seq, lease.token) for lease in acked])
         )
         if removed.deleted_count != len(acked):
             # A lease expired between the read and the delete and its head was restamped: it is
@@ -586,7 +587,7 @@ class AsyncGroupTransport(WorkerHost):
             if drops:
                 await self.locks.bulk_write(drops, ordered=False)
         await self.locks.update_many(  # the dropped locks are gone: this releases the rest
-            {"$or": [{"_id": lease.group_id, "token": lease.token} for lease in acked]},
+            _driver.owned_by([(lease.group_id, lease.token) for lease in acked]),
             {"$set": {"available_at": now, "token": None, "parked": False}},
         )
         return [(lease.seq, lease.token) in ours for lease in leases]
@@ -808,7 +809,7 @@ class AsyncGroupTransport(WorkerHost):
             return []
         now = await self._now()
         until = now + timedelta(seconds=seconds)
-        fences = {"$or": [{"_id": lease.group_id, "token": lease.token} for lease in leases]}
+        fences = _driver.owned_by([(lease.group_id, lease.token) for lease in leases])
         await self.locks.update_many(fences, {"$set": {"available_at": until, "parked": False}})
         held = {
             (doc["_id"], doc["token"])
@@ -817,7 +818,7 @@ class AsyncGroupTransport(WorkerHost):
         mine = [lease for lease in leases if (lease.group_id, lease.token) in held]
         if mine:  # as in `extend`: a head is restamped only under a lock still held
             await self.messages.update_many(
-                {"$or": [{"_id": lease.seq, "token": lease.token} for lease in mine]},
+                _driver.owned_by([(lease.seq, lease.token) for lease in mine]),
                 {"$set": {"stamp_until": until}},
             )
         return [(lease.group_id, lease.token) in held for lease in leases]

@@ -589,19 +589,23 @@ class AsyncTaskQueue(WorkerHost):
         """Extend the leases of `tasks` (one command, plus one read when some are no longer
         held, to tell which); returns, per task, whether it is still held."""
         tasks = check_batch("tasks", tasks)
-        fences = [self._fence(task) for task in tasks]
-        if not fences:
+        for task in tasks:
+            self._fence(task)
+        if not tasks:
             return []
+        # The token names the claim, and with it the worker: one `$in` per claim.
+        held_by = {
+            "status": PROCESSING,
+            **_driver.owned_by([(task.id, task.lease_token) for task in tasks], "lease_token"),
+        }
         now = await self._now()
         extended = await self.collection.update_many(
-            {"$or": fences},
+            held_by,
             {"$set": {"lease_until": now + timedelta(seconds=self.lease_ttl), "updated_at": now}},
         )
         if extended.matched_count == len(tasks):
             return [True] * len(tasks)
-        held = await _driver.find_list(
-            self.collection, {"$or": fences}, projection={"lease_token": 1}
-        )
+        held = await _driver.find_list(self.collection, held_by, projection={"lease_token": 1})
         still = {(doc["_id"], doc.get("lease_token")) for doc in held}
         return [(task.id, task.lease_token) in still for task in tasks]
 

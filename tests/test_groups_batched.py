@@ -1451,11 +1451,12 @@ async def test_a_batch_longer_than_the_visibility_keeps_every_group_through_rene
 
 def is_extend_many(op: Operation) -> bool:
     """The batch renewal's first command: the locks still held, extended."""
+    update = op.args[1].get("$set", {})
     return (
         op.collection.endswith("_locks")
         and op.name == "update_many"
-        and set(op.filter) == {"$or"}
-        and "token" not in op.args[1]["$set"]
+        and set(update) == {"available_at", "parked"}  # not a release (which clears the token)
+        and update["parked"] is False
     )
 
 

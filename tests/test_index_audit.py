@@ -535,8 +535,9 @@ WITNESSES = {
     # complete_many's requeue of a task whose revision changed (UpdateMany on this backend)
     (TASKS, "bulk_write:UpdateMany", ("_id", "lease_token", "status", "worker_id")),
     (TASKS, "find", ("_id", "status")),  # complete_many: which tasks are done
-    (TASKS, "update_many", ("$or",)),  # heartbeat_many
-    (TASKS, "find", ("$or",)),  # heartbeat_many with a lease no longer held: which still are
+    (TASKS, "update_many", ("_id", "lease_token", "status")),  # heartbeat_many
+    # heartbeat_many with a lease no longer held: which still are
+    (TASKS, "find", ("_id", "lease_token", "status")),
     (MESSAGES, "find", ("_id", "token")),  # claim_many raced: which heads it stamped
     (MESSAGES, "find_one", ("group_id",)),  # ack of a group's last message
     (MESSAGES, "distinct", ("group_id",)),  # ack_many of groups' last messages
@@ -582,6 +583,7 @@ async def test_every_query_the_library_issues_is_served_by_a_declared_index() ->
         (LOCKS, "find_one_and_update", "claim"): "claim",
         (LOCKS, "find", "claim"): "claim",
         (MESSAGES, "find_one_and_update", "group_head"): "group_head",
+        (MESSAGES, "aggregate", "group_head"): "group_head",  # claim_many's heads
     }
 
 

@@ -1042,7 +1042,9 @@ async def test_a_batch_longer_than_the_lease_keeps_every_lease_through_heartbeat
 
 
 def is_heartbeat_many(op: Operation) -> bool:
-    return op.name == "update_many" and set(op.filter) == {"$or"}
+    """heartbeat_many's extension: only the lease's end and updated_at change."""
+    update = op.args[1].get("$set", {}) if op.name == "update_many" else {}
+    return set(update) == {"lease_until", "updated_at"}
 
 
 def is_heartbeat(op: Operation) -> bool:
