@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import sys
 from collections.abc import Awaitable
@@ -50,19 +51,24 @@ def main(argv: list[str] | None = None) -> int:
         runs += sync_facade.scenarios()
     if args.only in (None, "peer"):
         runs += peer.scenarios(args.tasks)
-    for label, run in runs:
-        if not args.json:
-            print(f"... {label}", file=sys.stderr, flush=True)
+    for number, (label, run) in enumerate(runs, 1):
+        if not args.json:  # progress on stderr, results on stdout
+            print(f"... [{number}/{len(runs)}] {label}", file=sys.stderr, flush=True)
         # A scenario returns one result, or several (the side by side: each run and the ratios).
         outcome = asyncio.run(cast(Awaitable[Outcome | list[Outcome]], run(args.uri)))
         for result in outcome if isinstance(outcome, list) else [outcome]:
             results.append(result)
             if not args.json:
                 print(result.line(), flush=True)
+    machine = f"{platform.machine()} {platform.python_implementation()} {platform.python_version()}"
+    if not args.json:  # the table at the end: every line again, under what it ran on
+        backend = "a server" if args.uri else "the embedded backend"
+        print(f"\n{len(results)} results on {backend}, {machine}, {os.cpu_count()} cores:")
+        for result in results:
+            print(f"  {result.line()}")
     if args.json:
         document: dict[str, Any] = {
-            "machine": f"{platform.machine()} {platform.python_implementation()} "
-            f"{platform.python_version()}",
+            "machine": machine,
             "results": [result.as_dict() for result in results],
         }
         print(json.dumps(document, indent=2))
