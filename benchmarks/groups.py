@@ -34,6 +34,13 @@ def _messages(count: int, groups: int) -> list[NewMessage]:
     return [NewMessage(f"g{number % groups}", {"n": number}) for number in range(count)]
 
 
+async def _publish_in_batches(
+    transport: AsyncGroupTransport, messages: list[NewMessage], size: int = 100
+) -> None:
+    for start in range(0, len(messages), size):
+        await transport.publish_many(messages[start : start + size])
+
+
 async def lifecycle_single(uri: str | None, count: int, groups: int) -> Result:
     async with counted_database(uri) as bench:
         clock = ManualClock()
@@ -50,9 +57,7 @@ async def lifecycle_publish_many(uri: str | None, count: int, groups: int) -> Re
         clock = ManualClock()
         transport = await _transport(bench.db, clock)
         bench.start()
-        batch = _messages(count, groups)
-        for start in range(0, count, 100):
-            await transport.publish_many(batch[start : start + 100])
+        await _publish_in_batches(transport, _messages(count, groups))
         assert await _drain(transport, clock) == count
         return bench.stop(
             f"groups: publish_many(100) + claim + ack ({count // groups}/group)", count
@@ -65,9 +70,7 @@ async def lifecycle_batched(uri: str | None, count: int, groups: int) -> Result:
         clock = ManualClock()
         transport = await _transport(bench.db, clock)
         bench.start()
-        batch = _messages(count, groups)
-        for start in range(0, count, 100):
-            await transport.publish_many(batch[start : start + 100])
+        await _publish_in_batches(transport, _messages(count, groups))
         acked = 0
         while leases := await transport.claim_many(100, "bench"):
             acked += sum(await transport.ack_many(leases))

@@ -28,6 +28,14 @@ async def _drain(queue: AsyncTaskQueue) -> int:
     return done
 
 
+async def _put_in_batches(queue: AsyncTaskQueue, tasks: int, size: int = 100) -> None:
+    for start in range(0, tasks, size):
+        await queue.put_many(
+            NewTask(f"t{number}", {"n": number})
+            for number in range(start, min(start + size, tasks))
+        )
+
+
 async def lifecycle_single(uri: str | None, tasks: int) -> Result:
     """put, claim and complete, one command each."""
     async with counted_database(uri) as bench:
@@ -44,11 +52,7 @@ async def lifecycle_put_many(uri: str | None, tasks: int) -> Result:
     async with counted_database(uri) as bench:
         queue = await _queue(bench.db)
         bench.start()
-        for start in range(0, tasks, 100):
-            await queue.put_many(
-                NewTask(f"t{number}", {"n": number})
-                for number in range(start, min(start + 100, tasks))
-            )
+        await _put_in_batches(queue, tasks)
         assert await _drain(queue) == tasks
         return bench.stop("tasks: put_many(100) + claim + complete", tasks)
 
@@ -58,11 +62,7 @@ async def lifecycle_batched(uri: str | None, tasks: int) -> Result:
     async with counted_database(uri) as bench:
         queue = await _queue(bench.db)
         bench.start()
-        for start in range(0, tasks, 100):
-            await queue.put_many(
-                NewTask(f"t{number}", {"n": number})
-                for number in range(start, min(start + 100, tasks))
-            )
+        await _put_in_batches(queue, tasks)
         done = 0
         while batch := await queue.claim_many(100, "bench"):
             done += sum(await queue.complete_many(batch))
