@@ -90,6 +90,7 @@ class Portal:
         done.acquire()
         outcome: list[tuple[bool, Any]] = []
         tasks: list[asyncio.Future[Any]] = []
+        abandoned: list[bool] = []  # set by the caller's Ctrl-C, read in the loop thread
 
         def finish(task: asyncio.Future[Any]) -> None:
             if task.cancelled():
@@ -101,6 +102,9 @@ class Portal:
             done.release()
 
         def start() -> None:
+            if abandoned:  # interrupted before it even started
+                done.release()
+                return
             try:
                 result = function(*args, **kwargs)
             except BaseException as exc:
@@ -115,14 +119,23 @@ class Portal:
                 outcome.append((True, result))
                 done.release()
 
+        def abandon() -> None:
+            abandoned.append(True)
+            for task in tasks:
+                task.cancel()
+
         try:
-            self._loop.call_soon_threadsafe(start)
-        except RuntimeError:  # the loop is gone
-            raise MongoqError("this mongoq_sync database is closed") from None
-        try:
+            try:
+                self._loop.call_soon_threadsafe(start)
+            except RuntimeError:  # the loop is gone
+                raise MongoqError("this mongoq_sync database is closed") from None
             done.acquire()
-        except BaseException:  # interrupted (Ctrl-C) while waiting: cancel the operation
-            self._loop.call_soon_threadsafe(lambda: [task.cancel() for task in tasks])
+        except MongoqError:
+            raise
+        except BaseException:
+            # Interrupted (Ctrl-C) while waiting, or even before: cancel the operation (or keep
+            # it from starting) and give its clean-up (a lease release) a moment.
+            self._loop.call_soon_threadsafe(abandon)
             done.acquire(timeout=CANCEL_GRACE)
             raise
         succeeded, value = outcome[0]
@@ -168,6 +181,7 @@ class _BlockingContext:
         self._finished: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._exit: asyncio.Future[tuple[Any, Any, Any]] | None = None
         self._task: asyncio.Task[Any] | None = None
+        self._abandoned = False
 
     async def _run(self) -> Any:
         self._exit = asyncio.get_running_loop().create_future()
@@ -181,6 +195,8 @@ class _BlockingContext:
         return await self._manager.__aexit__(exc_type, exc, tb)
 
     def _start(self) -> None:
+        if self._abandoned:
+            return
         self._task = asyncio.ensure_future(self._run())
 
         def done(task: asyncio.Future[Any]) -> None:
@@ -198,17 +214,27 @@ class _BlockingContext:
         self._task.add_done_callback(done)
 
     def cancel(self) -> None:
-        task = self._task
-        if task is not None:
-            self._portal._loop.call_soon_threadsafe(task.cancel)
-            with contextlib.suppress(Exception):
-                self._finished.exception(timeout=CANCEL_GRACE)
+        """Cancel the block from any thread, even before it started (then it never does)."""
+
+        def abandon() -> None:  # in the loop thread, ordered with `_start`
+            self._abandoned = True
+            if self._task is not None:
+                self._task.cancel()
+            elif not self._finished.done():
+                self._portal._contexts.discard(self)
+                self._entered.set_exception(MongoqError("the block was cancelled"))
+                self._finished.set_exception(MongoqError("the block was cancelled"))
+
+        with contextlib.suppress(RuntimeError):  # the loop is already gone
+            self._portal._loop.call_soon_threadsafe(abandon)
+        with contextlib.suppress(Exception):
+            self._finished.exception(timeout=CANCEL_GRACE)
 
     def __enter__(self) -> Any:
         self._portal._check_caller()
         self._portal._contexts.add(self)
-        self._portal._loop.call_soon_threadsafe(self._start)
         try:
+            self._portal._loop.call_soon_threadsafe(self._start)
             return self._entered.result()
         except BaseException:
             self.cancel()  # interrupted, or __aenter__ failed (then this is a no-op)
