@@ -48,14 +48,18 @@ class Portal:
 
     The thread runs a plain asyncio loop (anyio's primitives work on it). Holding no generator
     or other object that must be finalized inside the loop keeps a forked child, which inherits
-    this object but not the thread, from hanging when it lets go of it.
+    this object but not the thread, from hanging when it lets go of it. Every call in flight is
+    tracked, so closing the portal ends them (cancelled) instead of leaving their callers
+    waiting on a loop that no longer runs.
     """
 
     def __init__(self) -> None:
         self.pid = os.getpid()
         self._loop = asyncio.new_event_loop()
         self._closed = False
+        self._lock = threading.Lock()  # orders scheduling against closing
         self._contexts: set[_BlockingContext] = set()
+        self._calls: set[asyncio.Future[Any]] = set()
         ready = threading.Event()
         self._thread = threading.Thread(
             target=self._serve, args=(ready,), name="mongoq_sync portal", daemon=True
@@ -67,16 +71,27 @@ class Portal:
     def _serve(self, ready: threading.Event) -> None:
         asyncio.set_event_loop(self._loop)
         self._loop.call_soon(ready.set)
-        self._loop.run_forever()
+        try:
+            self._loop.run_forever()
+        finally:
+            self._closed = True
+            self._loop.close()
 
     def _check_caller(self) -> None:
-        if threading.get_ident() == self.thread_id:
+        if self._closed or self.pid != os.getpid():
+            raise MongoqError("this mongoq_sync database is closed")
+        if threading.current_thread() is self._thread:
             raise MongoqError(
                 "mongoq_sync was called from its own event loop thread (e.g. inside a handler "
                 "coroutine); use the async API (mongoq) there"
             )
-        if self._closed or self.pid != os.getpid():
-            raise MongoqError("this mongoq_sync database is closed")
+
+    def _schedule(self, callback: Callable[[], Any]) -> None:
+        """Run `callback` in the loop; `MongoqError` once the portal is closed."""
+        with self._lock:
+            if self._closed:
+                raise MongoqError("this mongoq_sync database is closed")
+            self._loop.call_soon_threadsafe(callback)
 
     def call(self, function: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """Run `function` (sync or async) in the portal's loop and return its result.
@@ -92,14 +107,16 @@ class Portal:
         tasks: list[asyncio.Future[Any]] = []
         abandoned: list[bool] = []  # set by the caller's Ctrl-C, read in the loop thread
 
-        def finish(task: asyncio.Future[Any]) -> None:
-            if task.cancelled():
-                outcome.append((False, MongoqError("the operation was cancelled")))
-            elif (error := task.exception()) is not None:
-                outcome.append((False, error))
-            else:
-                outcome.append((True, task.result()))
+        def settle(succeeded: bool, value: Any) -> None:
+            outcome.append((succeeded, value))
             done.release()
+
+        def finish(task: asyncio.Future[Any]) -> None:
+            self._calls.discard(task)
+            if task.cancelled():
+                settle(False, MongoqError("the operation was cancelled"))
+            else:
+                settle(*task.result())
 
         def start() -> None:
             if abandoned:  # interrupted before it even started
@@ -107,17 +124,16 @@ class Portal:
                 return
             try:
                 result = function(*args, **kwargs)
+                if not inspect.isawaitable(result):
+                    settle(True, result)
+                    return
+                task = asyncio.ensure_future(_guarded(result))
             except BaseException as exc:
-                outcome.append((False, exc))
-                done.release()
+                settle(False, exc)
                 return
-            if inspect.isawaitable(result):
-                task = asyncio.ensure_future(result)
-                tasks.append(task)
-                task.add_done_callback(finish)
-            else:
-                outcome.append((True, result))
-                done.release()
+            tasks.append(task)
+            self._calls.add(task)
+            task.add_done_callback(finish)
 
         def abandon() -> None:
             abandoned.append(True)
@@ -125,18 +141,17 @@ class Portal:
                 task.cancel()
 
         try:
-            try:
-                self._loop.call_soon_threadsafe(start)
-            except RuntimeError:  # the loop is gone
-                raise MongoqError("this mongoq_sync database is closed") from None
+            self._schedule(start)
             done.acquire()
         except MongoqError:
             raise
         except BaseException:
             # Interrupted (Ctrl-C) while waiting, or even before: cancel the operation (or keep
             # it from starting) and give its clean-up (a lease release) a moment.
-            self._loop.call_soon_threadsafe(abandon)
-            done.acquire(timeout=CANCEL_GRACE)
+            if not outcome:
+                with contextlib.suppress(MongoqError):
+                    self._schedule(abandon)
+                done.acquire(timeout=CANCEL_GRACE)
             raise
         succeeded, value = outcome[0]
         if succeeded:
@@ -155,15 +170,36 @@ class Portal:
                 context.cancel()
 
     def close(self) -> None:
-        """Cancel what is still open, stop the loop and join the thread."""
+        """Cancel the open blocks and the calls in flight, stop the loop, join the thread."""
         if self._closed or self.pid != os.getpid():
             return
         self.cancel_open_blocks()
-        self._closed = True
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        if threading.get_ident() != self.thread_id:
+
+        async def shut_down() -> None:
+            for call in list(self._calls):
+                call.cancel()
+            if self._calls:
+                await asyncio.wait(list(self._calls), timeout=CANCEL_GRACE)
+            self._loop.stop()
+
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True  # from here on nothing new is scheduled
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(shut_down()))
+        if threading.current_thread() is not self._thread:
             self._thread.join()
-            self._loop.close()
+
+
+async def _guarded(awaitable: Any) -> tuple[bool, Any]:
+    """Await `awaitable` and return (succeeded, value or exception): nothing but a cancellation
+    leaves the task, so a handler's SystemExit cannot stop the portal's loop."""
+    try:
+        return True, await awaitable
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:
+        return False, exc
 
 
 class _BlockingContext:
@@ -225,7 +261,10 @@ class _BlockingContext:
                 self._entered.set_exception(MongoqError("the block was cancelled"))
                 self._finished.set_exception(MongoqError("the block was cancelled"))
 
-        with contextlib.suppress(RuntimeError):  # the loop is already gone
+        if threading.current_thread() is self._portal._thread:
+            abandon()  # already in the loop: waiting here would stall the very loop that acts
+            return
+        with contextlib.suppress(MongoqError, RuntimeError):  # the loop is already gone
             self._portal._loop.call_soon_threadsafe(abandon)
         with contextlib.suppress(Exception):
             self._finished.exception(timeout=CANCEL_GRACE)
@@ -234,23 +273,26 @@ class _BlockingContext:
         self._portal._check_caller()
         self._portal._contexts.add(self)
         try:
-            self._portal._loop.call_soon_threadsafe(self._start)
+            self._portal._schedule(self._start)
             return self._entered.result()
         except BaseException:
             self.cancel()  # interrupted, or __aenter__ failed (then this is a no-op)
             raise
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        self._portal._check_caller()  # a forked child, or the loop itself, would wait forever
         exit_future = self._exit
-        if exit_future is not None and not self._finished.done():
 
-            def leave() -> None:
-                if not exit_future.done():
-                    exit_future.set_result((exc_type, exc, tb))
+        def leave() -> None:
+            if exit_future is not None and not exit_future.done():
+                exit_future.set_result((exc_type, exc, tb))
 
-            self._portal._loop.call_soon_threadsafe(leave)
         try:
+            if not self._finished.done():
+                self._portal._schedule(leave)
             return bool(self._finished.result())
+        except MongoqError:
+            raise
         except BaseException:
             if not self._finished.done():  # interrupted while exiting
                 self.cancel()
@@ -266,6 +308,7 @@ class Database:
         self._async: Any = None
         self._finalizer: Any = None
         self._lock = threading.Lock()
+        _DATABASES.add(self)
         self._ensure()
 
     def _ensure(self) -> Portal:
@@ -336,8 +379,21 @@ def connect(
     return Database(uri, database, driver)
 
 
-#: Serialises the rebuilds after a fork (rare; never held while waiting on the portal's lock).
+#: Serialises the rebuilds after a fork. It is held across a portal call, as is a Database's
+#: lock while it connects; a fork from another thread at that moment would hand the child a
+#: lock that no thread of the child will release, so the child gets fresh ones.
 _REBUILD = threading.RLock()
+_DATABASES: weakref.WeakSet[Database] = weakref.WeakSet()
+
+
+def _fresh_locks_in_child() -> None:
+    global _REBUILD
+    _REBUILD = threading.RLock()
+    for database in list(_DATABASES):
+        database._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_locks_in_child)
 
 
 class Facade:

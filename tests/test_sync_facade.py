@@ -276,3 +276,43 @@ def test_a_forked_child_rebuilds_on_its_own_client_and_closes_cleanly(
             os._exit(status)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_closing_the_portal_ends_the_calls_in_flight() -> None:
+    portal = Portal()
+    started = threading.Event()
+    outcome: list[BaseException] = []
+
+    async def forever() -> None:
+        started.set()
+        await anyio.sleep_forever()
+
+    def caller() -> None:
+        try:
+            portal.call(forever)
+        except BaseException as exc:  # what the blocked caller gets when the portal closes
+            outcome.append(exc)
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    assert started.wait(30)
+    portal.close()
+    thread.join(30)
+    assert not thread.is_alive(), "the caller was left waiting on a stopped loop"
+    assert isinstance(outcome[0], MongoqError)
+    with pytest.raises(MongoqError, match="closed"):
+        portal.call(lambda: 1)
+
+
+def test_a_system_exit_inside_a_call_reaches_the_caller_and_spares_the_portal() -> None:
+    portal = Portal()
+    try:
+
+        async def leave() -> None:
+            raise SystemExit(3)
+
+        with pytest.raises(SystemExit):
+            portal.call(leave)
+        assert portal.call(lambda: 42) == 42  # the loop still runs
+    finally:
+        portal.close()
