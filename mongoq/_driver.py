@@ -25,12 +25,13 @@ from __future__ import annotations
 import enum
 import inspect
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from pymongo import UpdateMany, UpdateOne
 from pymongo.errors import (
+    CollectionInvalid,
     ConnectionFailure,
     ExecutionTimeout,
     OperationFailure,
@@ -52,6 +53,8 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 #: Every driver error: what background loops (heartbeats, worker slots) survive and log.
 DRIVER_ERRORS: tuple[type[BaseException], ...] = (PyMongoError,)
 _INDEX_OPTIONS_CONFLICT = 85
+_NAMESPACE_EXISTS = 48
+T = TypeVar("T")
 
 MEMORY_SCHEME = "memory://"
 
@@ -74,6 +77,11 @@ def backend_of(db: Any) -> Backend:
     """Which driver `db` belongs to; `InvalidInput` for anything else (e.g. a blocking client)."""
     kind = type(unwrap(db))
     module = kind.__module__
+    # An adapter that behaves exactly like one driver says so (the test suite's transactional
+    # engine declares itself PyMongo-shaped).
+    declared = getattr(kind, "mongoq_backend", None)
+    if isinstance(declared, str):
+        return Backend(declared)
     # mongomock-motor masquerades as Motor (through `__class__`, and its wrapper classes copy
     # Motor's `__module__`); its own base classes in the MRO give it away.
     if any(base.__module__.startswith("mongomock_motor") for base in kind.__mro__):
@@ -130,10 +138,10 @@ async def find_list(
     return list(await cursor.to_list(None))
 
 
-def owned_by(pairs: Sequence[tuple[Any, str]], token_field: str = "token") -> dict[str, Any]:
+def owned_by(pairs: Sequence[tuple[Any, Any]], token_field: str = "token") -> dict[str, Any]:
     """A filter matching the documents ``(_id, token)`` of `pairs`: one ``_id $in`` per distinct
     token (a batch shares one), rather than an ``$or`` branch per document."""
-    by_token: dict[str, list[Any]] = {}
+    by_token: dict[Any, list[Any]] = {}
     for doc_id, token in pairs:
         by_token.setdefault(token, []).append(doc_id)
     branches = [{"_id": {"$in": ids}, token_field: token} for token, ids in by_token.items()]
@@ -189,6 +197,45 @@ async def create_partial_ttl_index(
             "collMod", collection.name, index={"name": name, "expireAfterSeconds": expire_after}
         )
     return True
+
+
+def supports_transactions(db: Any) -> bool:
+    """Whether `db` can run multi-document transactions (the embedded backend cannot; a real
+    server needs a replica set or a sharded cluster, which the server itself checks)."""
+    return backend_of(db) is not Backend.MEMORY
+
+
+def in_transaction(session: Any) -> bool:
+    """Whether `session` (any driver's) has a transaction started."""
+    return bool(getattr(session, "in_transaction", False))
+
+
+async def run_in_transaction(db: Any, work: Callable[[Any], Awaitable[T]]) -> T:
+    """Run ``work(session)`` in a transaction of its own, retried by the driver on transient
+    errors (`with_transaction`), and return what it returned."""
+    session = unwrap(db).client.start_session()
+    if inspect.isawaitable(session):  # Motor awaits it, PyMongo async does not
+        session = await session
+    async with session:
+        result: T = await session.with_transaction(work)
+        return result
+
+
+async def create_collections(db: Any, names: Sequence[str]) -> None:
+    """Create the collections in `names` that do not exist yet: collections created implicitly
+    inside concurrent transactions conflict with each other."""
+    listed = db.list_collection_names()
+    existing = set(await listed if inspect.isawaitable(listed) else listed)
+    for name in names:
+        if name in existing:
+            continue
+        try:
+            await db.create_collection(name)
+        except CollectionInvalid:  # created meanwhile by another process
+            pass
+        except OperationFailure as exc:
+            if exc.code != _NAMESPACE_EXISTS:
+                raise
 
 
 async def close(db: Any) -> None:

@@ -19,6 +19,7 @@ import pytest
 import mongoq
 from mongoq import _driver
 from mongoq.testing import ManualClock, memory_database
+from tests.txengine import transactional_database
 
 TEST_URI = os.environ.get("MONGOQ_TEST_URI")
 REAL_SERVER_SKIP = "real-server lane: set MONGOQ_TEST_URI to a replica-set URI to run it"
@@ -49,6 +50,39 @@ async def db(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
     finally:
         await database.client.drop_database(name)
         await _driver.close(database)
+
+
+async def _database(kind: str) -> AsyncIterator[Any]:
+    if kind == "memory":
+        yield memory_database()
+        return
+    if kind == "tx":
+        yield transactional_database()
+        return
+    assert TEST_URI is not None
+    name = f"mongoq_test_{uuid.uuid4().hex[:10]}"
+    database = mongoq.connect(TEST_URI, name, driver=kind)
+    try:
+        yield database
+    finally:
+        await database.client.drop_database(name)
+        await _driver.close(database)
+
+
+# The outbox runs with and without transactions: "tx" is the test-only transactional engine
+# (tests/txengine.py, mongomock-ng), the embedded backend has none.
+@pytest.fixture(params=["memory", "tx", *BACKENDS[1:]])
+async def odb(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
+    """A fresh database on every backend the outbox supports, transactional or not."""
+    async for database in _database(request.param):
+        yield database
+
+
+@pytest.fixture(params=["tx", *BACKENDS[1:]])
+async def txdb(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
+    """A fresh database with multi-document transactions."""
+    async for database in _database(request.param):
+        yield database
 
 
 @pytest.fixture

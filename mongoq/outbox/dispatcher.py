@@ -1,0 +1,299 @@
+"""`OutboxDispatcher`: runs an outbox's handlers.
+
+It claims batches of deliveries for its handlers (as many as it has free slots), runs each
+handler coroutine, renews its lanes while any runs, completes finished deliveries in batches
+(`complete_many`: the completions that finish while one batch is being written form the next),
+reschedules failures with backoff, buries a delivery after `max_attempts` (or at once on
+`PermanentError`), and on stop lets running handlers finish, then hands its lanes back. Owns no
+collections.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import signal
+import threading
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import anyio
+
+from mongoq import _driver
+from mongoq._validation import check_int, check_seconds
+from mongoq._validation import check_worker_id as _check_owner
+from mongoq.errors import InvalidInput, LeaseLost, MongoqError, PermanentError
+from mongoq.outbox.models import Delivery, DispatchSummary, Event
+from mongoq.outbox.store import AsyncOutbox, _check_handler
+from mongoq.worker import default_worker_id
+
+__all__ = ["DeliveryContext", "Handler", "OutboxDispatcher", "default_backoff"]
+
+log = logging.getLogger("mongoq.outbox.dispatcher")
+
+
+def default_backoff(attempt: int) -> float:
+    """Seconds before retrying after failed attempt number `attempt`: 1, 2, 4, ... capped at
+    ten minutes, times a jitter in [1.0, 1.25) so that failures do not retry in lockstep."""
+    return min(2.0 ** min(max(attempt - 1, 0), 30), 600.0) * random.uniform(1.0, 1.25)
+
+
+class DeliveryContext:
+    """What a handler gets besides the event: the delivery, and `complete(session)` to finish
+    the delivery inside the handler's own transaction (effectively-once projections)."""
+
+    def __init__(self, outbox: AsyncOutbox, delivery: Delivery) -> None:
+        self.outbox = outbox
+        self.delivery = delivery
+        self.completed_in_transaction = False
+
+    @property
+    def attempt(self) -> int:
+        return self.delivery.attempt
+
+    async def complete(self, session: Any) -> None:
+        """Complete the delivery in `session`'s started transaction, so that it commits with
+        the handler's writes or not at all. Raises `LeaseLost` if the claim has ended (let it
+        abort the transaction: another worker runs the delivery)."""
+        await self.outbox.complete(self.delivery, session=session)
+        self.completed_in_transaction = True
+
+
+Handler = Callable[[Event, DeliveryContext], Awaitable[Any]]
+
+
+class OutboxDispatcher:
+    """Runs `handlers` (handler name -> ``async def handler(event, context)``) for `outbox`.
+
+    A handler that returns completes its delivery; one that raises `PermanentError` buries it
+    as a dead letter; any other exception reschedules it after ``backoff(attempt)`` seconds,
+    until the attempt numbered `max_attempts` fails, which buries it. Handlers must be
+    idempotent: delivery is at least once.
+    """
+
+    def __init__(
+        self,
+        outbox: AsyncOutbox,
+        handlers: Mapping[str, Handler],
+        *,
+        owner: str | None = None,
+        concurrency: int = 8,
+        max_attempts: int = 10,
+        backoff: Callable[[int], float] = default_backoff,
+        poll_interval: float = 1.0,
+    ) -> None:
+        if not isinstance(outbox, AsyncOutbox):
+            raise InvalidInput("outbox", "must be an AsyncOutbox")
+        if not isinstance(handlers, Mapping) or not handlers:
+            raise InvalidInput("handlers", "must map at least one handler name to a coroutine")
+        for name, handler in handlers.items():
+            _check_handler("handlers", name)
+            if not callable(handler):
+                raise InvalidInput(f"handlers[{name!r}]", "must be callable")
+        if not callable(backoff):
+            raise InvalidInput("backoff", "must be callable")
+        self.outbox = outbox
+        self.handlers = dict(handlers)
+        self.owner = _check_owner("owner", owner) if owner is not None else default_worker_id()
+        self.concurrency = check_int("concurrency", concurrency, low=1, high=1000)
+        self.max_attempts = check_int("max_attempts", max_attempts, low=1)
+        self.backoff = backoff
+        self.poll_interval = check_seconds("poll_interval", poll_interval, positive=True)
+        self.summary = DispatchSummary()
+        self._active = 0
+        self._stopping = False
+        self._nap: anyio.CancelScope | None = None
+        self._finished: list[Delivery] = []
+        self._flush_lock = anyio.Lock()
+
+    # ------------------------------------------------------------------------------- loops
+
+    def stop(self) -> None:
+        """Graceful stop: claim nothing more, let running handlers finish, hand lanes back."""
+        self._stopping = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._nap is not None:
+            self._nap.cancel()
+
+    async def run_once(self) -> DispatchSummary:
+        """Claim one batch (up to `concurrency`), run it to the end, settle it; returns what
+        this call did. Lanes stay held for the next call (see `stop`/`run`)."""
+        before = DispatchSummary(**vars(self.summary))
+        batch = await self._claim(self.concurrency)
+        if batch:
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._renew_while_running)
+                async with anyio.create_task_group() as handlers:
+                    for delivery in batch:
+                        self._active += 1
+                        handlers.start_soon(self._run_one, delivery)
+                group.cancel_scope.cancel()
+            await self._flush()
+        return DispatchSummary(
+            **{name: value - getattr(before, name) for name, value in vars(self.summary).items()}
+        )
+
+    async def run(
+        self, *, stop_when_empty: bool = False, handle_signals: bool = False
+    ) -> DispatchSummary:
+        """Dispatch until `stop()` (or, with `stop_when_empty`, until nothing is claimable and
+        nothing runs). With `handle_signals`, SIGTERM/SIGINT stop gracefully and a second one
+        cancels. Cancelling the call releases the deliveries still running (no attempt
+        counted) and hands the lanes back. Returns the totals of this dispatcher."""
+        if handle_signals and threading.current_thread() is not threading.main_thread():
+            raise MongoqError("handle_signals needs the main thread's event loop")
+        self._stopping = False
+        try:
+            async with anyio.create_task_group() as group:
+                if handle_signals:
+                    group.start_soon(self._watch_signals, group.cancel_scope)
+                group.start_soon(self._renew_while_running)
+                async with anyio.create_task_group() as handlers:
+                    await self._claim_loop(handlers, stop_when_empty)
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._flush()
+                try:
+                    await self.outbox.relinquish(self.owner)
+                except _driver.DRIVER_ERRORS as exc:
+                    log.warning("handing lanes back failed (%s); their leases will expire", exc)
+        return self.summary
+
+    async def _claim_loop(self, handlers: anyio.abc.TaskGroup, stop_when_empty: bool) -> None:
+        while not self._stopping:
+            free = self.concurrency - self._active
+            batch = await self._claim(free) if free > 0 else []
+            for delivery in batch:
+                self._active += 1
+                handlers.start_soon(self._run_one, delivery)
+            if batch:
+                continue
+            if stop_when_empty and self._active == 0 and free > 0:
+                return
+            await self._sleep()
+
+    async def _sleep(self) -> None:
+        """Wait `poll_interval`, or until a handler finishes or `stop()` is called."""
+        with anyio.CancelScope() as scope:
+            self._nap = scope
+            try:
+                if not self._stopping:
+                    await self.outbox.clock.sleep(self.poll_interval)
+            finally:
+                self._nap = None
+
+    async def _claim(self, limit: int) -> list[Delivery]:
+        try:
+            # Shielded: a claim applied on the server but cancelled before its reply is read
+            # would keep its lanes, unseen, for a whole lease.
+            with anyio.CancelScope(shield=True):
+                batch = await self.outbox.claim(self.owner, list(self.handlers), limit=limit)
+        except _driver.DRIVER_ERRORS as exc:
+            log.warning("claim failed (%s); retrying after %.1fs", exc, self.poll_interval)
+            return []
+        self.summary.claimed += len(batch)
+        return batch
+
+    async def _watch_signals(self, scope: anyio.CancelScope) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                if self._stopping:
+                    log.warning("second signal %d, cancelling running handlers", signum)
+                    scope.cancel()
+                    return
+                log.info("signal %d, stopping gracefully", signum)
+                self.stop()
+
+    async def _renew_while_running(self) -> None:
+        interval = self.outbox.lease / 3
+        while True:
+            await self.outbox.clock.sleep(interval)
+            if self._active == 0:
+                continue
+            try:
+                if await self.outbox.extend_lease(self.owner) == 0:
+                    log.warning("%s holds no lane any more; running handlers lost them", self.owner)
+            except _driver.DRIVER_ERRORS as exc:
+                log.warning("renewing lanes failed (%s); retrying", exc)
+
+    # ---------------------------------------------------------------------------- delivery
+
+    async def _run_one(self, delivery: Delivery) -> None:
+        try:
+            await self._dispatch(delivery)
+        finally:
+            self._active -= 1
+            self._wake()
+
+    async def _dispatch(self, delivery: Delivery) -> None:
+        if delivery.attempt > self.max_attempts:
+            # Its earlier attempts were lost with the workers running them: a poison message.
+            await self._settle(
+                delivery, "buried",
+                self.outbox.bury(delivery, error=f"gave up after {self.max_attempts} attempts; "
+                                 "the workers running the last ones were lost"),
+            )  # fmt: skip
+            return
+        context = DeliveryContext(self.outbox, delivery)
+        try:
+            await self.handlers[delivery.handler](delivery.event, context)
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                await self._settle(delivery, "released", self.outbox.release(delivery))
+            raise
+        except LeaseLost:
+            self.summary.lost += 1
+        except PermanentError as exc:
+            await self._settle(delivery, "buried", self.outbox.bury(delivery, error=exc))
+        except Exception as exc:
+            log.info(
+                "handler %r failed on event %r (attempt %d)", delivery.handler,
+                delivery.event.id, delivery.attempt, exc_info=True,
+            )  # fmt: skip
+            if delivery.attempt >= self.max_attempts:
+                await self._settle(delivery, "buried", self.outbox.bury(delivery, error=exc))
+            else:
+                delay = float(self.backoff(delivery.attempt))
+                call = self.outbox.reschedule(delivery, delay=delay, error=exc)
+                await self._settle(delivery, "retried", call)
+        else:
+            if context.completed_in_transaction:
+                # Normally gone with the handler's commit already (False here). If the handler
+                # returned although its transaction did not commit, this completes it now,
+                # rather than leave it listed as running.
+                await self._settle(delivery, "completed", self.outbox.complete(delivery), True)
+                return
+            self._finished.append(delivery)
+            await self._flush()
+
+    async def _settle(
+        self, delivery: Delivery, outcome: str, call: Awaitable[bool], either: bool = False
+    ) -> None:
+        try:
+            done = await call
+        except _driver.DRIVER_ERRORS as exc:
+            log.warning("settling delivery %s failed (%s); its lane lease recovers it",
+                        delivery.id, exc)  # fmt: skip
+            return
+        field = outcome if done or either else "lost"
+        setattr(self.summary, field, getattr(self.summary, field) + 1)
+
+    async def _flush(self) -> None:
+        """Complete what finished, in one batch; completions that finish meanwhile wait for
+        the lock and form the next batch."""
+        async with self._flush_lock:
+            batch, self._finished = self._finished, []
+            if not batch:
+                return
+            with anyio.CancelScope(shield=True):
+                try:
+                    done = await self.outbox.complete_many(batch)
+                except _driver.DRIVER_ERRORS as exc:
+                    log.warning("completing %d deliveries failed (%s); they will run again",
+                                len(batch), exc)  # fmt: skip
+                    return
+            self.summary.completed += sum(done)
+            self.summary.lost += len(done) - sum(done)

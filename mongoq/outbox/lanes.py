@@ -1,0 +1,158 @@
+"""Lane documents: who may claim which deliveries.
+
+Collection ``<prefix>lanes`` holds 256 small documents, one per lane (``_id`` 0-255)::
+
+    {_id, owner, instance, lease_until, epoch, in_flight: [entry], lost: [entry]}
+
+with ``entry = {"d": delivery _id, "g": claim generation, "h": handler, "k": key}`` (``k`` left
+out for unkeyed deliveries). A worker (``owner``, on one `AsyncOutbox` instance: ``instance``)
+holding a lane under a live lease is the only one that claims from it; ``in_flight`` lists what
+it claimed, each with the delivery's claim generation at the time. An entry is *running* while
+the lane is held and the delivery still exists with that generation: a completion deletes the
+delivery, and a retry, release, burial or lost-lease charge moves its generation on, so none of
+them has to write the lane. Taking a lane over increments ``epoch`` and moves the previous
+owner's ``in_flight`` to ``lost``; `charge_lost` then charges each lost delivery one attempt,
+fenced on the generation it was listed with, so charging twice charges once.
+
+Every write here is a conditional update of one lane by ``_id`` (no secondary index: the
+collection is read whole, 256 documents, once per claim).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from pymongo import UpdateMany, UpdateOne
+
+from mongoq import _driver
+from mongoq.clock import stored_instant
+from mongoq.outbox.models import LANES
+
+__all__ = ["Entry", "Lane", "charge_lost", "read_lanes", "seed_lanes"]
+
+#: A lane nobody ever held: its lease expired long ago.
+NEVER = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One delivery listed by a lane: claimed by the lane's owner at generation `generation`."""
+
+    delivery: Any
+    generation: int
+    handler: str
+    key: str | None
+
+    @classmethod
+    def from_document(cls, doc: Mapping[str, Any]) -> Entry:
+        return cls(doc["d"], int(doc.get("g", 0)), doc.get("h", ""), doc.get("k"))
+
+    def document(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"d": self.delivery, "g": self.generation, "h": self.handler}
+        if self.key is not None:
+            doc["k"] = self.key
+        return doc
+
+
+@dataclass
+class Lane:
+    """A lane document as read at the start of a claim."""
+
+    id: int
+    owner: str | None
+    instance: str | None
+    lease_until: datetime
+    epoch: int
+    in_flight: list[Entry] = field(default_factory=list)
+    lost: list[Entry] = field(default_factory=list)
+
+    @classmethod
+    def from_document(cls, doc: Mapping[str, Any]) -> Lane:
+        return cls(
+            id=int(doc["_id"]),
+            owner=doc.get("owner"),
+            instance=doc.get("instance"),
+            lease_until=stored_instant(doc.get("lease_until")) or NEVER,
+            epoch=int(doc.get("epoch", 0)),
+            in_flight=[Entry.from_document(e) for e in doc.get("in_flight") or ()],
+            lost=[Entry.from_document(e) for e in doc.get("lost") or ()],
+        )
+
+    def held_by(self, owner: str, instance: str, now: datetime) -> bool:
+        return self.owner == owner and self.instance == instance and self.lease_until > now
+
+    def is_free(self, now: datetime) -> bool:
+        return self.owner is None or self.lease_until <= now
+
+    def fence(self, owner: str, instance: str) -> dict[str, Any]:
+        """The filter of a write by this lane's holder: it still holds the lane it read."""
+        return {"_id": self.id, "epoch": self.epoch, "owner": owner, "instance": instance}
+
+    def take_filter(self, now: datetime) -> dict[str, Any]:
+        """The filter of a takeover: the lane is unchanged since it was read, and still free
+        (a renewal by its owner in between makes it live again, and the take fails)."""
+        return {
+            "_id": self.id,
+            "epoch": self.epoch,
+            "$or": [{"owner": None}, {"lease_until": {"$lte": now}}],
+        }
+
+
+def lane_document(lane_id: int) -> dict[str, Any]:
+    return {
+        "_id": lane_id,
+        "owner": None,
+        "instance": None,
+        "lease_until": NEVER,
+        "epoch": 0,
+        "in_flight": [],
+        "lost": [],
+    }
+
+
+async def seed_lanes(db: Any, collection: Any) -> None:
+    """Create the lane documents that do not exist yet (idempotent, safe to race)."""
+    ops = [
+        _driver.update_by_id(
+            db, {"_id": lane_id}, {"$setOnInsert": lane_document(lane_id)}, upsert=True
+        )
+        for lane_id in range(LANES)
+    ]
+    await collection.bulk_write(ops, ordered=False)
+
+
+async def read_lanes(collection: Any) -> list[Lane]:
+    return [Lane.from_document(doc) for doc in await _driver.find_list(collection, {})]
+
+
+def generation_filter(entries: Iterable[Entry]) -> dict[str, Any]:
+    """The deliveries of `entries` that still have the generation they were listed with."""
+    return _driver.owned_by([(e.delivery, e.generation) for e in entries], "claims")
+
+
+async def charge_lost(
+    db: Any, deliveries: Any, lanes: Any, taken: Sequence[tuple[Lane, int]], now: datetime
+) -> None:
+    """Charge one attempt to every delivery the previous owners of `taken` (lane, epoch after
+    the take) still had running, then clear the lanes' ``lost`` lists.
+
+    The charge is fenced on the generation each delivery was listed with and moves it on, so a
+    charge repeated after a failure between the two writes, or a delayed one, charges nothing
+    twice; a delivery that finished or was retried meanwhile is not charged at all.
+    """
+    entries = [entry for lane, _ in taken for entry in lane.lost]
+    if entries:
+        await deliveries.update_many(
+            {**generation_filter(entries), "due_at": {"$exists": True}},
+            {"$inc": {"attempts": 1, "claims": 1}, "$set": {"updated_at": now}},
+        )
+    clear: list[UpdateOne | UpdateMany] = [
+        _driver.update_by_id(db, {"_id": lane.id, "epoch": epoch}, {"$set": {"lost": []}})
+        for lane, epoch in taken
+        if lane.lost
+    ]
+    if clear:
+        await lanes.bulk_write(clear, ordered=False)

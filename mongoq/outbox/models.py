@@ -1,0 +1,233 @@
+"""The outbox's values: events as the publisher writes them, deliveries as a claim hands them
+out, and the result types of the operator calls; plus the two pure functions the storage layout
+rests on, `lane_of` (which of the 256 lanes a key lives in) and `normalize` (the JSON form in
+which payloads and headers are stored). Owns no collections.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import date, datetime
+from decimal import Decimal
+from typing import Any
+
+from mongoq._validation import check_payload
+from mongoq.errors import InvalidInput
+
+__all__ = [
+    "LANES",
+    "Delivery",
+    "DeliveryInfo",
+    "DispatchSummary",
+    "Event",
+    "OutboxStatistics",
+    "PublishResult",
+    "PurgeResult",
+    "lane_of",
+    "normalize",
+]
+
+#: How many lanes the deliveries are spread over; a worker leases lanes, not deliveries.
+LANES = 256
+_FNV_OFFSET = 0x811C9DC5
+_FNV_PRIME = 0x01000193
+
+
+def lane_of(text: str) -> int:
+    """The lane of an ordering key (or of the event id of an unkeyed event): the 32-bit FNV-1a
+    hash of its UTF-8 bytes, modulo 256. Every delivery of a key shares its lane."""
+    value = _FNV_OFFSET
+    for byte in text.encode("utf-8"):
+        value = ((value ^ byte) * _FNV_PRIME) & 0xFFFFFFFF
+    return value % LANES
+
+
+def normalize(field_name: str, value: Any) -> Any:
+    """`value` as JSON would carry it: mappings with string keys, lists, strings, finite
+    numbers, booleans and None. Datetimes and dates become ISO-8601 strings, UUIDs and Decimals
+    strings, enums their value, tuples lists. Anything else, a non-string key, a key starting
+    with ``$`` or containing ``.`` (refused, not escaped: the server gives them meaning in
+    queries and updates), and NaN or infinity are `InvalidInput` naming the field."""
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidInput(field_name, "must be a finite number (JSON has no NaN or infinity)")
+        return value
+    if isinstance(value, enum.Enum):
+        return normalize(field_name, value.value)
+    if isinstance(value, datetime | date):
+        return value.isoformat()
+    if isinstance(value, uuid.UUID | Decimal):
+        return str(value)
+    if isinstance(value, Mapping):
+        normalized: dict[str, Any] = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise InvalidInput(field_name, f"keys must be strings, got {type(key).__name__}")
+            if key.startswith("$") or "." in key:
+                raise InvalidInput(
+                    f"{field_name}.{key}", "keys may not start with '$' or contain '.'"
+                )
+            normalized[key] = normalize(f"{field_name}.{key}", item)
+        return normalized
+    if isinstance(value, list | tuple):
+        return [normalize(f"{field_name}[{index}]", item) for index, item in enumerate(value)]
+    raise InvalidInput(field_name, f"is not JSON-like: {type(value).__name__}")
+
+
+def _optional_text(field_name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > 1024 or "\x00" in value:
+        raise InvalidInput(field_name, "must be None or a non-empty string of at most 1024 chars")
+    return value
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something that happened, to be delivered to every handler subscribed to its `type`.
+
+    - `id` is the deduplication key: publishing the same id again (a retried request, a
+      redelivered broker message) adds deliveries only for handlers the event never had;
+    - `key`, when given, orders the event's deliveries per handler: a delivery of a key runs only
+      after every earlier one (by commit order) of the same handler and key finished;
+    - `payload` and `headers` are stored JSON-normalized (see `normalize`); a claim hands them
+      back in that form;
+    - `created_at` is set from the outbox's clock when left out.
+    """
+
+    id: str
+    type: str
+    payload: Any = None
+    key: str | None = None
+    headers: Mapping[str, Any] = field(default_factory=dict)
+    correlation_id: str | None = None
+    causation_id: str | None = None
+    created_at: datetime | None = None
+
+    def checked(self, field_name: str = "event") -> Event:
+        """This event validated and normalized, or `InvalidInput` naming the field."""
+        if not isinstance(self, Event):
+            raise InvalidInput(field_name, f"must be an Event, got {type(self).__name__}")
+        for name in ("id", "type"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value or len(value) > 1024 or "\x00" in value:
+                raise InvalidInput(
+                    f"{field_name}.{name}", "must be a non-empty string of at most 1024 chars"
+                )
+        key = _optional_text(f"{field_name}.key", self.key)
+        correlation_id = _optional_text(f"{field_name}.correlation_id", self.correlation_id)
+        causation_id = _optional_text(f"{field_name}.causation_id", self.causation_id)
+        if self.created_at is not None and not isinstance(self.created_at, datetime):
+            raise InvalidInput(f"{field_name}.created_at", "must be None or a datetime")
+        if not isinstance(self.headers, Mapping):
+            raise InvalidInput(f"{field_name}.headers", "must be a mapping")
+        payload = normalize(f"{field_name}.payload", self.payload)
+        headers = normalize(f"{field_name}.headers", self.headers)
+        check_payload(f"{field_name}.payload", payload)
+        check_payload(f"{field_name}.headers", headers, limit=64 * 1024)
+        return Event(
+            id=self.id,
+            type=self.type,
+            payload=payload,
+            key=key,
+            headers=headers,
+            correlation_id=correlation_id,
+            causation_id=causation_id,
+            created_at=self.created_at,
+        )
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One handler's claim of one event, as `AsyncOutbox.claim` hands it out.
+
+    `attempt` counts this run (1 on the first). `lease_token` is ``<lane>:<epoch>:<claims>``:
+    the lane's epoch when it was taken and the delivery's claim generation; every settle call is
+    fenced on it, so a worker that lost its lane (or whose claim ended) changes nothing.
+    """
+
+    id: str
+    event: Event
+    handler: str
+    attempt: int
+    lease_token: str
+    owner: str
+    sequence: int | None = None
+
+    @property
+    def lane_id(self) -> int:
+        return int(self.lease_token.split(":", 1)[0])
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """What `publish` wrote: events new to the outbox, and deliveries added (a replayed event
+    adds deliveries only for handlers it never had)."""
+
+    events_added: int
+    deliveries_added: int
+
+
+@dataclass(frozen=True)
+class DeliveryInfo:
+    """A delivery as the operator calls list it. `status` is ``pending`` (waiting, delayed or
+    running; `running` tells), ``parked`` (a waiting backlog of a blocked key), ``dead`` or
+    ``completed`` (completion history only)."""
+
+    id: str
+    event_id: str
+    event_type: str
+    handler: str
+    status: str
+    attempts: int
+    key: str | None
+    sequence: int | None
+    due_at: datetime | None
+    last_error: str | None
+    created_at: datetime | None
+    updated_at: datetime | None
+    running: bool = False
+
+
+@dataclass(frozen=True)
+class OutboxStatistics:
+    """Counts per status (``pending`` includes ``parked`` and running deliveries), how many run
+    now, and the due time of the oldest unfinished delivery (None when there is none)."""
+
+    pending: int
+    parked: int
+    running: int
+    dead: int
+    completed: int
+    oldest_due_at: datetime | None
+    lanes_held: int
+
+
+@dataclass(frozen=True)
+class PurgeResult:
+    """What `purge` deleted."""
+
+    dead_deliveries: int = 0
+    completed_records: int = 0
+    events: int = 0
+
+
+@dataclass
+class DispatchSummary:
+    """What an `OutboxDispatcher` did: deliveries claimed, completed, rescheduled for retry,
+    buried as dead letters, released unrun on stop, and found lost to another worker."""
+
+    claimed: int = 0
+    completed: int = 0
+    retried: int = 0
+    buried: int = 0
+    released: int = 0
+    lost: int = 0

@@ -1,0 +1,1175 @@
+"""`AsyncOutbox`: the transactional outbox's store (seed 002).
+
+Collections (``<prefix>`` defaults to ``mongoq_outbox_``):
+
+- ``events``: ``{_id: event id, type, payload, headers, key?, correlation_id?, causation_id?,
+  created_at, handlers: [every handler it ever had a delivery for], completed_at?}``;
+- ``deliveries``: one per unfinished (or dead) event and handler: ``{_id: ObjectId, event_id,
+  event_type, handler, key?, sequence?, lane_id, lane: "ready"|"parked", status:
+  "pending"|"dead", due_at, attempts, claims, last_error?, created_at, updated_at}``. ``due_at``
+  and ``lane`` exist only while pending; ``attempts`` counts attempts that ended; ``claims`` is
+  the claim generation (moves on whenever a claim of the delivery ends), which fences every
+  settle. A completion deletes the document;
+- ``key_sequences``: ``{_id: key, value}``, the per-key sequence counter;
+- ``lanes``: see `mongoq.outbox.lanes`;
+- ``completed_deliveries`` (with ``completion_history``): one record per completion.
+
+Indexes (created by `setup`) and the queries they serve:
+
+- deliveries ``event_handler`` ``(event_id, handler)`` unique: backstop of the idempotent append,
+  lookups by event;
+- deliveries ``claim`` ``(lane_id, due_at, _id, handler)`` partial ``lane: "ready"``: the claim
+  scan, a merge of one index range per lane (at most 128 lanes per query);
+- deliveries ``ordering`` ``(handler, key, sequence)`` partial on pending keyed deliveries: the
+  head of a key (lowest pending sequence);
+- deliveries ``parked`` ``(handler, key, sequence)`` partial ``lane: "parked"``: unparking;
+- deliveries ``due`` ``(due_at)`` partial on pending: `statistics` (oldest due);
+- deliveries ``status_created`` ``(status, created_at)``, ``status_updated`` ``(status,
+  updated_at)``, ``handler_created`` ``(handler, created_at)``, ``type_created``
+  ``(event_type, created_at)``: counts, listings, purge of dead deliveries;
+- events ``created`` ``(created_at, _id)`` and ``completed`` ``(completed_at, _id)``: purge;
+- completed_deliveries ``completed`` ``(completed_at, _id)``, ``event`` ``(event_id)``,
+  ``created`` ``(created_at, _id)``: purge, references, listing.
+
+Per-key order: a keyed delivery is claimed only when it is the lowest pending sequence of its
+handler and key and no delivery of them runs. All deliveries of a key share a lane and only the
+lane's holder claims from it, so what runs is what the holder's lanes list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+import bson
+from pymongo import ReturnDocument, UpdateMany, UpdateOne
+from pymongo.errors import BulkWriteError
+
+from mongoq import _driver
+from mongoq._validation import MAX_BATCH, check_batch, check_int, check_name, check_seconds
+from mongoq._validation import check_worker_id as _check_owner
+from mongoq.clock import Clock, ServerClock, stored_instant
+from mongoq.errors import InvalidInput, LeaseLost
+from mongoq.outbox.lanes import Entry, Lane, charge_lost, generation_filter, read_lanes, seed_lanes
+from mongoq.outbox.models import (
+    Delivery,
+    DeliveryInfo,
+    Event,
+    OutboxStatistics,
+    PublishResult,
+    PurgeResult,
+    lane_of,
+)
+from mongoq.worker import error_text
+
+__all__ = ["AsyncOutbox"]
+
+log = logging.getLogger("mongoq.outbox")
+
+READY = "ready"
+PARKED = "parked"
+PENDING = "pending"
+DEAD = "dead"
+COMPLETED = "completed"
+CLAIM_INDEX = "claim"
+ORDERING_INDEX = "ordering"
+PARKED_INDEX = "parked"
+#: A claim queries at most this many lanes at once: the server merges at most 200 sorted
+#: index ranges, beyond which it would sort the whole due backlog.
+LANES_PER_QUERY = 128
+#: Waiting deliveries of one key a claim must see behind an unfinished head before parking them.
+PARK_THRESHOLD = 32
+#: Lanes left with deliveries listed that one claim takes over (and charges) at most.
+STALE_LANES_PER_CLAIM = 32
+_DUPLICATE_KEY = 11000
+_MISSING: Any = object()
+_SUBSCRIBE_ALL = "*"
+
+
+def _check_handler(field: str, value: Any) -> str:
+    if not isinstance(value, str) or not value or len(value) > 256 or "\x00" in value:
+        raise InvalidInput(field, "must be a non-empty string of at most 256 characters")
+    return value
+
+
+def _only_duplicates(error: BulkWriteError) -> bool:
+    errors = error.details.get("writeErrors", [])
+    return bool(errors) and all(e.get("code") == _DUPLICATE_KEY for e in errors)
+
+
+def _parse_token(delivery: Any, field: str = "delivery") -> tuple[bson.ObjectId, int, int, int]:
+    """(delivery _id, lane, epoch, claim generation) of a `Delivery`; a token this store cannot
+    have issued is `InvalidInput` before any database call."""
+    if not isinstance(delivery, Delivery):
+        raise InvalidInput(field, f"must be a Delivery, got {type(delivery).__name__}")
+    try:
+        doc_id = bson.ObjectId(delivery.id)
+        lane_text, epoch_text, claims_text = delivery.lease_token.split(":")
+        lane, epoch, claims = int(lane_text), int(epoch_text), int(claims_text)
+    except (bson.errors.InvalidId, TypeError, ValueError, AttributeError):
+        raise InvalidInput(f"{field}.lease_token", "is not a token this outbox issued") from None
+    if not 0 <= lane < 256 or epoch < 0 or claims < 0:
+        raise InvalidInput(f"{field}.lease_token", "is not a token this outbox issued")
+    return doc_id, lane, epoch, claims
+
+
+class AsyncOutbox:
+    """Events written in the caller's MongoDB transaction, delivered at least once to each
+    subscribed handler separately, in per-key order, with retries and dead letters.
+
+    `subscriptions` maps an event type to the names of the handlers that receive it (``"*"``
+    for every type); deliveries are created from the publisher's subscriptions, so every
+    process that publishes needs the same map. Workers claim deliveries by leasing lanes for
+    `lease` seconds (`OutboxDispatcher` does all of it). See the module docstring for the
+    layout and `mongoq.outbox` for the guarantees.
+    """
+
+    def __init__(
+        self,
+        db: Any,
+        prefix: str = "mongoq_outbox_",
+        *,
+        subscriptions: Mapping[str, Iterable[str]],
+        lease: float = 30,
+        completion_history: bool = False,
+        clock: Clock | None = None,
+        logger: logging.Logger | None = None,
+        purge_batch_size: int = 500,
+    ) -> None:
+        _driver.backend_of(db)
+        check_name("prefix", prefix)
+        if not isinstance(subscriptions, Mapping):
+            raise InvalidInput("subscriptions", "must map event types to handler names")
+        self.subscriptions: dict[str, tuple[str, ...]] = {}
+        for event_type, names in subscriptions.items():
+            _check_handler("subscriptions", event_type)
+            if isinstance(names, str) or not isinstance(names, Iterable):
+                raise InvalidInput(
+                    f"subscriptions[{event_type!r}]", "must be a list of handler names"
+                )
+            checked = [_check_handler(f"subscriptions[{event_type!r}]", n) for n in names]
+            self.subscriptions[event_type] = tuple(dict.fromkeys(checked))
+        self.lease = check_seconds("lease", lease, positive=True)
+        if not isinstance(completion_history, bool):
+            raise InvalidInput("completion_history", "must be a bool")
+        self.completion_history = completion_history
+        self.purge_batch_size = check_int("purge_batch_size", purge_batch_size, low=1, high=10_000)
+        self.clock: Clock = clock if clock is not None else ServerClock(db)
+        self.log = logger if logger is not None else log
+        self.db = db
+        self.prefix = prefix
+        self.events = db[f"{prefix}events"]
+        self.deliveries = db[f"{prefix}deliveries"]
+        self.sequences = db[f"{prefix}key_sequences"]
+        self.lanes = db[f"{prefix}lanes"]
+        self.history = db[f"{prefix}completed_deliveries"]
+        # Lanes are held per owner *and* per instance: a process restarted under a fixed owner
+        # name takes its predecessor's lanes over like any worker, it does not adopt them.
+        self.instance = uuid.uuid4().hex
+        self._claim_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    # ------------------------------------------------------------------------------ set-up
+
+    async def setup(self) -> None:
+        """Create the collections, the indexes and the 256 lane documents; idempotent. Run it
+        once before the first publish: collections created implicitly inside concurrent
+        transactions conflict with each other."""
+        await _driver.create_collections(
+            self.db,
+            [
+                c.name
+                for c in (self.events, self.deliveries, self.sequences, self.lanes, self.history)
+            ],
+        )
+        pending = {"due_at": {"$exists": True}}
+        d = self.deliveries
+        await d.create_index([("event_id", 1), ("handler", 1)], name="event_handler", unique=True)
+        await d.create_index(
+            [("lane_id", 1), ("due_at", 1), ("_id", 1), ("handler", 1)],
+            name=CLAIM_INDEX,
+            partialFilterExpression={"lane": READY},
+        )
+        await d.create_index(
+            [("handler", 1), ("key", 1), ("sequence", 1)],
+            name=ORDERING_INDEX,
+            partialFilterExpression={**pending, "key": {"$exists": True}},
+        )
+        await d.create_index(
+            [("handler", 1), ("key", 1), ("sequence", 1)],
+            name=PARKED_INDEX,
+            partialFilterExpression={"lane": PARKED},
+        )
+        await d.create_index([("due_at", 1)], name="due", partialFilterExpression=pending)
+        await d.create_index([("status", 1), ("created_at", 1)], name="status_created")
+        await d.create_index([("status", 1), ("updated_at", 1)], name="status_updated")
+        await d.create_index([("handler", 1), ("created_at", 1)], name="handler_created")
+        await d.create_index([("event_type", 1), ("created_at", 1)], name="type_created")
+        await self.events.create_index([("created_at", 1), ("_id", 1)], name="created")
+        await self.events.create_index([("completed_at", 1), ("_id", 1)], name="completed")
+        await self.history.create_index([("completed_at", 1), ("_id", 1)], name="completed")
+        await self.history.create_index([("event_id", 1)], name="event")
+        await self.history.create_index([("created_at", 1), ("_id", 1)], name="created")
+        await seed_lanes(self.db, self.lanes)
+
+    async def _now(self) -> datetime:
+        await self.clock.refresh()
+        return self.clock.now()
+
+    # ----------------------------------------------------------------------------- publish
+
+    def handlers_for(self, event_type: str) -> tuple[str, ...]:
+        """The handlers subscribed to `event_type` (its own, then the ``"*"`` ones)."""
+        names = self.subscriptions.get(event_type, ()) + self.subscriptions.get(_SUBSCRIBE_ALL, ())
+        return tuple(dict.fromkeys(names))
+
+    async def publish(
+        self, events: Event | Iterable[Event], *, session: Any = _MISSING
+    ) -> PublishResult:
+        """Append `events` and one delivery per subscribed handler.
+
+        `session` is the caller's session with a started transaction, so the events commit or
+        roll back with the business writes beside them; pass ``session=None`` explicitly for a
+        non-transactional publish (e.g. on the embedded backend). Idempotent by event id: an
+        event published again adds deliveries only for handlers it never had, so a handler
+        that already completed never runs twice. A keyed event takes the next sequence of its
+        key from a counter written in the same transaction, so sequence order is commit order
+        (without a transaction it is the order in which the counter was read).
+        """
+        if session is _MISSING:
+            raise InvalidInput(
+                "session",
+                "pass the session of a started transaction (or session=None to publish "
+                "without one)",
+            )
+        transactional = session is not None
+        if transactional and not _driver.in_transaction(session):
+            raise InvalidInput("session", "has no transaction started; start one first")
+        batch = [events] if isinstance(events, Event) else check_batch("events", events)
+        checked: dict[str, Event] = {}
+        for index, event in enumerate(batch):
+            if not isinstance(event, Event):
+                raise InvalidInput(f"events[{index}]", "must be an Event")
+            good = event.checked(f"events[{index}]")
+            checked.setdefault(good.id, good)  # the same id twice in one call: the first wins
+        if not checked:
+            return PublishResult(0, 0)
+        now = await self._now()
+        if transactional:
+            return await self._publish_in_transaction(list(checked.values()), session, now)
+        return await self._publish_plain(list(checked.values()), now)
+
+    def _event_document(self, event: Event, now: datetime) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "type": event.type,
+            "payload": event.payload,
+            "headers": event.headers,
+            "created_at": event.created_at or now,
+        }
+        for name in ("key", "correlation_id", "causation_id"):
+            if getattr(event, name) is not None:
+                doc[name] = getattr(event, name)
+        return doc
+
+    async def _sequences(self, events: Sequence[Event], session: Any) -> dict[str, int]:
+        """The next sequence of each keyed event's key, in the order of `events`."""
+        per_key: dict[str, list[str]] = defaultdict(list)
+        for event in events:
+            if event.key is not None:
+                per_key[event.key].append(event.id)
+        sequences: dict[str, int] = {}
+        for key, ids in per_key.items():
+            counter = await self.sequences.find_one_and_update(
+                {"_id": key},
+                {"$inc": {"value": len(ids)}},
+                upsert=True,
+                return_document=ReturnDocument.AFTER,
+                session=session,
+            )
+            first = int(counter["value"]) - len(ids) + 1
+            for offset, event_id in enumerate(ids):
+                sequences[event_id] = first + offset
+        return sequences
+
+    def _delivery_documents(
+        self,
+        event_id: str,
+        stored: Mapping[str, Any],
+        handlers: Iterable[str],
+        sequence: int | None,
+        now: datetime,
+    ) -> list[dict[str, Any]]:
+        key = stored.get("key")
+        lane_id = lane_of(key if key is not None else event_id)
+        docs = []
+        for handler in handlers:
+            doc: dict[str, Any] = {
+                "_id": bson.ObjectId(),
+                "event_id": event_id,
+                "event_type": stored["type"],
+                "handler": handler,
+                "lane_id": lane_id,
+                "lane": READY,
+                "status": PENDING,
+                "due_at": now,
+                "attempts": 0,
+                "claims": 0,
+                "created_at": now,
+                "updated_at": now,
+            }
+            if key is not None:
+                doc["key"] = key
+                if sequence is not None:
+                    doc["sequence"] = sequence
+            docs.append(doc)
+        return docs
+
+    async def _publish_in_transaction(
+        self, events: list[Event], session: Any, now: datetime
+    ) -> PublishResult:
+        # Read what exists, then write with upserts: a plain insert racing another transaction
+        # would fail with a duplicate key, which aborts the transaction without a retry label;
+        # an upsert race is a write conflict, which the caller's `with_transaction` retries.
+        ids = [e.id for e in events]
+        existing = {
+            doc["_id"]: doc
+            for doc in await self.events.find(
+                {"_id": {"$in": ids}}, {"handlers": 1, "key": 1, "type": 1}, session=session
+            ).to_list(None)
+        }
+        new = [e for e in events if e.id not in existing]
+        sequences = await self._sequences(new, session)
+        ops: list[UpdateOne | UpdateMany] = []
+        deliveries: list[dict[str, Any]] = []
+        for event in events:
+            stored = existing.get(event.id) or self._event_document(event, now)
+            wanted = [
+                h for h in self.handlers_for(stored["type"]) if h not in stored.get("handlers", ())
+            ]
+            if event.id in existing and not wanted:
+                continue
+            update: dict[str, Any] = {"$addToSet": {"handlers": {"$each": wanted}}}
+            if event.id not in existing:
+                update["$setOnInsert"] = stored
+            ops.append(_driver.update_by_id(self.db, {"_id": event.id}, update, upsert=True))
+            deliveries += self._delivery_documents(
+                event.id, stored, wanted, sequences.get(event.id), now
+            )
+        if ops:
+            await self.events.bulk_write(ops, ordered=True, session=session)
+        if deliveries:
+            await self.deliveries.insert_many(deliveries, ordered=True, session=session)
+        return PublishResult(len(new), len(deliveries))
+
+    async def _publish_plain(self, events: list[Event], now: datetime) -> PublishResult:
+        # Without a transaction the order of the writes carries the guarantees: the event
+        # exists before its deliveries (a claim never finds a delivery without its event), and
+        # a handler is listed on the event only after its delivery exists (a crash in between
+        # is repaired by publishing again: the unique index turns the repeated delivery into a
+        # no-op, or, if it already completed, it runs once more: at least once, never lost).
+        upserts: list[UpdateOne | UpdateMany] = [
+            _driver.update_by_id(
+                self.db,
+                {"_id": e.id},
+                {"$setOnInsert": {**self._event_document(e, now), "handlers": []}},
+                upsert=True,
+            )
+            for e in events
+        ]
+        result = await self.events.bulk_write(upserts, ordered=True)
+        new_ids = {events[index].id for index in result.upserted_ids}
+        replayed = [e.id for e in events if e.id not in new_ids]
+        existing: dict[str, Any] = {}
+        if replayed:
+            existing = {
+                doc["_id"]: doc
+                for doc in await _driver.find_list(
+                    self.events,
+                    {"_id": {"$in": replayed}},
+                    projection={"handlers": 1, "key": 1, "type": 1},
+                )
+            }
+        sequences = await self._sequences([e for e in events if e.id in new_ids], None)
+        deliveries: list[dict[str, Any]] = []
+        listed: list[UpdateOne | UpdateMany] = []
+        for event in events:
+            stored = existing.get(event.id) or self._event_document(event, now)
+            wanted = [
+                h for h in self.handlers_for(stored["type"]) if h not in stored.get("handlers", ())
+            ]
+            if not wanted:
+                continue
+            deliveries += self._delivery_documents(
+                event.id, stored, wanted, sequences.get(event.id), now
+            )
+            listed.append(
+                _driver.update_by_id(
+                    self.db, {"_id": event.id}, {"$addToSet": {"handlers": {"$each": wanted}}}
+                )
+            )
+        added = len(deliveries)
+        if deliveries:
+            try:
+                await self.deliveries.insert_many(deliveries, ordered=False)
+            except BulkWriteError as exc:
+                if not _only_duplicates(exc):
+                    raise
+                added -= len(exc.details.get("writeErrors", []))
+        if listed:
+            await self.events.bulk_write(listed, ordered=False)
+        return PublishResult(len(new_ids), added)
+
+    # ------------------------------------------------------------------------------- claim
+
+    async def claim(
+        self, owner: str, handlers: Iterable[str] | None = None, *, limit: int = 16
+    ) -> list[Delivery]:
+        """Claim up to `limit` due deliveries for `owner` (of `handlers`, or of any handler).
+
+        Claims from the lanes `owner` holds on this instance, then takes free lanes (no owner,
+        or an expired lease) holding the oldest due deliveries; a lane that another claimer
+        takes first is skipped, never waited for. A keyed delivery is taken only when it is the
+        lowest pending sequence of its handler and key and none of them runs; one claim never
+        takes two deliveries of one key. Lanes that yield nothing and run nothing are handed
+        back. Claims of one owner on one instance run one after the other.
+        """
+        owner = _check_owner("owner", owner)
+        wanted = None
+        if handlers is not None:
+            if isinstance(handlers, str):
+                raise InvalidInput("handlers", "must be a list of handler names, not a string")
+            wanted = [_check_handler("handlers", h) for h in handlers]
+            if not wanted:
+                return []
+        check_int("limit", limit, low=1, high=MAX_BATCH)
+        async with self._claim_locks[owner]:
+            return await self._claim(owner, wanted, limit)
+
+    async def _claim(self, owner: str, handlers: list[str] | None, limit: int) -> list[Delivery]:
+        now = await self._now()
+        lanes = await read_lanes(self.lanes)
+        held = {lane.id: lane for lane in lanes if lane.held_by(owner, self.instance, now)}
+        free = {lane.id: lane for lane in lanes if lane.id not in held and lane.is_free(now)}
+        # A lane whose previous holder left deliveries listed (a crash, an expired lease, a
+        # graceful stop) is taken over before anything is read from it: what was running there
+        # is charged its lost attempt first, so the scan below sees current generations.
+        stale = [lane for lane in free.values() if lane.in_flight or lane.lost]
+        for lane in stale[:STALE_LANES_PER_CLAIM]:
+            del free[lane.id]
+        if stale:
+            held.update(await self._take_over(owner, stale[:STALE_LANES_PER_CLAIM], now))
+        # A lost list on a lane this owner holds was left by a claim that failed between the
+        # takeover and the charge: charge it now.
+        unpaid = [(lane, lane.epoch) for lane in held.values() if lane.lost]
+        if unpaid:
+            await charge_lost(self.db, self.deliveries, self.lanes, unpaid, now)
+            for lane, _ in unpaid:
+                lane.lost = []
+        running = await self._running(held.values())
+        running_keys = {(e.handler, e.key) for e in running if e.key is not None}
+        excluded = {e.delivery for e in running}
+        for lane in free.values():  # stale lanes beyond this claim's share: not yet charged
+            excluded.update(e.delivery for e in lane.in_flight + lane.lost)
+
+        picks: list[dict[str, Any]] = []
+        waiting: dict[tuple[str, str], list[Any]] = defaultdict(list)
+        heads: dict[tuple[str, str], Any] = {}
+        taken_keys: set[tuple[str, str]] = set()
+        after: tuple[datetime, Any] | None = None
+        page = min(limit * 2 + PARK_THRESHOLD, MAX_BATCH)
+        lane_ids = sorted([*held, *free])
+        while len(picks) < limit and lane_ids:
+            candidates = await self._scan(lane_ids, handlers, now, after, page)
+            unknown = {
+                (c["handler"], c["key"])
+                for c in candidates
+                if c.get("key") is not None and (c["handler"], c["key"]) not in heads
+            }
+            heads.update(await self._heads(unknown))
+            for candidate in candidates:
+                after = (candidate["due_at"], candidate["_id"])
+                if candidate["_id"] in excluded:
+                    continue
+                if candidate.get("key") is not None:
+                    hk = (candidate["handler"], candidate["key"])
+                    if hk in running_keys or hk in taken_keys or heads.get(hk) != candidate["_id"]:
+                        waiting[hk].append(candidate["_id"])
+                        continue
+                    taken_keys.add(hk)
+                picks.append(candidate)
+                if len(picks) == limit:
+                    break
+            if len(candidates) < page:
+                break
+        deliveries = await self._record(owner, now, held, free, running, picks)
+        await self._park(waiting, heads, now)
+        return deliveries
+
+    async def _take_over(self, owner: str, stale: list[Lane], now: datetime) -> dict[int, Lane]:
+        """Take `stale` lanes over and charge what their previous holders left running; returns
+        the lanes now held (a lane another claimer took first is left out)."""
+        lease_until = now + timedelta(seconds=self.lease)
+        ops = [
+            _driver.update_by_id(self.db, lane.take_filter(now), {
+                "$set": {"owner": owner, "instance": self.instance, "lease_until": lease_until,
+                         "in_flight": [],
+                         "lost": [e.document() for e in lane.lost + lane.in_flight]},
+                "$inc": {"epoch": 1},
+            })
+            for lane in stale
+        ]  # fmt: skip
+        result = await self.lanes.bulk_write(ops, ordered=False)
+        expected: dict[int, tuple[int, list[Entry]]] = {
+            lane.id: (lane.epoch + 1, []) for lane in stale
+        }
+        taken = (
+            set(expected)
+            if result.matched_count == len(ops)
+            else await self._confirm(owner, expected)
+        )
+        adopted = {
+            lane.id: Lane(lane.id, owner, self.instance, lease_until, lane.epoch + 1, [],
+                          lane.lost + lane.in_flight)
+            for lane in stale
+            if lane.id in taken
+        }  # fmt: skip
+        if adopted:
+            self.log.info("took over %d lane(s) left with deliveries listed", len(adopted))
+            await charge_lost(
+                self.db, self.deliveries, self.lanes,
+                [(lane, lane.epoch) for lane in adopted.values()], now,
+            )  # fmt: skip
+            for lane in adopted.values():
+                lane.lost = []
+        return adopted
+
+    async def _running(self, held: Iterable[Lane]) -> list[Entry]:
+        """The entries of `held` lanes whose delivery still exists at the listed generation."""
+        entries = [entry for lane in held for entry in lane.in_flight]
+        if not entries:
+            return []
+        current = {
+            (doc["_id"], int(doc.get("claims", 0)))
+            for doc in await _driver.find_list(
+                self.deliveries,
+                {"_id": {"$in": [e.delivery for e in entries]}, "due_at": {"$exists": True}},
+                projection={"claims": 1},
+            )
+        }
+        return [e for e in entries if (e.delivery, e.generation) in current]
+
+    async def _scan(
+        self,
+        lane_ids: Sequence[int],
+        handlers: list[str] | None,
+        now: datetime,
+        after: tuple[datetime, Any] | None,
+        page: int,
+    ) -> list[dict[str, Any]]:
+        """The next `page` due, ready deliveries of `lane_ids` in ``(due_at, _id)`` order."""
+        base: dict[str, Any] = {"lane": READY, "due_at": {"$lte": now}}
+        if handlers is not None:
+            base["handler"] = {"$in": handlers}
+        if after is not None:
+            due, last = after
+            base["$or"] = [{"due_at": {"$gt": due}}, {"due_at": due, "_id": {"$gt": last}}]
+        projection = {
+            "event_id": 1, "handler": 1, "key": 1, "sequence": 1, "lane_id": 1,
+            "attempts": 1, "claims": 1, "due_at": 1,
+        }  # fmt: skip
+        chunks = [
+            lane_ids[start : start + LANES_PER_QUERY]
+            for start in range(0, len(lane_ids), LANES_PER_QUERY)
+        ]
+        results = await asyncio.gather(
+            *(
+                _driver.find_list(
+                    self.deliveries,
+                    {"lane_id": {"$in": list(chunk)}, **base},
+                    sort=[("due_at", 1), ("_id", 1)],
+                    limit=page,
+                    projection=projection,
+                    hint=CLAIM_INDEX,
+                )
+                for chunk in chunks
+            )
+        )
+        merged = sorted(
+            (doc for docs in results for doc in docs),
+            key=lambda doc: (stored_instant(doc["due_at"]), doc["_id"]),
+        )
+        return merged[:page]
+
+    async def _heads(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], Any]:
+        """The lowest pending delivery of each handler and key (one indexed probe each)."""
+
+        async def head(hk: tuple[str, str]) -> tuple[tuple[str, str], Any]:
+            found = await _driver.find_list(
+                self.deliveries,
+                {"handler": hk[0], "key": hk[1], "due_at": {"$exists": True}},
+                sort=[("sequence", 1)],
+                limit=1,
+                projection={"_id": 1},
+                hint=ORDERING_INDEX,
+            )
+            return hk, found[0]["_id"] if found else None
+
+        return dict(await asyncio.gather(*(head(hk) for hk in keys)))
+
+    async def _record(
+        self,
+        owner: str,
+        now: datetime,
+        held: dict[int, Lane],
+        free: dict[int, Lane],
+        running: list[Entry],
+        picks: list[dict[str, Any]],
+    ) -> list[Delivery]:
+        """Read the picks' events, then record the picks on their lanes (taking the free ones),
+        and hand back held lanes that yield nothing and run nothing. Returns the deliveries
+        whose lane write took effect."""
+        events = await self._events_of(picks, now)
+        picks = [p for p in picks if p["event_id"] in events]
+        by_lane: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        for pick in picks:
+            by_lane[pick["lane_id"]].append(pick)
+        running_by_lane: dict[Any, list[Entry]] = defaultdict(list)
+        running_ids = {e.delivery for e in running}
+        for lane in held.values():
+            running_by_lane[lane.id] = [e for e in lane.in_flight if e.delivery in running_ids]
+        lease_until = now + timedelta(seconds=self.lease)
+        ops: list[UpdateOne | UpdateMany] = []
+        expected: dict[int, tuple[int, list[Entry]]] = {}  # lane -> (epoch, entries) once written
+        for lane in held.values():
+            entries = running_by_lane[lane.id] + [self._entry(p) for p in by_lane[lane.id]]
+            if not entries:
+                ops.append(_driver.update_by_id(self.db, lane.fence(owner, self.instance), {
+                    "$set": {"owner": None, "instance": None, "lease_until": now,
+                             "in_flight": [], "lost": []},
+                }))  # fmt: skip
+            elif by_lane[lane.id] or len(entries) != len(lane.in_flight):
+                ops.append(_driver.update_by_id(self.db, lane.fence(owner, self.instance), {
+                    "$set": {"in_flight": [e.document() for e in entries]},
+                    "$max": {"lease_until": lease_until},
+                }))  # fmt: skip
+                expected[lane.id] = (lane.epoch, entries)
+        for lane_id, lane_picks in by_lane.items():
+            if lane_id in held:
+                continue
+            # A free lane with nothing listed (stale ones were taken over above).
+            lane = free[lane_id]
+            entries = [self._entry(p) for p in lane_picks]
+            ops.append(_driver.update_by_id(self.db, lane.take_filter(now), {
+                "$set": {"owner": owner, "instance": self.instance, "lease_until": lease_until,
+                         "in_flight": [e.document() for e in entries], "lost": []},
+                "$inc": {"epoch": 1},
+            }))  # fmt: skip
+            expected[lane_id] = (lane.epoch + 1, entries)
+        written = set(expected)
+        if ops:
+            result = await self.lanes.bulk_write(ops, ordered=False)
+            if result.matched_count != len(ops):
+                written = await self._confirm(owner, expected)
+        epochs = {lane_id: epoch for lane_id, (epoch, _) in expected.items()}
+        return [
+            self._delivery(pick, events[pick["event_id"]], owner, epochs[pick["lane_id"]])
+            for pick in picks
+            if pick["lane_id"] in written
+        ]
+
+    async def _confirm(self, owner: str, expected: dict[int, tuple[int, list[Entry]]]) -> set[int]:
+        """Which of the lane writes took effect, read back after a bulk write matched fewer."""
+        docs = await _driver.find_list(self.lanes, {"_id": {"$in": list(expected)}})
+        confirmed = set()
+        for lane in map(Lane.from_document, docs):
+            epoch, entries = expected[lane.id]
+            mine = lane.owner == owner and lane.instance == self.instance and lane.epoch == epoch
+            listed = {(e.delivery, e.generation) for e in lane.in_flight}
+            if mine and all((e.delivery, e.generation) in listed for e in entries):
+                confirmed.add(lane.id)
+        return confirmed
+
+    @staticmethod
+    def _entry(pick: Mapping[str, Any]) -> Entry:
+        return Entry(pick["_id"], int(pick.get("claims", 0)), pick["handler"], pick.get("key"))
+
+    async def _events_of(
+        self, picks: list[dict[str, Any]], now: datetime
+    ) -> dict[str, Mapping[str, Any]]:
+        """The events of `picks`. A delivery whose event is gone (only possible when a purge
+        without transactions raced a replayed publish) can never run: it is buried."""
+        if not picks:
+            return {}
+        ids = list({p["event_id"] for p in picks})
+        docs = await _driver.find_list(self.events, {"_id": {"$in": ids}})
+        events: dict[str, Mapping[str, Any]] = {doc["_id"]: doc for doc in docs}
+        orphans = [p for p in picks if p["event_id"] not in events]
+        if orphans:
+            self.log.error("%d delivery(ies) without their event; burying them", len(orphans))
+            await self.deliveries.update_many(
+                generation_filter(self._entry(p) for p in orphans),
+                self._dead_update("its event is missing", now, charge=False),
+            )
+        return events
+
+    def _delivery(
+        self, pick: Mapping[str, Any], event_doc: Mapping[str, Any], owner: str, epoch: int
+    ) -> Delivery:
+        event = Event(
+            id=event_doc["_id"],
+            type=event_doc["type"],
+            payload=event_doc.get("payload"),
+            key=event_doc.get("key"),
+            headers=event_doc.get("headers") or {},
+            correlation_id=event_doc.get("correlation_id"),
+            causation_id=event_doc.get("causation_id"),
+            created_at=stored_instant(event_doc.get("created_at")),
+        )
+        claims = int(pick.get("claims", 0))
+        return Delivery(
+            id=str(pick["_id"]),
+            event=event,
+            handler=pick["handler"],
+            attempt=int(pick.get("attempts", 0)) + 1,
+            lease_token=f"{pick['lane_id']}:{epoch}:{claims}",
+            owner=owner,
+            sequence=pick.get("sequence"),
+        )
+
+    async def _park(
+        self, waiting: Mapping[tuple[str, str], list[Any]], heads: Mapping[Any, Any], now: datetime
+    ) -> None:
+        """Parking of blocked backlogs lands in a later step; see `PARK_THRESHOLD`."""
+        return None
+
+    # ------------------------------------------------------------------------------ settle
+
+    @staticmethod
+    def _fence(delivery: Delivery, field: str = "delivery") -> dict[str, Any]:
+        doc_id, _, _, claims = _parse_token(delivery, field)
+        return {"_id": doc_id, "claims": claims, "due_at": {"$exists": True}}
+
+    def _history_record(self, delivery: Delivery, now: datetime) -> dict[str, Any]:
+        record: dict[str, Any] = {
+            "_id": bson.ObjectId(delivery.id),
+            "event_id": delivery.event.id,
+            "event_type": delivery.event.type,
+            "handler": delivery.handler,
+            "attempts": delivery.attempt,
+            "owner": delivery.owner,
+            "created_at": delivery.event.created_at or now,
+            "completed_at": now,
+        }
+        if delivery.event.key is not None:
+            record["key"] = delivery.event.key
+        if delivery.sequence is not None:
+            record["sequence"] = delivery.sequence
+        return record
+
+    async def complete(self, delivery: Delivery, *, session: Any = None) -> bool:
+        """Finish `delivery`: its document is deleted and the event records the completion.
+
+        With `session` (a started transaction of the handler's own) the completion commits
+        with the handler's writes, or not at all; a lost lease then raises `LeaseLost`, so
+        that the transaction is not committed. Without, True when it took effect, False when
+        the claim had ended (another worker took the lane over, or it was settled already).
+        """
+        fence = self._fence(delivery)
+        if session is not None and not _driver.in_transaction(session):
+            raise InvalidInput("session", "has no transaction started; start one first")
+        now = await self._now()
+        if session is not None:
+            if not await self._complete_in(session, [delivery], [fence], now):
+                raise LeaseLost(f"delivery {delivery.id} is no longer held by this claim")
+            return True
+        if self.completion_history and _driver.supports_transactions(self.db):
+            return await _driver.run_in_transaction(
+                self.db, lambda s: self._complete_in(s, [delivery], [fence], now)
+            )
+        result = await self.deliveries.delete_one(fence)
+        if result.deleted_count != 1:
+            return False
+        await self._after_completion([delivery], now, None)
+        return True
+
+    async def _complete_in(
+        self, session: Any, deliveries: list[Delivery], fences: list[dict[str, Any]], now: datetime
+    ) -> bool:
+        """All-or-nothing completion inside `session`'s transaction: False (nothing written) if
+        any of the claims has ended."""
+        for fence in fences:
+            result = await self.deliveries.delete_one(fence, session=session)
+            if result.deleted_count != 1:
+                # Leave the transaction for the caller (or `run_in_transaction`) to abort.
+                return False
+        await self._after_completion(deliveries, now, session)
+        return True
+
+    async def _after_completion(
+        self, deliveries: Sequence[Delivery], now: datetime, session: Any
+    ) -> None:
+        await self.events.update_many(
+            {"_id": {"$in": list({d.event.id for d in deliveries})}},
+            {"$max": {"completed_at": now}},
+            session=session,
+        )
+        if self.completion_history:
+            records = [self._history_record(d, now) for d in deliveries]
+            try:
+                await self.history.insert_many(records, ordered=False, session=session)
+            except BulkWriteError as exc:
+                if not _only_duplicates(exc):
+                    raise
+
+    async def complete_many(self, deliveries: Sequence[Delivery]) -> list[bool]:
+        """Complete a batch, from any number of lanes, in a few commands whatever its size.
+
+        Returns, for each delivery, True only where the completion is proven: when fewer
+        documents were deleted than claims fenced, the ones still present were not completed,
+        and the missing ones are reported completed only if the count proves they all were.
+        """
+        batch = check_batch("deliveries", deliveries)
+        fences = [self._fence(d, f"deliveries[{i}]") for i, d in enumerate(batch)]
+        if len({f["_id"] for f in fences}) != len(fences):
+            raise InvalidInput("deliveries", "lists the same delivery twice")
+        if not batch:
+            return []
+        now = await self._now()
+        if self.completion_history and _driver.supports_transactions(self.db):
+
+            async def all_or_nothing(session: Any) -> bool:
+                return await self._complete_in(session, batch, fences, now)
+
+            if await _driver.run_in_transaction(self.db, all_or_nothing):
+                return [True] * len(batch)
+            # Some claim ended: complete the others one by one.
+            return [await self.complete(d) for d in batch]
+        claimed = _driver.owned_by([(f["_id"], f["claims"]) for f in fences], "claims")
+        result = await self.deliveries.delete_many({**claimed, "due_at": {"$exists": True}})
+        if result.deleted_count == len(batch):
+            done = [True] * len(batch)
+        else:
+            still = {
+                doc["_id"]
+                for doc in await _driver.find_list(
+                    self.deliveries, {"_id": {"$in": [f["_id"] for f in fences]}},
+                    projection={"_id": 1},
+                )
+            }  # fmt: skip
+            proven = result.deleted_count == len(batch) - len(still)
+            done = [proven and f["_id"] not in still for f in fences]
+        finished = [d for d, ok in zip(batch, done, strict=True) if ok]
+        if finished:
+            await self._after_completion(finished, now, None)
+        return done
+
+    def _dead_update(self, error: Any, now: datetime, *, charge: bool) -> dict[str, Any]:
+        return {
+            "$set": {"status": DEAD, "last_error": error_text(error), "updated_at": now},
+            "$unset": {"due_at": "", "lane": ""},
+            "$inc": {"claims": 1, "attempts": 1 if charge else 0},
+        }
+
+    async def _settle(self, delivery: Delivery, update: Mapping[str, Any]) -> bool:
+        result = await self.deliveries.update_one(self._fence(delivery), dict(update))
+        return bool(result.modified_count)
+
+    async def reschedule(
+        self, delivery: Delivery, *, delay: float, error: BaseException | str | None = None
+    ) -> bool:
+        """End this attempt as failed and make the delivery due again after `delay` seconds
+        (its key stays blocked until then). False if the claim had ended."""
+        self._fence(delivery)
+        seconds = check_seconds("delay", delay)
+        now = await self._now()
+        return await self._settle(delivery, {
+            "$set": {"due_at": now + timedelta(seconds=seconds), "lane": READY,
+                     "last_error": error_text(error), "updated_at": now},
+            "$inc": {"attempts": 1, "claims": 1},
+        })  # fmt: skip
+
+    async def release(self, delivery: Delivery) -> bool:
+        """Hand the delivery back unrun (e.g. on shutdown), due now, no attempt counted."""
+        self._fence(delivery)
+        now = await self._now()
+        return await self._settle(delivery, {
+            "$set": {"due_at": now, "lane": READY, "updated_at": now},
+            "$inc": {"claims": 1},
+        })  # fmt: skip
+
+    async def bury(self, delivery: Delivery, *, error: BaseException | str | None = None) -> bool:
+        """End this attempt as failed for good: the delivery becomes a dead letter (see
+        `requeue`). Its key stays blocked behind it only while it is pending, so later
+        deliveries of the key go on. False if the claim had ended."""
+        self._fence(delivery)
+        now = await self._now()
+        return await self._settle(delivery, self._dead_update(error, now, charge=True))
+
+    async def extend_lease(self, owner: str) -> int:
+        """Renew the lease of every lane `owner` holds on this instance; returns how many. An
+        expired lease nobody took over is renewed too; a lane taken over is not."""
+        owner = _check_owner("owner", owner)
+        now = await self._now()
+        result = await self.lanes.update_many(
+            {"owner": owner, "instance": self.instance},
+            {"$max": {"lease_until": now + timedelta(seconds=self.lease)}},
+        )
+        return int(result.matched_count)
+
+    async def relinquish(self, owner: str) -> int:
+        """Hand back every lane `owner` holds on this instance at once (graceful stop); returns
+        how many. Whatever they still list as running is charged an attempt by the next holder,
+        unless it was settled meanwhile."""
+        owner = _check_owner("owner", owner)
+        now = await self._now()
+        async with self._claim_locks[owner]:
+            docs = await _driver.find_list(self.lanes, {"owner": owner, "instance": self.instance})
+            ops = []
+            for lane in map(Lane.from_document, docs):
+                lost = [e.document() for e in lane.lost + lane.in_flight]
+                ops.append(_driver.update_by_id(self.db, lane.fence(owner, self.instance), {
+                    "$set": {"owner": None, "instance": None, "lease_until": now,
+                             "in_flight": [], "lost": lost},
+                }))  # fmt: skip
+            if not ops:
+                return 0
+            result = await self.lanes.bulk_write(ops, ordered=False)
+            return int(result.matched_count)
+
+    # --------------------------------------------------------------------------- operators
+
+    async def requeue(self, event_id: str, handler: str) -> bool:
+        """Make a dead delivery pending again, due now, with its attempts reset. It then comes
+        before the later deliveries of its key that were not claimed yet, and does not start
+        while one of them runs. False if there is no such dead delivery."""
+        if not isinstance(event_id, str) or not event_id:
+            raise InvalidInput("event_id", "must be a non-empty string")
+        _check_handler("handler", handler)
+        now = await self._now()
+        result = await self.deliveries.update_one(
+            {"event_id": event_id, "handler": handler, "status": DEAD},
+            {
+                "$set": {"status": PENDING, "lane": READY, "due_at": now, "attempts": 0,
+                         "updated_at": now},
+                "$inc": {"claims": 1},
+            },
+        )  # fmt: skip
+        return bool(result.modified_count)
+
+    async def _running_ids(self, now: datetime) -> set[Any]:
+        live = [
+            lane for lane in await read_lanes(self.lanes)
+            if lane.owner is not None and lane.lease_until > now
+        ]  # fmt: skip
+        entries = [e for lane in live for e in lane.in_flight]
+        if not entries:
+            return set()
+        docs = await _driver.find_list(
+            self.deliveries, {**generation_filter(entries), "due_at": {"$exists": True}},
+            projection={"_id": 1},
+        )  # fmt: skip
+        return {doc["_id"] for doc in docs}
+
+    async def list_deliveries(
+        self,
+        *,
+        status: str | None = None,
+        handler: str | None = None,
+        event_type: str | None = None,
+        limit: int = 100,
+    ) -> list[DeliveryInfo]:
+        """Deliveries, oldest first: ``pending`` (`running` tells which run now), ``parked``,
+        ``dead``, or ``completed`` (the completion history; empty without it); all of them
+        when `status` is None. `handler` and `event_type` narrow the list."""
+        if status not in (None, PENDING, PARKED, DEAD, COMPLETED):
+            raise InvalidInput("status", "must be None, 'pending', 'parked', 'dead' or 'completed'")
+        if handler is not None:
+            _check_handler("handler", handler)
+        if event_type is not None:
+            _check_handler("event_type", event_type)
+        check_int("limit", limit, low=1, high=MAX_BATCH)
+        now = await self._now()
+        narrow: dict[str, Any] = {}
+        if handler is not None:
+            narrow["handler"] = handler
+        if event_type is not None:
+            narrow["event_type"] = event_type
+        infos: list[DeliveryInfo] = []
+        if status != COMPLETED:
+            query = dict(narrow)
+            if status == PARKED:
+                query.update(status=PENDING, lane=PARKED)
+            elif status is not None:
+                query["status"] = status
+            docs = await _driver.find_list(
+                self.deliveries, query, sort=[("created_at", 1), ("_id", 1)], limit=limit
+            )
+            running = await self._running_ids(now) if docs else set()
+            infos += [self._info(doc, doc["_id"] in running) for doc in docs]
+        if status in (None, COMPLETED) and len(infos) < limit:
+            docs = await _driver.find_list(
+                self.history, narrow, sort=[("created_at", 1), ("_id", 1)],
+                limit=limit - len(infos),
+            )  # fmt: skip
+            infos += [self._info({**doc, "status": COMPLETED}, False) for doc in docs]
+        return infos
+
+    @staticmethod
+    def _info(doc: Mapping[str, Any], running: bool) -> DeliveryInfo:
+        status = doc.get("status", PENDING)
+        if status == PENDING and doc.get("lane") == PARKED:
+            status = PARKED
+        return DeliveryInfo(
+            id=str(doc["_id"]),
+            event_id=doc["event_id"],
+            event_type=doc.get("event_type", ""),
+            handler=doc["handler"],
+            status=status,
+            attempts=int(doc.get("attempts", 0)),
+            key=doc.get("key"),
+            sequence=doc.get("sequence"),
+            due_at=stored_instant(doc.get("due_at")),
+            last_error=doc.get("last_error"),
+            created_at=stored_instant(doc.get("created_at")),
+            updated_at=stored_instant(doc.get("updated_at") or doc.get("completed_at")),
+            running=running,
+        )
+
+    async def statistics(self) -> OutboxStatistics:
+        """Counts per status, how many deliveries run now, the oldest due time of the
+        unfinished ones, and how many lanes are held; a fixed number of commands."""
+        now = await self._now()
+        pending, parked, dead, completed, oldest, lanes = await asyncio.gather(
+            self.deliveries.count_documents({"status": PENDING}),
+            self.deliveries.count_documents({"lane": PARKED}),
+            self.deliveries.count_documents({"status": DEAD}),
+            self.history.count_documents({}) if self.completion_history else _zero(),
+            _driver.find_list(
+                self.deliveries, {"due_at": {"$exists": True}}, sort=[("due_at", 1)], limit=1,
+                projection={"due_at": 1}, hint="due",
+            ),
+            read_lanes(self.lanes),
+        )  # fmt: skip
+        live = [lane for lane in lanes if lane.owner is not None and lane.lease_until > now]
+        running = len(await self._running_ids(now)) if any(lane.in_flight for lane in live) else 0
+        return OutboxStatistics(
+            pending=int(pending),
+            parked=int(parked),
+            running=running,
+            dead=int(dead),
+            completed=int(completed),
+            oldest_due_at=stored_instant(oldest[0]["due_at"]) if oldest else None,
+            lanes_held=len(live),
+        )
+
+    async def purge(
+        self, *, dead_before: datetime | None = None, completed_before: datetime | None = None
+    ) -> PurgeResult:
+        """Delete, in batches, dead deliveries last updated before `dead_before`, completion
+        records before `completed_before`, and then the events nothing references any more.
+
+        An event with a completion is kept as the deduplication record of its id until
+        `completed_before` passes its last completion (a publish of the id after that runs
+        its handlers again: keep completed retention longer than any redelivery window); an
+        event that never completed goes once it was created before the earliest cutoff given.
+        """
+        for name, value in (("dead_before", dead_before), ("completed_before", completed_before)):
+            if value is not None and not isinstance(value, datetime):
+                raise InvalidInput(name, "must be None or a datetime")
+        if dead_before is None and completed_before is None:
+            return PurgeResult()
+        dead = records = 0
+        if dead_before is not None:
+            dead = await self._purge_batches(
+                self.deliveries, {"status": DEAD, "updated_at": {"$lt": dead_before}}, "updated_at"
+            )
+        if completed_before is not None and self.completion_history:
+            records = await self._purge_batches(
+                self.history, {"completed_at": {"$lt": completed_before}}, "completed_at"
+            )
+        events = await self._purge_events(dead_before, completed_before)
+        return PurgeResult(dead, records, events)
+
+    async def _purge_batches(self, collection: Any, query: dict[str, Any], field: str) -> int:
+        total = 0
+        while True:
+            docs = await _driver.find_list(
+                collection, query, sort=[(field, 1)], limit=self.purge_batch_size,
+                projection={"_id": 1},
+            )  # fmt: skip
+            if not docs:
+                return total
+            # The query again in the delete: a dead delivery requeued since the read stays.
+            result = await collection.delete_many(
+                {**query, "_id": {"$in": [d["_id"] for d in docs]}}
+            )
+            total += int(result.deleted_count)
+            if len(docs) < self.purge_batch_size:
+                return total
+
+    async def _purge_events(
+        self, dead_before: datetime | None, completed_before: datetime | None
+    ) -> int:
+        cutoffs = [c for c in (dead_before, completed_before) if c is not None]
+        queries: list[tuple[dict[str, Any], str]] = [
+            (
+                {"completed_at": {"$exists": False}, "created_at": {"$lt": min(cutoffs)}},
+                "created_at",
+            )
+        ]
+        if completed_before is not None:
+            queries.append(({"completed_at": {"$lt": completed_before}}, "completed_at"))
+        total = 0
+        for query, field in queries:
+            after: tuple[Any, Any] | None = None
+            while True:
+                page = dict(query)
+                if after is not None:
+                    page["$or"] = [
+                        {field: {"$gt": after[0]}},
+                        {field: after[0], "_id": {"$gt": after[1]}},
+                    ]
+                docs = await _driver.find_list(
+                    self.events, page, sort=[(field, 1), ("_id", 1)],
+                    limit=self.purge_batch_size, projection={field: 1},
+                )  # fmt: skip
+                if not docs:
+                    break
+                after = (docs[-1][field], docs[-1]["_id"])
+                total += await self._delete_unreferenced(query, [d["_id"] for d in docs])
+                if len(docs) < self.purge_batch_size:
+                    break
+        return total
+
+    async def _delete_unreferenced(self, query: dict[str, Any], ids: list[Any]) -> int:
+        async def delete(session: Any) -> int:
+            referenced = set(
+                await self.deliveries.distinct(
+                    "event_id", {"event_id": {"$in": ids}}, session=session
+                )
+            )
+            if self.completion_history:
+                referenced |= set(
+                    await self.history.distinct(
+                        "event_id", {"event_id": {"$in": ids}}, session=session
+                    )
+                )
+            free = [i for i in ids if i not in referenced]
+            if not free:
+                return 0
+            result = await self.events.delete_many({**query, "_id": {"$in": free}}, session=session)
+            return int(result.deleted_count)
+
+        if _driver.supports_transactions(self.db):
+            # A publish adding a delivery to one of these events conflicts with the deletion,
+            # and one of the two retries: a delivery never loses its event.
+            return await _driver.run_in_transaction(self.db, delete)
+        return await delete(None)
+
+
+async def _zero() -> int:
+    return 0

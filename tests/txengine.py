@@ -1,0 +1,426 @@
+"""TEST-ONLY: an in-memory database with sessions and multi-document transactions.
+
+`transactional_database()` adapts mongomock-ng (module `mongomock_ng`, a pure-Python MongoDB
+emulator) to the shape of PyMongo's native async API (`pymongo.AsyncMongoClient`), so the test
+suite can run mongoq's transactional code (``with_transaction``, commit, rollback) without a
+server. It is not part of the library and it is not MongoDB: a test passing here says nothing
+about isolation or concurrency on a real server.
+
+What mongomock-ng's transactions model: writes made with ``session=`` inside a transaction are
+undone when it aborts. How: the first write of a transaction to a collection snapshots (deep-
+copies) that collection's documents and indexes; commit discards the snapshot, abort restores it.
+
+What they do NOT model:
+(a) isolation: uncommitted writes are visible at once to everyone (other sessions, other
+    transactions, reads without a session), and a transaction sees others' writes as they land;
+(b) other writers: an abort restores the whole collection, so it also discards the writes that
+    others (without a transaction) made to that collection meanwhile;
+(c) write conflicts: mongomock-ng never raises one (nor any TransientTransactionError), and a
+    commit never fails;
+(d) DDL: creating a collection is never undone; a drop inside a transaction is undone only as
+    far as its documents and indexes go.
+Reads (find, count, aggregate, ...) never take part in a transaction: given (a), they need not.
+
+What this adapter adds on top (the workarounds):
+- mongomock-ng keeps ONE snapshot slot per collection, shared by every session: a second
+  transaction writing to a collection overwrites the first one's snapshot, and whichever ends
+  first clears it, so the other's abort then silently restores the wrong state or nothing.
+  Here the first open transaction to write to a collection holds it until it ends; a write from
+  another transaction raises WriteConflict (code 112, label TransientTransactionError), which
+  `TxSession.with_transaction` retries with backoff as PyMongo's does. Conflicts are therefore
+  per collection (coarser than a server's per document), but never silent.
+- ``count_documents`` rejects a session (KeyError) and ``estimated_document_count`` too: reads
+  run without one.
+- TTL emulation ignores ``partialFilterExpression`` and would delete every document old
+  enough: a partial TTL index is declared (``index_information`` shows it) but never expires.
+- `TxDatabase.command` answers "ping" and "hello" (with ``localTime``, the server clock);
+  commands mongomock-ng lacks raise OperationFailure (CommandNotFound), not NotImplementedError.
+Errors are PyMongo's own classes (mongomock-ng imports them from pymongo when it is installed).
+Every call runs synchronously: awaiting one never yields to the event loop (as mongomock-motor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+import mongomock_ng
+from pymongo.errors import CollectionInvalid, InvalidOperation, OperationFailure, PyMongoError
+from pymongo.operations import IndexModel
+
+__all__ = [
+    "TxClient",
+    "TxCollection",
+    "TxCursor",
+    "TxDatabase",
+    "TxSession",
+    "transactional_database",
+]
+
+T = TypeVar("T")
+_RETRY_TIME_LIMIT = 120.0  # seconds, as PyMongo's with_transaction
+_BACKOFF_INITIAL, _BACKOFF_MAX = 0.005, 0.5
+_WRITE_CONFLICT = (
+    "WriteConflict error: this operation conflicted with another operation. "
+    "Please retry your operation or multi-document transaction."
+)
+
+
+def _failure(message: str, code: int, code_name: str, **extra: Any) -> OperationFailure:
+    """An OperationFailure shaped like a server reply."""
+    details = {"ok": 0.0, "errmsg": message, "code": code, "codeName": code_name, **extra}
+    return OperationFailure(message, code, details)
+
+
+def transactional_database(name: str = "mongoq") -> TxDatabase:
+    """A fresh in-memory database (own client, not tz_aware) with working transactions."""
+    return TxClient(mongomock_ng.MongoClient())[name]
+
+
+class TxCursor:
+    """`AsyncCursor` / `AsyncCommandCursor` over a mongomock-ng cursor or any iterator."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def sort(self, key_or_list: Any, direction: Any = None) -> TxCursor:
+        self._inner.sort(key_or_list, direction)
+        return self
+
+    def limit(self, limit: int) -> TxCursor:
+        self._inner.limit(limit)
+        return self
+
+    def skip(self, skip: int) -> TxCursor:
+        self._inner.skip(skip)
+        return self
+
+    def hint(self, index: Any) -> TxCursor:
+        self._inner.hint(index)  # accepted, ignored
+        return self
+
+    def max_time_ms(self, max_time_ms: int | None) -> TxCursor:
+        self._inner.max_time_ms(max_time_ms)  # accepted, ignored
+        return self
+
+    def batch_size(self, batch_size: int) -> TxCursor:
+        return self  # no batches in memory (mongomock-ng would warn)
+
+    async def to_list(self, length: int | None = None) -> list[Any]:
+        if isinstance(length, int) and length < 1:
+            raise ValueError("to_list() length must be greater than 0")
+        return list(itertools.islice(self._inner, length))
+
+    def __aiter__(self) -> TxCursor:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return next(self._inner)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    async def close(self) -> None:
+        return None
+
+
+class TxSession:
+    """`AsyncClientSession`; pass it as ``session=`` to any `TxCollection` method."""
+
+    def __init__(self, client: TxClient, inner: Any) -> None:
+        self.client = client
+        self._inner = inner
+        self._held: set[tuple[str, str]] = set()
+
+    @property
+    def in_transaction(self) -> bool:
+        return bool(self._inner.in_transaction)
+
+    @property
+    def has_ended(self) -> bool:
+        return bool(self._inner.has_ended)
+
+    async def start_transaction(self, **options: Any) -> _TransactionContext:
+        self._inner.start_transaction(**options)  # raises InvalidOperation as PyMongo does
+        return _TransactionContext(self)
+
+    async def commit_transaction(self) -> None:
+        try:
+            self._inner.commit_transaction()
+        finally:
+            self._release()
+
+    async def abort_transaction(self) -> None:
+        try:
+            self._inner.abort_transaction()
+        finally:
+            self._release()
+
+    async def with_transaction(
+        self, callback: Callable[[TxSession], Awaitable[T]], **options: Any
+    ) -> T:
+        """Run ``await callback(self)`` in a transaction and commit it; abort and re-raise on an
+        exception, retrying the whole transaction on TransientTransactionError (as PyMongo)."""
+        start, attempt = time.monotonic(), 0
+        while True:
+            if attempt:
+                backoff = min(_BACKOFF_INITIAL * 1.5**attempt, _BACKOFF_MAX)
+                await asyncio.sleep(random.random() * backoff)
+            attempt += 1
+            await self.start_transaction(**options)
+            try:
+                result = await callback(self)
+            except BaseException as exc:
+                if self.in_transaction:
+                    await self.abort_transaction()
+                transient = isinstance(exc, PyMongoError) and exc.has_error_label(
+                    "TransientTransactionError"
+                )
+                if transient and time.monotonic() - start < _RETRY_TIME_LIMIT:
+                    continue
+                raise
+            if self.in_transaction:  # else the callback ended the transaction itself
+                await self.commit_transaction()
+            return result
+
+    async def end_session(self) -> None:
+        try:
+            self._inner.end_session()  # aborts an open transaction
+        finally:
+            self._release()
+
+    async def __aenter__(self) -> TxSession:
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        await self.end_session()
+
+    def _hold(self, key: tuple[str, str]) -> None:
+        """Make this session's transaction the one writer of collection `key` (see module doc)."""
+        if not self.in_transaction:
+            return
+        if self.client._holders.setdefault(key, self) is not self:
+            raise _failure(
+                _WRITE_CONFLICT, 112, "WriteConflict", errorLabels=["TransientTransactionError"]
+            )
+        self._held.add(key)
+
+    def _release(self) -> None:
+        for key in self._held:
+            self.client._holders.pop(key, None)
+        self._held.clear()
+
+
+class _TransactionContext:
+    """What ``await session.start_transaction()`` returns: commits on exit, aborts on error."""
+
+    def __init__(self, session: TxSession) -> None:
+        self._session = session
+
+    async def __aenter__(self) -> _TransactionContext:
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if self._session.in_transaction:
+            if exc is None:
+                await self._session.commit_transaction()
+            else:
+                await self._session.abort_transaction()
+
+
+def _method(name: str, *, write: bool) -> Callable[..., Coroutine[Any, Any, Any]]:
+    async def method(self: TxCollection, *args: Any, **kwargs: Any) -> Any:
+        return self._call(name, args, kwargs, write=write)
+
+    method.__name__ = name
+    return method
+
+
+class TxCollection:
+    """`AsyncCollection` over a mongomock-ng collection."""
+
+    def __init__(self, database: TxDatabase, inner: Any) -> None:
+        self.database = database
+        self._inner = inner
+
+    @property
+    def name(self) -> str:
+        return str(self._inner.name)
+
+    @property
+    def full_name(self) -> str:
+        return f"{self.database.name}.{self.name}"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TxCollection):
+            return NotImplemented
+        return (self.database, self.name) == (other.database, other.name)
+
+    def __hash__(self) -> int:
+        return hash((self.database.name, self.name))
+
+    def __repr__(self) -> str:
+        return f"TxCollection({self.full_name!r})"
+
+    def _call(
+        self, method: str, args: Sequence[Any], kwargs: dict[str, Any], *, write: bool
+    ) -> Any:
+        session = kwargs.pop("session", None)
+        if session is not None:
+            if not isinstance(session, TxSession):
+                raise TypeError(f"session must be a TxSession, got {type(session).__name__}")
+            if session.has_ended:
+                raise InvalidOperation("Cannot use ended session")
+            if write:  # reads run without it (see the module doc)
+                session._hold((self.database.name, self.name))
+                kwargs["session"] = session._inner
+        return getattr(self._inner, method)(*args, **kwargs)
+
+    find_one = _method("find_one", write=False)
+    count_documents = _method("count_documents", write=False)
+    estimated_document_count = _method("estimated_document_count", write=False)
+    distinct = _method("distinct", write=False)
+    index_information = _method("index_information", write=False)
+    insert_one = _method("insert_one", write=True)
+    insert_many = _method("insert_many", write=True)
+    update_one = _method("update_one", write=True)
+    update_many = _method("update_many", write=True)
+    replace_one = _method("replace_one", write=True)
+    delete_one = _method("delete_one", write=True)
+    delete_many = _method("delete_many", write=True)
+    find_one_and_update = _method("find_one_and_update", write=True)
+    find_one_and_delete = _method("find_one_and_delete", write=True)
+    find_one_and_replace = _method("find_one_and_replace", write=True)
+    bulk_write = _method("bulk_write", write=True)
+    drop_index = _method("drop_index", write=True)
+    drop_indexes = _method("drop_indexes", write=True)
+    drop = _method("drop", write=True)
+
+    def find(self, *args: Any, **kwargs: Any) -> TxCursor:
+        return TxCursor(self._call("find", args, kwargs, write=False))
+
+    async def aggregate(self, pipeline: Sequence[Mapping[str, Any]], **kwargs: Any) -> TxCursor:
+        return TxCursor(self._call("aggregate", (list(pipeline),), kwargs, write=False))
+
+    async def list_indexes(self, **kwargs: Any) -> TxCursor:
+        return TxCursor(iter(self._call("list_indexes", (), kwargs, write=False)))
+
+    async def create_index(self, keys: Any, **kwargs: Any) -> str:
+        name = str(self._call("create_index", (keys,), dict(kwargs), write=True))
+        self._never_expire_if_partial({**kwargs, "name": name})
+        return name
+
+    async def create_indexes(self, indexes: Sequence[IndexModel], **kwargs: Any) -> list[str]:
+        names = list(self._call("create_indexes", (indexes,), kwargs, write=True))
+        for model in indexes:
+            self._never_expire_if_partial(model.document)
+        return names
+
+    def _never_expire_if_partial(self, spec: Mapping[str, Any]) -> None:
+        # mongomock-ng's TTL emulation ignores the partial filter (see the module doc).
+        if spec.get("expireAfterSeconds") is not None and spec.get("partialFilterExpression"):
+            self._inner._store._ttl_indexes.pop(spec["name"], None)
+
+
+class TxDatabase:
+    """`AsyncDatabase` over a mongomock-ng database; mongoq treats it as PyMongo async."""
+
+    mongoq_backend = "pymongo"  # read by mongoq._driver.backend_of
+
+    def __init__(self, client: TxClient, inner: Any) -> None:
+        self.client = client
+        self._inner = inner
+        self.name: str = inner.name
+
+    def __getitem__(self, name: str) -> TxCollection:
+        return self.get_collection(name)
+
+    def __getattr__(self, name: str) -> TxCollection:
+        if name.startswith("_"):
+            raise AttributeError(f"TxDatabase has no attribute {name!r}; use database[{name!r}]")
+        return self.get_collection(name)
+
+    def __repr__(self) -> str:
+        return f"TxDatabase({self.name!r})"
+
+    def get_collection(self, name: str, **kwargs: Any) -> TxCollection:
+        return TxCollection(self, self._inner.get_collection(name, **kwargs))
+
+    async def command(
+        self,
+        command: str | Mapping[str, Any],
+        value: Any = 1,
+        check: bool = True,
+        allowable_errors: Sequence[str | int] | None = None,
+        read_preference: Any = None,
+        codec_options: Any = None,
+        session: TxSession | None = None,
+        comment: Any = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        name = command if isinstance(command, str) else next(iter(command))
+        if name in ("ping", "hello"):
+            now = datetime.now(UTC).replace(tzinfo=None)
+            now = now.replace(microsecond=now.microsecond // 1000 * 1000)  # BSON: milliseconds
+            return {"ok": 1.0, "localTime": now, "isWritablePrimary": True}
+        spec = {command: value} if isinstance(command, str) else dict(command)
+        try:
+            return dict(self._inner.command(spec, **kwargs))
+        except NotImplementedError as exc:
+            message = f"no such command: '{name}' (mongomock_ng: {exc})"
+            raise _failure(message, 59, "CommandNotFound") from exc
+
+    async def list_collection_names(self, **kwargs: Any) -> list[str]:
+        return list(self._inner.list_collection_names(filter=kwargs.get("filter")))
+
+    async def create_collection(
+        self, name: str, *, session: Any = None, check_exists: bool = True, **kwargs: Any
+    ) -> TxCollection:
+        if name in self._inner.list_collection_names():
+            if check_exists:
+                raise CollectionInvalid(f"collection {name} already exists")
+            message = f"Collection {self.name}.{name} already exists."
+            raise _failure(message, 48, "NamespaceExists")
+        self._inner.create_collection(name, **kwargs)
+        return self.get_collection(name)
+
+    async def drop_collection(self, name_or_collection: str | TxCollection, **kwargs: Any) -> None:
+        name = getattr(name_or_collection, "name", name_or_collection)
+        self._inner.drop_collection(name)
+
+
+class TxClient:
+    """`AsyncMongoClient` over a mongomock-ng client."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._databases: dict[str, TxDatabase] = {}
+        # (database, collection) -> the session whose open transaction writes to it
+        self._holders: dict[tuple[str, str], TxSession] = {}
+
+    def __getitem__(self, name: str) -> TxDatabase:
+        return self.get_database(name)
+
+    def __getattr__(self, name: str) -> TxDatabase:
+        if name.startswith("_"):
+            raise AttributeError(f"TxClient has no attribute {name!r}; use client[{name!r}]")
+        return self.get_database(name)
+
+    def get_database(self, name: str) -> TxDatabase:
+        if name not in self._databases:
+            self._databases[name] = TxDatabase(self, self._inner[name])
+        return self._databases[name]
+
+    def start_session(self, **kwargs: Any) -> TxSession:
+        return TxSession(self, self._inner.start_session(**kwargs))
+
+    async def drop_database(self, name_or_database: str | TxDatabase, **kwargs: Any) -> None:
+        self._inner.drop_database(getattr(name_or_database, "name", name_or_database))
+
+    async def close(self) -> None:
+        self._inner.close()
