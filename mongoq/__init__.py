@@ -1,7 +1,7 @@
 """mongoq: durable work queues on MongoDB, asyncio-first.
 
-Public surface: `connect`, `AsyncTaskQueue` and `AsyncGroupTransport` (and their result types),
-the clocks, the errors.
+Public surface: `connect`, `AsyncTaskQueue`, `AsyncGroupTransport` and `AsyncOutbox` with its
+`OutboxDispatcher` (and their result types), the clocks, the errors.
 Testing tools are in `mongoq.testing`; the blocking facade is the separate `mongoq_sync` package.
 """
 
@@ -20,6 +20,18 @@ from mongoq.groups import (
     GroupStats,
     NewMessage,
 )
+from mongoq.outbox import (
+    AsyncOutbox,
+    Delivery,
+    DeliveryContext,
+    DeliveryInfo,
+    DispatchSummary,
+    Event,
+    OutboxDispatcher,
+    OutboxStatistics,
+    PublishResult,
+    PurgeResult,
+)
 from mongoq.tasks import (
     AsyncTaskQueue,
     NewTask,
@@ -33,6 +45,16 @@ from mongoq.tasks import (
 
 __all__ = [
     "AsyncGroupTransport",
+    "AsyncOutbox",
+    "Delivery",
+    "DeliveryContext",
+    "DeliveryInfo",
+    "DispatchSummary",
+    "Event",
+    "OutboxDispatcher",
+    "OutboxStatistics",
+    "PublishResult",
+    "PurgeResult",
     "AsyncTaskQueue",
     "Clock",
     "DeadLetter",

@@ -6,6 +6,14 @@ class here mirrors its async twin method for method. See the README.
 """
 
 from mongoq._portal import Database, connect
-from mongoq_sync._generated import GroupTransport, TaskLease, TaskQueue
+from mongoq_sync._generated import GroupTransport, Outbox, OutboxDispatcher, TaskLease, TaskQueue
 
-__all__ = ["Database", "connect", "TaskQueue", "TaskLease", "GroupTransport"]
+__all__ = [
+    "Database",
+    "connect",
+    "TaskQueue",
+    "TaskLease",
+    "GroupTransport",
+    "Outbox",
+    "OutboxDispatcher",
+]

@@ -4,13 +4,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import datetime
+from logging import Logger
 from typing import Any, cast
 
 from mongoq._portal import Database, Facade, in_worker_thread
 from mongoq.clock import Clock
 from mongoq.groups import AsyncGroupTransport as _AsyncGroupTransport
 from mongoq.groups import DeadLetter, GroupId, GroupLease, GroupRunSummary, GroupStats, NewMessage
+from mongoq.outbox.dispatcher import DeliveryContext
+from mongoq.outbox.dispatcher import OutboxDispatcher as _AsyncOutboxDispatcher
+from mongoq.outbox.models import (
+    Delivery,
+    DeliveryInfo,
+    DispatchSummary,
+    Event,
+    OutboxStatistics,
+    PublishResult,
+    PurgeResult,
+)
+from mongoq.outbox.store import AsyncOutbox as _AsyncOutbox
 from mongoq.tasks import AsyncTaskQueue as _AsyncTaskQueue
 from mongoq.tasks import (
     NewTask,
@@ -24,7 +38,7 @@ from mongoq.tasks import (
 )
 from mongoq.tasks import TaskLease as _AsyncTaskLease
 
-__all__ = ["TaskQueue", "TaskLease", "GroupTransport"]
+__all__ = ["TaskQueue", "TaskLease", "GroupTransport", "Outbox", "OutboxDispatcher"]
 
 
 class TaskQueue(Facade):
@@ -546,6 +560,271 @@ class GroupTransport(Facade):
         self._call("stop")
 
 
+class Outbox(Facade):
+    """Events written in the caller's MongoDB transaction, delivered at least once to each
+    subscribed handler separately, in per-key order, with retries and dead letters.
+
+    `subscriptions` maps an event type to the names of the handlers that receive it (``"*"``
+    for every type); deliveries are created from the publisher's subscriptions, so every
+    process that publishes needs the same map. Workers claim deliveries by leasing lanes for
+    `lease` seconds (`OutboxDispatcher` does all of it). See the module docstring for the
+    layout and `mongoq.outbox` for the guarantees.
+    """
+
+    def __init__(
+        self,
+        db: Database,
+        prefix: str = "mongoq_outbox_",
+        *,
+        subscriptions: Mapping[str, Iterable[str]],
+        lease: float = 30,
+        completion_history: bool = False,
+        clock: Clock | None = None,
+        logger: Logger | None = None,
+        purge_batch_size: int = 500,
+    ) -> None:
+        self._build(
+            db,
+            _AsyncOutbox,
+            db,
+            prefix,
+            subscriptions=subscriptions,
+            lease=lease,
+            completion_history=completion_history,
+            clock=clock,
+            logger=logger,
+            purge_batch_size=purge_batch_size,
+        )
+
+    @property
+    def prefix(self) -> str:
+        return cast("str", self._get("prefix"))
+
+    @property
+    def lease(self) -> float:
+        return cast("float", self._get("lease"))
+
+    @property
+    def instance(self) -> str:
+        return cast("str", self._get("instance"))
+
+    def setup(self) -> None:
+        """Create the collections, the indexes and the 256 lane documents; idempotent. Run it
+        once before the first publish: collections created implicitly inside concurrent
+        transactions conflict with each other.
+        """
+        self._call("setup")
+
+    def handlers_for(self, event_type: str) -> tuple[str, ...]:
+        """The handlers subscribed to `event_type` (its own, then the ``"*"`` ones)."""
+        return cast("tuple[str, ...]", self._call("handlers_for", event_type))
+
+    def publish(self, events: Event | Iterable[Event], *, session: Any) -> PublishResult:
+        """Append `events` and one delivery per subscribed handler.
+
+        `session` is required: the caller's session with a started transaction, so the events
+        commit or roll back with the business writes beside them, or ``session=None`` for a
+        non-transactional publish (the embedded backend; the blocking facade).
+
+        Idempotent by event id: an event published again adds deliveries only for handlers it
+        never had, so a handler that already completed never runs twice. A keyed event takes
+        the next sequence of its key from a counter written in the same transaction, so
+        sequence order is commit order (without a transaction, the order of the counter's
+        reads: two publishers racing on one key may then commit out of sequence order).
+        """
+        return cast("PublishResult", self._call("publish", events, session=session))
+
+    def claim(
+        self, owner: str, handlers: Iterable[str] | None = None, *, limit: int = 16
+    ) -> list[Delivery]:
+        """Claim up to `limit` due deliveries for `owner` (of `handlers`, or of any handler).
+
+        Claims from the lanes `owner` holds on this instance, then takes free lanes (no owner,
+        or an expired lease) holding the oldest due deliveries; a lane that another claimer
+        takes first is skipped, never waited for. A keyed delivery is taken only when it is the
+        lowest pending sequence of its handler and key and none of them runs; one claim never
+        takes two deliveries of one key. Lanes that yield nothing and run nothing are handed
+        back. Claims of one owner on one instance run one after the other.
+        """
+        return cast("list[Delivery]", self._call("claim", owner, handlers, limit=limit))
+
+    def complete(self, delivery: Delivery, *, session: Any = None) -> bool:
+        """Finish `delivery`: its document is deleted and the event records the completion.
+
+        With `session` (a started transaction of the handler's own) the completion commits
+        with the handler's writes, or not at all; a lost lease then raises `LeaseLost`, so
+        that the transaction is not committed. Without, True when it took effect, False when
+        the claim had ended (another worker took the lane over, or it was settled already).
+        """
+        return cast("bool", self._call("complete", delivery, session=session))
+
+    def complete_many(self, deliveries: Sequence[Delivery]) -> list[bool]:
+        """Complete a batch, from any number of lanes, in a few commands whatever its size.
+
+        Returns, for each delivery, True only where the completion is proven: when fewer
+        documents were deleted than claims fenced, the ones still present were not completed,
+        and the missing ones are reported completed only if the count proves they all were.
+        """
+        return cast("list[bool]", self._call("complete_many", deliveries))
+
+    def reschedule(
+        self, delivery: Delivery, *, delay: float, error: BaseException | str | None = None
+    ) -> bool:
+        """End this attempt as failed and make the delivery due again after `delay` seconds
+        (its key stays blocked until then). False if the claim had ended.
+        """
+        return cast("bool", self._call("reschedule", delivery, delay=delay, error=error))
+
+    def release(self, delivery: Delivery) -> bool:
+        """Hand the delivery back unrun (e.g. on shutdown), due now, no attempt counted."""
+        return cast("bool", self._call("release", delivery))
+
+    def bury(self, delivery: Delivery, *, error: BaseException | str | None = None) -> bool:
+        """End this attempt as failed for good: the delivery becomes a dead letter (see
+        `requeue`). Its key stays blocked behind it only while it is pending, so later
+        deliveries of the key go on. False if the claim had ended.
+        """
+        return cast("bool", self._call("bury", delivery, error=error))
+
+    def extend_lease(self, owner: str) -> int:
+        """Renew the lease of every lane `owner` holds on this instance; returns how many. An
+        expired lease nobody took over is renewed too; a lane taken over is not.
+        """
+        return cast("int", self._call("extend_lease", owner))
+
+    def relinquish(self, owner: str) -> int:
+        """Hand back every lane `owner` holds on this instance at once (graceful stop); returns
+        how many. Whatever they still list as running is charged an attempt by the next holder,
+        unless it was settled meanwhile.
+        """
+        return cast("int", self._call("relinquish", owner))
+
+    def requeue(self, event_id: str, handler: str) -> bool:
+        """Make a dead delivery pending again, due now, with its attempts reset. It then comes
+        before the later deliveries of its key that were not claimed yet, and does not start
+        while one of them runs. False if there is no such dead delivery.
+        """
+        return cast("bool", self._call("requeue", event_id, handler))
+
+    def list_deliveries(
+        self,
+        *,
+        status: str | None = None,
+        handler: str | None = None,
+        event_type: str | None = None,
+        limit: int = 100,
+    ) -> list[DeliveryInfo]:
+        """Deliveries, oldest first: ``pending`` (`running` tells which run now), ``parked``,
+        ``dead``, or ``completed`` (the completion history; empty without it); all of them
+        when `status` is None. `handler` and `event_type` narrow the list.
+        """
+        return cast(
+            "list[DeliveryInfo]",
+            self._call(
+                "list_deliveries",
+                status=status,
+                handler=handler,
+                event_type=event_type,
+                limit=limit,
+            ),
+        )
+
+    def statistics(self) -> OutboxStatistics:
+        """Counts per status, how many deliveries run now, the oldest due time of the
+        unfinished ones, and how many lanes are held; a fixed number of commands.
+        """
+        return cast("OutboxStatistics", self._call("statistics"))
+
+    def purge(
+        self, *, dead_before: datetime | None = None, completed_before: datetime | None = None
+    ) -> PurgeResult:
+        """Delete, in batches, dead deliveries last updated before `dead_before`, completion
+        records before `completed_before`, and then the events nothing references any more.
+
+        An event with a completion is kept as the deduplication record of its id until
+        `completed_before` passes its last completion (a publish of the id after that runs
+        its handlers again: keep completed retention longer than any redelivery window); an
+        event that never completed goes once it was created before the earliest cutoff given.
+        """
+        return cast(
+            "PurgeResult",
+            self._call("purge", dead_before=dead_before, completed_before=completed_before),
+        )
+
+
+class OutboxDispatcher(Facade):
+    """Runs `handlers` (handler name -> ``async def handler(event, context)``) for `outbox`.
+
+    A handler that returns completes its delivery; one that raises `PermanentError` buries it
+    as a dead letter; any other exception reschedules it after ``backoff(attempt)`` seconds
+    (`default_backoff` when None), until the attempt numbered `max_attempts` fails, which
+    buries it. Handlers must be idempotent: delivery is at least once.
+
+    Through `mongoq_sync`, handlers are plain functions run in worker threads; their context
+    gives `delivery` and `attempt` (completing inside a transaction needs the async API).
+    """
+
+    def __init__(
+        self,
+        outbox: Outbox,
+        handlers: Mapping[str, Callable[[Event, DeliveryContext], Any]],
+        *,
+        owner: str | None = None,
+        concurrency: int = 8,
+        max_attempts: int = 10,
+        backoff: Callable[[int], float] | None = None,
+        poll_interval: float = 1.0,
+    ) -> None:
+        self._build(
+            outbox._database,
+            _AsyncOutboxDispatcher,
+            outbox,
+            {key: in_worker_thread(value) for key, value in handlers.items()},
+            owner=owner,
+            concurrency=concurrency,
+            max_attempts=max_attempts,
+            backoff=backoff,
+            poll_interval=poll_interval,
+        )
+
+    @property
+    def owner(self) -> str:
+        return cast("str", self._get("owner"))
+
+    @property
+    def concurrency(self) -> int:
+        return cast("int", self._get("concurrency"))
+
+    @property
+    def max_attempts(self) -> int:
+        return cast("int", self._get("max_attempts"))
+
+    def stop(self) -> None:
+        """Graceful stop: claim nothing more, let running handlers finish, hand lanes back."""
+        self._call("stop")
+
+    def run_once(self) -> DispatchSummary:
+        """Claim one batch (up to `concurrency`), run it to the end, settle it; returns what
+        this call did. Lanes stay held for the next call (see `stop`/`run`).
+        """
+        return cast("DispatchSummary", self._call("run_once"))
+
+    def run(
+        self, *, stop_when_empty: bool = False, handle_signals: bool = False
+    ) -> DispatchSummary:
+        """Dispatch until `stop()` (or, with `stop_when_empty`, until nothing is claimable and
+        nothing runs). With `handle_signals`, SIGTERM/SIGINT stop gracefully and a second one
+        cancels. Cancelling the call releases the deliveries still running (no attempt
+        counted) and hands the lanes back. Returns the totals of this dispatcher.
+        """
+        return cast(
+            "DispatchSummary",
+            self._call("run", stop_when_empty=stop_when_empty, handle_signals=handle_signals),
+        )
+
+
 Facade.registry[_AsyncTaskQueue] = TaskQueue
 Facade.registry[_AsyncTaskLease] = TaskLease
 Facade.registry[_AsyncGroupTransport] = GroupTransport
+Facade.registry[_AsyncOutbox] = Outbox
+Facade.registry[_AsyncOutboxDispatcher] = OutboxDispatcher

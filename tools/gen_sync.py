@@ -57,6 +57,9 @@ class Spec:
     adopted: bool = False
     #: parameters of the constructor that take a database
     database_params: tuple[str, ...] = field(default=("db",))
+    #: where the constructor finds the facade database (another facade's, for a class built on
+    #: top of one)
+    database_from: str = "db"
 
 
 CLASSES = (
@@ -73,6 +76,20 @@ CLASSES = (
         "GroupTransport",
         (("prefix", "str"), ("visibility", "float"), ("max_deliveries", "int | None")),
     ),
+    Spec(
+        "mongoq.outbox.store",
+        "AsyncOutbox",
+        "Outbox",
+        (("prefix", "str"), ("lease", "float"), ("instance", "str")),
+    ),
+    Spec(
+        "mongoq.outbox.dispatcher",
+        "OutboxDispatcher",
+        "OutboxDispatcher",
+        (("owner", "str"), ("concurrency", "int"), ("max_attempts", "int")),
+        database_params=(),
+        database_from="outbox._database",
+    ),
 )
 
 HEADER = '''\
@@ -82,15 +99,18 @@ HEADER = '''\
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
 from mongoq._portal import Database, Facade, in_worker_thread
 '''
 
 _HANDLER = re.compile(r"^Callable\[(\[.*\]), Awaitable\[(.*)\]\]( \| None)?$")
+_HANDLER_MAP = re.compile(r"^Mapping\[str, Callable\[(\[.*\]), Awaitable\[(.*)\]\]\]$")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_KNOWN = {"Any", "Callable", "Iterable", "None", "Database", "cast"} | set(dir(__builtins__))
+_KNOWN = {"Any", "Callable", "Iterable", "Mapping", "None", "Database", "cast"} | set(
+    dir(__builtins__)
+)
 
 
 def _annotation(text: object, renames: dict[str, str]) -> str:
@@ -130,7 +150,11 @@ def _parameters(
         if constructor and name in spec.database_params:
             annotation = "Database"
         handler = _HANDLER.match(annotation)
-        if handler:
+        handlers = _HANDLER_MAP.match(annotation)
+        if handlers:
+            annotation = f"Mapping[str, Callable[{handlers.group(1)}, {handlers.group(2)}]]"
+            value = f"{{key: in_worker_thread(value) for key, value in {name}.items()}}"
+        elif handler:
             optional = handler.group(3) is not None
             annotation = f"Callable[{handler.group(1)}, {handler.group(2)}]" + (
                 " | None" if optional else ""
@@ -227,7 +251,7 @@ def generate() -> tuple[str, str]:
                 cls.__init__, renames, spec, constructor=True, where=f"{spec.async_name}()"
             )
             lines.append(f"    def __init__({signature}) -> None:")
-            lines.append(f"        self._build(db, {alias}, {passed})")
+            lines.append(f"        self._build({spec.database_from}, {alias}, {passed})")
             lines.append("")
             used |= set(_IDENTIFIER.findall(signature))
         attributes = [*spec.attributes, *((name, "") for name in _properties(cls))]

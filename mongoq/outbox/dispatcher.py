@@ -66,20 +66,23 @@ class OutboxDispatcher:
     """Runs `handlers` (handler name -> ``async def handler(event, context)``) for `outbox`.
 
     A handler that returns completes its delivery; one that raises `PermanentError` buries it
-    as a dead letter; any other exception reschedules it after ``backoff(attempt)`` seconds,
-    until the attempt numbered `max_attempts` fails, which buries it. Handlers must be
-    idempotent: delivery is at least once.
+    as a dead letter; any other exception reschedules it after ``backoff(attempt)`` seconds
+    (`default_backoff` when None), until the attempt numbered `max_attempts` fails, which
+    buries it. Handlers must be idempotent: delivery is at least once.
+
+    Through `mongoq_sync`, handlers are plain functions run in worker threads; their context
+    gives `delivery` and `attempt` (completing inside a transaction needs the async API).
     """
 
     def __init__(
         self,
         outbox: AsyncOutbox,
-        handlers: Mapping[str, Handler],
+        handlers: Mapping[str, Callable[[Event, DeliveryContext], Awaitable[Any]]],
         *,
         owner: str | None = None,
         concurrency: int = 8,
         max_attempts: int = 10,
-        backoff: Callable[[int], float] = default_backoff,
+        backoff: Callable[[int], float] | None = None,
         poll_interval: float = 1.0,
     ) -> None:
         if not isinstance(outbox, AsyncOutbox):
@@ -90,14 +93,14 @@ class OutboxDispatcher:
             _check_handler("handlers", name)
             if not callable(handler):
                 raise InvalidInput(f"handlers[{name!r}]", "must be callable")
-        if not callable(backoff):
-            raise InvalidInput("backoff", "must be callable")
+        if backoff is not None and not callable(backoff):
+            raise InvalidInput("backoff", "must be None (the default backoff) or callable")
         self.outbox = outbox
         self.handlers = dict(handlers)
         self.owner = _check_owner("owner", owner) if owner is not None else default_worker_id()
         self.concurrency = check_int("concurrency", concurrency, low=1, high=1000)
         self.max_attempts = check_int("max_attempts", max_attempts, low=1)
-        self.backoff = backoff
+        self.backoff = backoff if backoff is not None else default_backoff
         self.poll_interval = check_seconds("poll_interval", poll_interval, positive=True)
         self.summary = DispatchSummary()
         self._active = 0

@@ -44,6 +44,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
+from logging import Logger
 from typing import Any
 
 import bson
@@ -86,8 +87,10 @@ LANES_PER_QUERY = 128
 PARK_THRESHOLD = 32
 #: Lanes left with deliveries listed that one claim takes over (and charges) at most.
 STALE_LANES_PER_CLAIM = 32
+#: Parked keys one claim looks at for a delivery to move back (keep simultaneously backlogged
+#: keys in the hundreds).
+UNPARK_KEYS_PER_CLAIM = 500
 _DUPLICATE_KEY = 11000
-_MISSING: Any = object()
 _SUBSCRIBE_ALL = "*"
 
 
@@ -138,7 +141,7 @@ class AsyncOutbox:
         lease: float = 30,
         completion_history: bool = False,
         clock: Clock | None = None,
-        logger: logging.Logger | None = None,
+        logger: Logger | None = None,
         purge_batch_size: int = 500,
     ) -> None:
         _driver.backend_of(db)
@@ -227,25 +230,19 @@ class AsyncOutbox:
         names = self.subscriptions.get(event_type, ()) + self.subscriptions.get(_SUBSCRIBE_ALL, ())
         return tuple(dict.fromkeys(names))
 
-    async def publish(
-        self, events: Event | Iterable[Event], *, session: Any = _MISSING
-    ) -> PublishResult:
+    async def publish(self, events: Event | Iterable[Event], *, session: Any) -> PublishResult:
         """Append `events` and one delivery per subscribed handler.
 
-        `session` is the caller's session with a started transaction, so the events commit or
-        roll back with the business writes beside them; pass ``session=None`` explicitly for a
-        non-transactional publish (e.g. on the embedded backend). Idempotent by event id: an
-        event published again adds deliveries only for handlers it never had, so a handler
-        that already completed never runs twice. A keyed event takes the next sequence of its
-        key from a counter written in the same transaction, so sequence order is commit order
-        (without a transaction it is the order in which the counter was read).
+        `session` is required: the caller's session with a started transaction, so the events
+        commit or roll back with the business writes beside them, or ``session=None`` for a
+        non-transactional publish (the embedded backend; the blocking facade).
+
+        Idempotent by event id: an event published again adds deliveries only for handlers it
+        never had, so a handler that already completed never runs twice. A keyed event takes
+        the next sequence of its key from a counter written in the same transaction, so
+        sequence order is commit order (without a transaction, the order of the counter's
+        reads: two publishers racing on one key may then commit out of sequence order).
         """
-        if session is _MISSING:
-            raise InvalidInput(
-                "session",
-                "pass the session of a started transaction (or session=None to publish "
-                "without one)",
-            )
         transactional = session is not None
         if transactional and not _driver.in_transaction(session):
             raise InvalidInput("session", "has no transaction started; start one first")
@@ -458,7 +455,7 @@ class AsyncOutbox:
         # graceful stop) is taken over before anything is read from it: what was running there
         # is charged its lost attempt first, so the scan below sees current generations.
         stale = [lane for lane in free.values() if lane.in_flight or lane.lost]
-        for lane in stale[:STALE_LANES_PER_CLAIM]:
+        for lane in stale:  # those beyond this claim's share wait for a later claim
             del free[lane.id]
         if stale:
             held.update(await self._take_over(owner, stale[:STALE_LANES_PER_CLAIM], now))
@@ -469,15 +466,14 @@ class AsyncOutbox:
             await charge_lost(self.db, self.deliveries, self.lanes, unpaid, now)
             for lane, _ in unpaid:
                 lane.lost = []
+        await self._unpark(handlers)
         running = await self._running(held.values())
         running_keys = {(e.handler, e.key) for e in running if e.key is not None}
         excluded = {e.delivery for e in running}
-        for lane in free.values():  # stale lanes beyond this claim's share: not yet charged
-            excluded.update(e.delivery for e in lane.in_flight + lane.lost)
 
         picks: list[dict[str, Any]] = []
         waiting: dict[tuple[str, str], list[Any]] = defaultdict(list)
-        heads: dict[tuple[str, str], Any] = {}
+        heads: dict[tuple[str, str], dict[str, Any] | None] = {}
         taken_keys: set[tuple[str, str]] = set()
         after: tuple[datetime, Any] | None = None
         page = min(limit * 2 + PARK_THRESHOLD, MAX_BATCH)
@@ -496,7 +492,13 @@ class AsyncOutbox:
                     continue
                 if candidate.get("key") is not None:
                     hk = (candidate["handler"], candidate["key"])
-                    if hk in running_keys or hk in taken_keys or heads.get(hk) != candidate["_id"]:
+                    head = heads.get(hk)
+                    if (
+                        hk in running_keys
+                        or hk in taken_keys
+                        or head is None
+                        or head["_id"] != candidate["_id"]
+                    ):
                         waiting[hk].append(candidate["_id"])
                         continue
                     taken_keys.add(hk)
@@ -604,19 +606,22 @@ class AsyncOutbox:
         )
         return merged[:page]
 
-    async def _heads(self, keys: Iterable[tuple[str, str]]) -> dict[tuple[str, str], Any]:
-        """The lowest pending delivery of each handler and key (one indexed probe each)."""
+    async def _heads(
+        self, keys: Iterable[tuple[str, str]]
+    ) -> dict[tuple[str, str], dict[str, Any] | None]:
+        """The lowest pending delivery of each handler and key (one indexed probe each, in
+        parallel): ``{_id, due_at, lane}``, or None when the key has nothing pending."""
 
-        async def head(hk: tuple[str, str]) -> tuple[tuple[str, str], Any]:
+        async def head(hk: tuple[str, str]) -> tuple[tuple[str, str], dict[str, Any] | None]:
             found = await _driver.find_list(
                 self.deliveries,
                 {"handler": hk[0], "key": hk[1], "due_at": {"$exists": True}},
                 sort=[("sequence", 1)],
                 limit=1,
-                projection={"_id": 1},
+                projection={"_id": 1, "due_at": 1, "lane": 1},
                 hint=ORDERING_INDEX,
             )
-            return hk, found[0]["_id"] if found else None
+            return hk, found[0] if found else None
 
         return dict(await asyncio.gather(*(head(hk) for hk in keys)))
 
@@ -741,10 +746,58 @@ class AsyncOutbox:
         )
 
     async def _park(
-        self, waiting: Mapping[tuple[str, str], list[Any]], heads: Mapping[Any, Any], now: datetime
+        self,
+        waiting: Mapping[tuple[str, str], list[Any]],
+        heads: Mapping[tuple[str, str], dict[str, Any] | None],
+        now: datetime,
     ) -> None:
-        """Parking of blocked backlogs lands in a later step; see `PARK_THRESHOLD`."""
-        return None
+        """Move blocked backlogs out of the claim index, so that later claims do not scan them:
+        the waiting deliveries of a key when there are `PARK_THRESHOLD` or more, or when its
+        head is not due yet (they cannot run before it anyway). Best effort: a failure is
+        logged, never fails the claim, and leaves them ready (scanned, but correct)."""
+        parked: list[Any] = []
+        for hk, ids in waiting.items():
+            head = heads.get(hk)
+            not_due = head is not None and (stored_instant(head.get("due_at")) or now) > now
+            if len(ids) >= PARK_THRESHOLD or not_due:
+                parked += ids
+        if not parked:
+            return
+        try:
+            result = await self.deliveries.update_many(
+                {"_id": {"$in": parked}, "lane": READY, "due_at": {"$exists": True}},
+                {"$set": {"lane": PARKED}},
+            )
+        except _driver.DRIVER_ERRORS as exc:
+            self.log.warning("parking %d blocked deliveries failed (%s)", len(parked), exc)
+            return
+        self.log.debug("parked %d blocked deliveries", result.modified_count)
+
+    async def _unpark(self, handlers: list[str] | None) -> None:
+        """Level-triggered: each parked key whose lowest pending delivery is parked (nothing
+        unfinished before it) gets that delivery back in the claim index. It looks at the
+        current state only, so a crash while parking, or a head finishing while its followers
+        were being parked, delays a key until the next claim but never strands it."""
+        match: dict[str, Any] = {"lane": PARKED}
+        if handlers is not None:
+            match["handler"] = {"$in": handlers}
+        groups = await _driver.aggregate_list(
+            self.deliveries,
+            [
+                {"$match": match},
+                {"$group": {"_id": {"h": "$handler", "k": "$key"}}},
+                {"$limit": UNPARK_KEYS_PER_CLAIM},
+            ],
+            hint=PARKED_INDEX,
+        )
+        if not groups:
+            return
+        heads = await self._heads((g["_id"]["h"], g["_id"]["k"]) for g in groups)
+        ready = [h["_id"] for h in heads.values() if h is not None and h.get("lane") == PARKED]
+        if ready:
+            await self.deliveries.update_many(
+                {"_id": {"$in": ready}, "lane": PARKED}, {"$set": {"lane": READY}}
+            )
 
     # ------------------------------------------------------------------------------ settle
 
@@ -783,13 +836,10 @@ class AsyncOutbox:
             raise InvalidInput("session", "has no transaction started; start one first")
         now = await self._now()
         if session is not None:
-            if not await self._complete_in(session, [delivery], [fence], now):
-                raise LeaseLost(f"delivery {delivery.id} is no longer held by this claim")
+            await self._complete_in(session, [delivery], [fence], now)
             return True
         if self.completion_history and _driver.supports_transactions(self.db):
-            return await _driver.run_in_transaction(
-                self.db, lambda s: self._complete_in(s, [delivery], [fence], now)
-            )
+            return await self._complete_in_own_transaction([delivery], [fence], now)
         result = await self.deliveries.delete_one(fence)
         if result.deleted_count != 1:
             return False
@@ -798,15 +848,30 @@ class AsyncOutbox:
 
     async def _complete_in(
         self, session: Any, deliveries: list[Delivery], fences: list[dict[str, Any]], now: datetime
-    ) -> bool:
-        """All-or-nothing completion inside `session`'s transaction: False (nothing written) if
-        any of the claims has ended."""
-        for fence in fences:
-            result = await self.deliveries.delete_one(fence, session=session)
-            if result.deleted_count != 1:
-                # Leave the transaction for the caller (or `run_in_transaction`) to abort.
-                return False
+    ) -> None:
+        """All-or-nothing completion inside `session`'s transaction: `LeaseLost` if any of the
+        claims has ended, which must abort the transaction (the deletions made so far with it)."""
+        claimed = _driver.owned_by([(f["_id"], f["claims"]) for f in fences], "claims")
+        result = await self.deliveries.delete_many(
+            {**claimed, "due_at": {"$exists": True}}, session=session
+        )
+        if result.deleted_count != len(fences):
+            raise LeaseLost(
+                f"{len(fences) - result.deleted_count} of {len(fences)} deliveries are no longer "
+                "held by their claim"
+            )
         await self._after_completion(deliveries, now, session)
+
+    async def _complete_in_own_transaction(
+        self, deliveries: list[Delivery], fences: list[dict[str, Any]], now: datetime
+    ) -> bool:
+        async def work(session: Any) -> None:
+            await self._complete_in(session, deliveries, fences, now)
+
+        try:
+            await _driver.run_in_transaction(self.db, work)
+        except LeaseLost:
+            return False
         return True
 
     async def _after_completion(
@@ -840,13 +905,9 @@ class AsyncOutbox:
             return []
         now = await self._now()
         if self.completion_history and _driver.supports_transactions(self.db):
-
-            async def all_or_nothing(session: Any) -> bool:
-                return await self._complete_in(session, batch, fences, now)
-
-            if await _driver.run_in_transaction(self.db, all_or_nothing):
+            if await self._complete_in_own_transaction(batch, fences, now):
                 return [True] * len(batch)
-            # Some claim ended: complete the others one by one.
+            # Some claim ended (the transaction wrote nothing): complete the others one by one.
             return [await self.complete(d) for d in batch]
         claimed = _driver.owned_by([(f["_id"], f["claims"]) for f in fences], "claims")
         result = await self.deliveries.delete_many({**claimed, "due_at": {"$exists": True}})
