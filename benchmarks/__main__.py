@@ -16,7 +16,7 @@ import sys
 from collections.abc import Awaitable
 from typing import Any, cast
 
-from benchmarks import groups, peer, sync_facade, tasks
+from benchmarks import groups, outbox, peer, sync_facade, tasks
 from benchmarks.harness import Result
 from benchmarks.peer import Ratio, Skipped
 from benchmarks.sync_facade import Overhead
@@ -37,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
         help="group counts for the group claim-cost scenario",
     )  # fmt: skip
     parser.add_argument(
-        "--only", choices=["tasks", "groups", "sync", "peer"], help="run one family"
+        "--blocked", type=int, nargs="*", default=[1000],
+        help="backlog sizes behind a blocked key for the outbox claim-cost scenario",
+    )  # fmt: skip
+    parser.add_argument(
+        "--only", choices=["tasks", "groups", "outbox", "sync", "peer"], help="run one family"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of lines")
     args = parser.parse_args(argv)
@@ -47,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         runs += tasks.scenarios(args.tasks, args.backlogs)
     if args.only in (None, "groups"):
         runs += groups.scenarios(args.tasks, args.groups)
+    if args.only in (None, "outbox"):
+        runs += outbox.scenarios(args.tasks, args.blocked)
     if args.only in (None, "sync") and not args.uri:
         runs += sync_facade.scenarios()
     if args.only in (None, "peer"):

@@ -165,6 +165,14 @@ def update_by_id(
     """A bulk-write operation updating the one document `filter` selects by ``_id``."""
     if "_id" not in filter:
         raise ValueError("update_by_id needs an _id in the filter")
+    return update_single(db, filter, update, upsert=upsert)
+
+
+def update_single(
+    db: Any, filter: Mapping[str, Any], update: Any, *, upsert: bool = False
+) -> UpdateOne | UpdateMany:
+    """A bulk-write operation updating the one document `filter` selects (by ``_id`` or by the
+    fields of a unique index: it can match no more than one)."""
     if backend_of(db) is Backend.MEMORY:
         return UpdateMany(dict(filter), update, upsert=upsert)
     return UpdateOne(dict(filter), update, upsert=upsert)

@@ -121,7 +121,12 @@ def check_payload(field: str, value: Any, *, limit: int = MAX_PAYLOAD_BYTES) -> 
 
 def check_batch(field: str, items: Iterable[Any]) -> list[Any]:
     """A batch argument as a list, refused when larger than `MAX_BATCH`."""
-    batch = list(items)
+    if isinstance(items, str | bytes | Mapping):
+        raise InvalidInput(field, f"must be a list, got {_kind(items)}")
+    try:
+        batch = list(items)
+    except TypeError:
+        raise InvalidInput(field, f"must be an iterable, got {_kind(items)}") from None
     if len(batch) > MAX_BATCH:
         raise InvalidInput(field, f"at most {MAX_BATCH} per call, got {len(batch)}")
     return batch

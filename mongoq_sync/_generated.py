@@ -714,9 +714,10 @@ class Outbox(Facade):
         event_type: str | None = None,
         limit: int = 100,
     ) -> list[DeliveryInfo]:
-        """Deliveries, oldest first: ``pending`` (`running` tells which run now), ``parked``,
-        ``dead``, or ``completed`` (the completion history; empty without it); all of them
-        when `status` is None. `handler` and `event_type` narrow the list.
+        """Deliveries, oldest first (parked ones in key order): ``pending`` (`running` tells
+        which run now), ``parked``, ``dead``, or ``completed`` (the completion history; empty
+        without it); all of them when `status` is None. `handler` and `event_type` narrow the
+        list.
         """
         return cast(
             "list[DeliveryInfo]",

@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import bson
+
 from mongoq import _driver
-from mongoq.outbox import AsyncOutbox, Delivery, Event
+from mongoq.outbox import AsyncOutbox, Delivery, Event, lane_of
 from mongoq.testing import ManualClock
 
 PREFIX = "ob_"
@@ -73,3 +75,47 @@ async def delivery_of(
 def pairs(batch: Sequence[Delivery]) -> list[tuple[str, str]]:
     """(event id, handler) of each delivery, in the order given."""
     return [(d.event.id, d.handler) for d in batch]
+
+
+# ---------------------------------------------- lanes and claims (test_outbox_claims/_races)
+
+
+def keys_in_distinct_lanes(count: int, stem: str = "k") -> list[str]:
+    """`count` ordering keys (``<stem><n>``) that all live in different lanes."""
+    keys: list[str] = []
+    used: set[int] = set()
+    for n in range(100_000):
+        key = f"{stem}{n}"
+        if lane_of(key) not in used:
+            used.add(lane_of(key))
+            keys.append(key)
+            if len(keys) == count:
+                return keys
+    raise AssertionError("not enough lanes")
+
+
+def key_in_lane(lane: int, stem: str = "n") -> str:
+    """The first key ``<stem><n>`` that lives in `lane`."""
+    for n in range(100_000):
+        if lane_of(f"{stem}{n}") == lane:
+            return f"{stem}{n}"
+    raise AssertionError(f"no key found for lane {lane}")
+
+
+async def stored(db: Any, name: str = "deliveries", prefix: str = PREFIX) -> dict[Any, bytes]:
+    """The BSON bytes of every document of a collection, by _id: equal bytes, same document."""
+    docs = await db[f"{prefix}{name}"].find({}).to_list(None)
+    return {doc["_id"]: bson.encode(doc) for doc in docs}
+
+
+async def drain(outbox: AsyncOutbox, owner: str = "drainer") -> list[Delivery]:
+    """Claim and complete until nothing is claimable; returns what ran, in order."""
+    ran: list[Delivery] = []
+    for _ in range(1000):
+        batch = await outbox.claim(owner, limit=100)
+        if not batch:
+            return ran
+        for delivery in batch:
+            assert await outbox.complete(delivery), f"{delivery} could not be completed"
+        ran += batch
+    raise AssertionError("drain did not end")

@@ -9,10 +9,20 @@ by `served_by`, a deliberately small matcher:
   ``$in``), its range fields (``$lt``, ``$lte``, ``$gt``, ``$gte``) and its sort. Other
   operators (``$ne``, ``$exists``, ``$expr``...) are residual: tested on the documents an index
   yields, never what picks the index.
-- An index serves a shape when its leading keys are equality fields and cover all of them, and
-  then either the sort follows in the index's key order (all in its direction or all reversed;
-  sort fields an equality pins drop out), or, with no sort, at most one range field follows; and
-  the index narrows or orders the scan at all (an empty shape is a collection scan).
+- An index serves a shape when its leading keys are equality fields, and then either the sort
+  follows in the index's key order (all in its direction or all reversed; sort fields an
+  equality pins drop out), or, with no sort, at most one range field follows; and the index
+  narrows or orders the scan at all (an empty shape is a collection scan). Every equality field
+  must be one of those leading keys, or a key after the ones the walk is bounded or ordered on
+  (``handler`` last in the outbox's claim index, after the sort): that one is tested on the
+  index entries, no document fetched for it, but it bounds nothing, so it never picks the index.
+- A partial index (`Partial`) holds only the documents its ``partialFilterExpression`` matches,
+  so it serves a query only if the query implies that filter: each of its conditions is an
+  equality the query makes to the same value, or ``$exists: true`` and the query has
+  ``$exists: true`` or an equality to a value other than ``None`` on that field (anything else in
+  a partial filter is not modelled: never implied). An equality the filter pins needs no key: the
+  index holds no other value. An index picked by such a pin alone (no key used, no sort) is one a
+  server plans only when hinted (its planner looks only at indexes whose keys the query uses).
 - ``_id`` is always indexed and unique: an ``_id`` equality or ``$in`` is served by ``_id``
   whatever else the filter says.
 - ``$or``: served if the conjunction outside it is (the ``$or`` then filters that index range,
@@ -66,18 +76,41 @@ RANGE_OPERATORS = frozenset({"$lt", "$lte", "$gt", "$gte"})
 
 @dataclass(frozen=True)
 class Shape:
-    """What an index can use in a query: equality fields, range fields and the sort."""
+    """What an index can use in a query: equality fields, range fields and the sort; and every
+    condition of the conjunction by field, against which a partial filter is checked."""
 
     equality: frozenset[str] = frozenset()
     ranges: frozenset[str] = frozenset()
     sort: tuple[tuple[str, int], ...] = ()
+    conditions: tuple[tuple[str, Any], ...] = ()
 
     def merged(self, other: Shape) -> Shape:
-        return Shape(self.equality | other.equality, self.ranges | other.ranges, self.sort)
+        return Shape(
+            self.equality | other.equality,
+            self.ranges | other.ranges,
+            self.sort,
+            self.conditions + other.conditions,
+        )
+
+
+@dataclass(frozen=True)
+class Partial:
+    """A partial index: its keys and its ``partialFilterExpression``."""
+
+    keys: Keys
+    filter: Mapping[str, Any]
+
+
+#: A declared index: its keys, or a `Partial` one.
+Index = Keys | Partial
+
+
+def _is_operators(value: Any) -> bool:
+    return isinstance(value, Mapping) and bool(value) and all(str(k).startswith("$") for k in value)
 
 
 def _kind(value: Any) -> str:
-    if isinstance(value, Mapping) and value and all(str(key).startswith("$") for key in value):
+    if _is_operators(value):
         if set(value) & EQUALITY_OPERATORS:
             return "equality"
         if set(value) & RANGE_OPERATORS:
@@ -92,6 +125,7 @@ def shape_of(
     """The shape of a filter's conjunction (``$and`` flattened) and its ``$or`` clauses."""
     equality: set[str] = set()
     ranges: set[str] = set()
+    conditions: list[tuple[str, Any]] = []
     clauses: list[list[Mapping[str, Any]]] = []
 
     def walk(part: Mapping[str, Any]) -> None:
@@ -103,39 +137,103 @@ def shape_of(
                 clauses.append(list(value))
             elif key.startswith("$"):
                 continue  # $expr, $nor, $comment: residual
-            elif (kind := _kind(value)) == "equality":
-                equality.add(key)
-            elif kind == "range":
-                ranges.add(key)
+            else:
+                conditions.append((key, value))
+                if (kind := _kind(value)) == "equality":
+                    equality.add(key)
+                elif kind == "range":
+                    ranges.add(key)
 
     walk(filter)
-    return Shape(frozenset(equality), frozenset(ranges - equality), tuple(sort)), clauses
+    shape = Shape(frozenset(equality), frozenset(ranges - equality), tuple(sort), tuple(conditions))
+    return shape, clauses
 
 
-def index_serves(keys: Keys, shape: Shape) -> bool:
-    """Equality fields first, then the sort or one range field, in the index's key order."""
+def _single_value(condition: Any) -> tuple[bool, Any]:
+    """(True, value) when `condition` is an equality to exactly one value (a literal or $eq)."""
+    if not _is_operators(condition):
+        return True, condition
+    if set(condition) == {"$eq"}:
+        return True, condition["$eq"]
+    return False, None
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b
+
+
+def _implies_exists(condition: Any) -> bool:
+    """Whether a query condition implies ``$exists: true``: it says so, or it is an equality
+    to a value other than None (a missing field matches only null)."""
+    if _is_operators(condition) and condition.get("$exists") is True:
+        return True
+    single, value = _single_value(condition)
+    return single and value is not None
+
+
+def pinned_by(partial: Mapping[str, Any], shape: Shape) -> frozenset[str] | None:
+    """If the query implies the partial filter, the fields the filter pins to the one value the
+    query's equality gives them (the index holds no other value of them); else None."""
+    pinned: set[str] = set()
+    parts = list(partial.items())
+    while parts:
+        field_name, wanted = parts.pop()
+        if field_name == "$and":
+            parts += [item for sub in wanted for item in sub.items()]
+            continue
+        if field_name.startswith("$"):
+            return None  # $or, $expr... in a partial filter: not modelled, never implied
+        have = [condition for name, condition in shape.conditions if name == field_name]
+        if _is_operators(wanted) and wanted == {"$exists": True}:
+            if not any(_implies_exists(condition) for condition in have):
+                return None
+            continue
+        single, value = _single_value(wanted)
+        if not single or not any(
+            _single_value(condition)[0] and _same(_single_value(condition)[1], value)
+            for condition in have
+        ):
+            return None  # ranges and other operators in a partial filter: not modelled
+        pinned.add(field_name)
+    return frozenset(pinned)
+
+
+def index_serves(
+    keys: Keys, shape: Shape, partial: Mapping[str, Any] | None = None, *, hinted: bool = False
+) -> bool:
+    """Equality fields first, then the sort or one range field, in the index's key order; any
+    other equality field pinned by the partial filter, or a key after those."""
+    pinned: frozenset[str] = frozenset()
+    if partial is not None:
+        implied = pinned_by(partial, shape)
+        if implied is None:
+            return False  # the index may lack documents the query matches: never used
+        pinned = implied
     if keys[0][0] == "_id" and "_id" in shape.equality:
         return True  # unique: at most one document per value
     fields = [name for name, _ in keys]
     used = 0
     while used < len(keys) and fields[used] in shape.equality:
         used += 1
-    if not shape.equality <= set(fields[:used]):
-        return False  # an equality field the index cannot bound: more documents examined
+    walked = used  # the keys the walk is bounded or ordered on
     sort = [(name, direction) for name, direction in shape.sort if name not in shape.equality]
     if sort:
         following = keys[used : used + len(sort)]
         if [name for name, _ in following] != [name for name, _ in sort]:
             return False  # an in-memory sort of everything the filter matches
         # One walk direction for the whole sort: forwards, or every key backwards.
-        return len({d * k for (_, d), (_, k) in zip(sort, following, strict=True)}) == 1
-    if used < len(keys) and fields[used] in shape.ranges:
-        used += 1
-    return used > 0
+        if len({d * k for (_, d), (_, k) in zip(sort, following, strict=True)}) != 1:
+            return False
+        walked += len(sort)
+    elif used < len(keys) and fields[used] in shape.ranges:
+        walked += 1
+    if not shape.equality - pinned - set(fields[:used]) <= set(fields[walked:]):
+        return False  # an equality field the index cannot test: more documents examined
+    return bool(sort) or walked > 0 or (hinted and bool(pinned))
 
 
 def served_by(
-    indexes: Mapping[str, Keys],
+    indexes: Mapping[str, Index],
     filter: Mapping[str, Any],
     sort: Sequence[tuple[str, int]] = (),
     hint: Any = None,
@@ -144,25 +242,38 @@ def served_by(
     candidates = dict(indexes)
     if hint is not None:
         name = hint if isinstance(hint, str) else _index_named(indexes, _keys(hint))
-        if name not in indexes:
+        if name is None or name not in indexes:
             return None  # a hint must name a declared index (a server refuses the query)
         candidates = {name: indexes[name]}
+    hinted = hint is not None
+
+    def serving(shape: Shape) -> str | None:
+        for name, index in candidates.items():
+            keys, partial = _parts(index)
+            if index_serves(keys, shape, partial, hinted=hinted):
+                return name
+        return None
+
     shape, clauses = shape_of(filter, sort)
-    for name, keys in candidates.items():
-        if index_serves(keys, shape):
-            return name
+    if (name := serving(shape)) is not None:
+        return name
     if not clauses:
         return None
     plan = []
     for clause in clauses:
         for branch in clause:
             branch_shape, nested = shape_of(branch)
-            merged = shape.merged(branch_shape)
-            chosen = next((n for n, k in candidates.items() if index_serves(k, merged)), None)
+            chosen = serving(shape.merged(branch_shape))
             if chosen is None or nested:
                 return None  # one unindexed branch scans the collection
             plan.append(chosen)
     return "$or: " + ", ".join(sorted(set(plan)))
+
+
+def _parts(index: Index) -> tuple[Keys, Mapping[str, Any] | None]:
+    if isinstance(index, Partial):
+        return index.keys, index.filter
+    return index, None
 
 
 def _keys(spec: Any) -> Keys:
@@ -171,8 +282,8 @@ def _keys(spec: Any) -> Keys:
     return [(str(name), int(direction)) for name, direction in spec]
 
 
-def _index_named(indexes: Mapping[str, Keys], keys: Keys) -> str | None:
-    return next((name for name, declared in indexes.items() if declared == keys), None)
+def _index_named(indexes: Mapping[str, Index], keys: Keys) -> str | None:
+    return next((name for name, declared in indexes.items() if _parts(declared)[0] == keys), None)
 
 
 # ------------------------------------------------------------------ from commands to queries
@@ -319,18 +430,18 @@ def queries_of(op: Operation, recorder: ChainRecorder | None = None) -> Iterator
     yield Query(op.collection, op.name, filter, sort, hint)
 
 
-async def declared_indexes(db: Any, collections: Sequence[str]) -> dict[str, dict[str, Keys]]:
-    """Each collection's indexes by name (``_id`` only where none was declared). Partial
-    indexes (the tasks' TTL index on tombstones) serve only queries that imply their filter:
-    no query relies on them, so they are left out."""
-    declared: dict[str, dict[str, Keys]] = {}
+async def declared_indexes(db: Any, collections: Sequence[str]) -> dict[str, dict[str, Index]]:
+    """Each collection's indexes by name (``_id`` only where none was declared); a partial index
+    as a `Partial`, which serves only the queries that imply its filter."""
+    declared: dict[str, dict[str, Index]] = {}
     for name in collections:
         info = await db[name].index_information()
-        declared[name] = {"_id_": [("_id", 1)]} | {
-            index: _keys(spec["key"])
-            for index, spec in info.items()
-            if "partialFilterExpression" not in spec
-        }
+        indexes: dict[str, Index] = {"_id_": [("_id", 1)]}
+        for index, spec in info.items():
+            keys = _keys(spec["key"])
+            partial = spec.get("partialFilterExpression")
+            indexes[index] = keys if partial is None else Partial(keys, partial)
+        declared[name] = indexes
     return declared
 
 
@@ -343,9 +454,13 @@ class Audit:
 
 def audit(
     operations: Sequence[Operation],
-    indexes: Mapping[str, Mapping[str, Keys]],
+    indexes: Mapping[str, Mapping[str, Index]],
     recorder: ChainRecorder | None = None,
+    unindexed: Mapping[tuple[str, str, tuple[str, ...]], str] | None = None,
 ) -> Audit:
+    """Check every query of `operations`; a shape no index serves is allowed only if listed in
+    `unindexed` (by default `UNINDEXED`)."""
+    allowed = UNINDEXED if unindexed is None else unindexed
     result = Audit()
     for op in operations:
         if op.name in NO_QUERY:
@@ -356,7 +471,7 @@ def audit(
             key = (query.collection, query.command, query.fields)
             if plan is not None:
                 result.checked.append((query, plan))
-            elif key in UNINDEXED:
+            elif key in allowed:
                 result.allowed.add(key)
             else:
                 result.unserved.append(query)
@@ -608,6 +723,9 @@ INDEXES: dict[str, Keys] = {
         ({"lease_until": {"$lte": 1}}, [("priority", 1), ("lease_until", -1)], None, "claim"),
         ({"$or": [{"_id": 1, "token": "a"}, {"_id": 2, "token": "b"}]}, (), None, "$or: _id_"),
         ({"$and": [{"status": "done"}, {"payload": {"$ne": None}}]}, (), None, "status_lease"),
+        # An equality on a key after the range (or the sort) is tested in the index scan.
+        ({"priority": {"$gte": 1}, "lease_until": 2}, (), None, "claim"),
+        ({"lease_until": 2}, [("priority", -1)], None, "claim"),
     ],
 )
 def test_the_matcher_accepts_what_an_index_serves(
@@ -632,12 +750,111 @@ def test_the_matcher_accepts_what_an_index_serves(
         pytest.param({"status": "done"}, (), "claim", id="hinted index does not serve it"),
         pytest.param({"$or": [{"_id": 1}, {"worker_id": "w"}]}, (), None, id="unindexed branch"),
         pytest.param({"status": {"$ne": "done"}}, (), None, id="$ne picks no index"),
+        pytest.param({"lease_until": 5}, (), None, id="equality on a later key alone"),
+        pytest.param({"lease_until": 5}, (), "status_lease", id="hinted, a later key alone"),
     ],
 )
 def test_the_matcher_rejects_what_no_index_serves(
     filter: dict[str, Any], sort: Any, hint: Any
 ) -> None:
     assert served_by(INDEXES, filter, sort, hint) is None
+
+
+#: The outbox's deliveries indexes (`mongoq.outbox.store`), partial ones included.
+PARTIAL_INDEXES: dict[str, Index] = {
+    "_id_": [("_id", 1)],
+    "claim": Partial(
+        [("lane_id", 1), ("due_at", 1), ("_id", 1), ("handler", 1)], {"lane": "ready"}
+    ),
+    "ordering": Partial(
+        [("handler", 1), ("key", 1), ("sequence", 1)],
+        {"due_at": {"$exists": True}, "key": {"$exists": True}},
+    ),
+    "parked": Partial([("handler", 1), ("key", 1), ("sequence", 1)], {"lane": "parked"}),
+    "due": Partial([("due_at", 1)], {"due_at": {"$exists": True}}),
+    "status_created": [("status", 1), ("created_at", 1)],
+}
+CLAIM_SCAN = {"lane_id": {"$in": [1, 2]}, "lane": "ready", "due_at": {"$lte": 9}}
+BY_DUE = [("due_at", 1), ("_id", 1)]
+AFTER = {"$or": [{"due_at": {"$gt": 1}}, {"due_at": 1, "_id": {"$gt": 0}}]}
+HEAD = {"handler": "h", "key": "k", "due_at": {"$exists": True}}
+
+
+@pytest.mark.parametrize(
+    ("filter", "sort", "hint", "expected"),
+    [
+        pytest.param(CLAIM_SCAN, BY_DUE, "claim", "claim", id="claim scan"),
+        pytest.param(CLAIM_SCAN, BY_DUE, None, "claim", id="claim scan unhinted"),
+        pytest.param(
+            {**CLAIM_SCAN, "handler": {"$in": ["a", "b"]}}, BY_DUE, "claim", "claim",
+            id="claim scan, handler filtered on the last key",
+        ),
+        pytest.param({**CLAIM_SCAN, **AFTER}, BY_DUE, "claim", "claim", id="claim scan, next page"),
+        pytest.param(
+            {"lane_id": 3, "lane": "ready", "due_at": {"$lte": 9}, "handler": "h"}, (), None,
+            "claim", id="handler after the range key",
+        ),
+        pytest.param({"lane": "ready", "lane_id": 3}, (), None, "claim", id="pinned and a key"),
+        pytest.param(HEAD, [("sequence", 1)], "ordering", "ordering", id="head of a key"),
+        pytest.param({"lane": "parked"}, (), "parked", "parked", id="hinted: the pin narrows"),
+        pytest.param(
+            {"lane": "parked", "handler": {"$in": ["h"]}}, (), "parked", "parked",
+            id="parked, by handler",
+        ),
+        pytest.param(
+            {"due_at": {"$exists": True}}, [("due_at", 1)], "due", "due", id="oldest due"
+        ),
+        pytest.param(
+            {"due_at": {"$exists": True, "$lte": 5}}, (), None, "due", id="$exists with a range"
+        ),
+        pytest.param(
+            {"$and": [{"lane": "ready"}, {"lane_id": 3}]}, (), None, "claim", id="$and"
+        ),
+        pytest.param(
+            {"lane": "ready", "$or": [{"lane_id": 1}, {"lane_id": 2}]}, (), None, "$or: claim",
+            id="$or branches with the pin outside",
+        ),
+    ],
+)  # fmt: skip
+def test_the_matcher_accepts_what_a_partial_index_serves(
+    filter: dict[str, Any], sort: Any, hint: Any, expected: str
+) -> None:
+    assert served_by(PARTIAL_INDEXES, filter, sort, hint) == expected
+
+
+@pytest.mark.parametrize(
+    ("filter", "sort", "hint"),
+    [
+        pytest.param(
+            {"lane_id": {"$in": [1]}, "due_at": {"$lte": 9}}, BY_DUE, "claim",
+            id="claim scan without the partial's lane",
+        ),
+        pytest.param({**CLAIM_SCAN, "lane": "parked"}, BY_DUE, "claim", id="another value"),
+        pytest.param({**CLAIM_SCAN, "lane": {"$ne": "parked"}}, BY_DUE, "claim", id="$ne"),
+        pytest.param({**CLAIM_SCAN, "lane": {"$in": ["ready", "parked"]}}, BY_DUE, None, id="$in"),
+        pytest.param(
+            {"lane_id": 1, "lane": "ready"}, (), "parked", id="hinted index it does not imply"
+        ),
+        pytest.param(
+            {"handler": "h", "key": "k"}, [("sequence", 1)], "ordering", id="no $exists: true"
+        ),
+        pytest.param(
+            {**HEAD, "key": None}, [("sequence", 1)], "ordering", id="null does not exist"
+        ),
+        pytest.param(
+            {**HEAD, "key": {"$exists": False}}, [("sequence", 1)], None, id="$exists: false"
+        ),
+        pytest.param({"lane": "parked"}, (), None, id="the pin alone, unhinted: never planned"),
+        pytest.param({"lane": "ready", "handler": "h"}, (), None, id="a later key alone"),
+        pytest.param({"lane": "ready", "event_id": "e"}, (), "claim", id="a field not a key"),
+        pytest.param({"lane": "ready"}, [("_id", 1)], "claim", id="sort past a key"),
+        pytest.param({}, [("due_at", 1)], "due", id="sort alone does not imply the filter"),
+    ],
+)  # fmt: skip
+def test_the_matcher_rejects_what_a_partial_index_does_not_serve(
+    filter: dict[str, Any], sort: Any, hint: Any
+) -> None:
+    assert served_by(PARTIAL_INDEXES, filter, sort, hint) is None
 
 
 async def test_the_audit_reports_a_query_on_an_unindexed_field() -> None:

@@ -279,6 +279,8 @@ class TxCollection:
             if write:  # reads run without it (see the module doc)
                 session._hold((self.database.name, self.name))
                 kwargs["session"] = session._inner
+        if not write:
+            kwargs.pop("hint", None)  # mongomock-ng ignores hints, with a warning each time
         return getattr(self._inner, method)(*args, **kwargs)
 
     find_one = _method("find_one", write=False)
@@ -305,6 +307,7 @@ class TxCollection:
         return TxCursor(self._call("find", args, kwargs, write=False))
 
     async def aggregate(self, pipeline: Sequence[Mapping[str, Any]], **kwargs: Any) -> TxCursor:
+        kwargs.pop("hint", None)  # mongomock-ng ignores it anyway, with a warning each time
         return TxCursor(self._call("aggregate", (list(pipeline),), kwargs, write=False))
 
     async def list_indexes(self, **kwargs: Any) -> TxCursor:

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 
 from mongoq import _driver
 from mongoq._validation import check_int, check_seconds
@@ -104,6 +105,7 @@ class OutboxDispatcher:
         self.poll_interval = check_seconds("poll_interval", poll_interval, positive=True)
         self.summary = DispatchSummary()
         self._active = 0
+        self._ended = 0  # handlers that ended, ever
         self._stopping = False
         self._nap: anyio.CancelScope | None = None
         self._finished: list[Delivery] = []
@@ -147,7 +149,6 @@ class OutboxDispatcher:
         counted) and hands the lanes back. Returns the totals of this dispatcher."""
         if handle_signals and threading.current_thread() is not threading.main_thread():
             raise MongoqError("handle_signals needs the main thread's event loop")
-        self._stopping = False
         try:
             async with anyio.create_task_group() as group:
                 if handle_signals:
@@ -163,16 +164,21 @@ class OutboxDispatcher:
                     await self.outbox.relinquish(self.owner)
                 except _driver.DRIVER_ERRORS as exc:
                     log.warning("handing lanes back failed (%s); their leases will expire", exc)
+            self._stopping = False  # a later run() starts afresh; a stop() before it holds
         return self.summary
 
     async def _claim_loop(self, handlers: anyio.abc.TaskGroup, stop_when_empty: bool) -> None:
         while not self._stopping:
+            await anyio.lowlevel.checkpoint_if_cancelled()  # the claim's shield would hide it
             free = self.concurrency - self._active
+            ended = self._ended
             batch = await self._claim(free) if free > 0 else []
             for delivery in batch:
                 self._active += 1
                 handlers.start_soon(self._run_one, delivery)
-            if batch:
+            if batch or self._ended != ended:
+                # Claimed, or a handler ended while the claim ran (its wake-up found no nap,
+                # and the claim may have read the state from before it): claim again.
                 continue
             if stop_when_empty and self._active == 0 and free > 0:
                 return
@@ -229,6 +235,7 @@ class OutboxDispatcher:
             await self._dispatch(delivery)
         finally:
             self._active -= 1
+            self._ended += 1
             self._wake()
 
     async def _dispatch(self, delivery: Delivery) -> None:
@@ -248,7 +255,11 @@ class OutboxDispatcher:
                 await self._settle(delivery, "released", self.outbox.release(delivery))
             raise
         except LeaseLost:
+            # Raised by `context.complete` when the claim ended (then the release below changes
+            # nothing), or by something else in the handler: either way the delivery is handed
+            # back rather than left listed as running.
             self.summary.lost += 1
+            await self._settle(delivery, "released", self.outbox.release(delivery), quiet=True)
         except PermanentError as exc:
             await self._settle(delivery, "buried", self.outbox.bury(delivery, error=exc))
         except Exception as exc:
@@ -264,24 +275,37 @@ class OutboxDispatcher:
                 await self._settle(delivery, "retried", call)
         else:
             if context.completed_in_transaction:
-                # Normally gone with the handler's commit already (False here). If the handler
-                # returned although its transaction did not commit, this completes it now,
-                # rather than leave it listed as running.
-                await self._settle(delivery, "completed", self.outbox.complete(delivery), True)
+                # Normally gone with the handler's commit already: the retry below then changes
+                # nothing (fenced) and it counts as completed. If the handler returned although
+                # its transaction did not commit, the delivery runs again, with its writes.
+                retry = self.outbox.reschedule(
+                    delivery,
+                    delay=float(self.backoff(delivery.attempt)),
+                    error="the handler returned, but its transaction did not commit the completion",
+                )
+                try:
+                    retried = await retry
+                except _driver.DRIVER_ERRORS as exc:
+                    log.warning("settling delivery %s failed (%s)", delivery.id, exc)
+                    return
+                field = "retried" if retried else "completed"
+                setattr(self.summary, field, getattr(self.summary, field) + 1)
                 return
             self._finished.append(delivery)
             await self._flush()
 
     async def _settle(
-        self, delivery: Delivery, outcome: str, call: Awaitable[bool], either: bool = False
+        self, delivery: Delivery, outcome: str, call: Awaitable[bool], quiet: bool = False
     ) -> None:
         try:
             done = await call
         except _driver.DRIVER_ERRORS as exc:
-            log.warning("settling delivery %s failed (%s); its lane lease recovers it",
-                        delivery.id, exc)  # fmt: skip
+            # Its next claim frees it (see AsyncOutbox._reconcile): it runs again.
+            log.warning("settling delivery %s failed (%s); it will run again", delivery.id, exc)
             return
-        field = outcome if done or either else "lost"
+        if quiet:
+            return
+        field = outcome if done else "lost"
         setattr(self.summary, field, getattr(self.summary, field) + 1)
 
     async def _flush(self) -> None:
@@ -295,8 +319,9 @@ class OutboxDispatcher:
                 try:
                     done = await self.outbox.complete_many(batch)
                 except _driver.DRIVER_ERRORS as exc:
-                    log.warning("completing %d deliveries failed (%s); they will run again",
-                                len(batch), exc)  # fmt: skip
+                    # Applied or not: what was not deleted is freed by the next claim.
+                    log.warning("completing %d deliveries failed (%s); the ones not completed "
+                                "will run again", len(batch), exc)  # fmt: skip
                     return
             self.summary.completed += sum(done)
             self.summary.lost += len(done) - sum(done)

@@ -2,7 +2,7 @@
 
 Collection ``<prefix>lanes`` holds 256 small documents, one per lane (``_id`` 0-255)::
 
-    {_id, owner, instance, lease_until, epoch, in_flight: [entry], lost: [entry]}
+    {_id, owner, instance, lease_until, epoch, rev, in_flight: [entry], lost: [entry]}
 
 with ``entry = {"d": delivery _id, "g": claim generation, "h": handler, "k": key}`` (``k`` left
 out for unkeyed deliveries). A worker (``owner``, on one `AsyncOutbox` instance: ``instance``)
@@ -12,7 +12,12 @@ the lane is held and the delivery still exists with that generation: a completio
 delivery, and a retry, release, burial or lost-lease charge moves its generation on, so none of
 them has to write the lane. Taking a lane over increments ``epoch`` and moves the previous
 owner's ``in_flight`` to ``lost``; `charge_lost` then charges each lost delivery one attempt,
-fenced on the generation it was listed with, so charging twice charges once.
+fenced on the generation it was listed with, so charging twice charges once. ``rev`` moves on
+with every write to the lane: a takeover pins the ``rev`` it read, so it applies only to the
+state it judged free.
+
+One more document, ``{_id: "requeues", value}``, counts `AsyncOutbox.requeue` calls: a claim
+that saw it move while it ran checks its keyed picks again.
 
 Every write here is a conditional update of one lane by ``_id`` (no secondary index: the
 collection is read whole, 256 documents, once per claim).
@@ -66,6 +71,7 @@ class Lane:
     instance: str | None
     lease_until: datetime
     epoch: int
+    rev: int = 0
     in_flight: list[Entry] = field(default_factory=list)
     lost: list[Entry] = field(default_factory=list)
 
@@ -77,12 +83,15 @@ class Lane:
             instance=doc.get("instance"),
             lease_until=stored_instant(doc.get("lease_until")) or NEVER,
             epoch=int(doc.get("epoch", 0)),
+            rev=int(doc.get("rev", 0)),
             in_flight=[Entry.from_document(e) for e in doc.get("in_flight") or ()],
             lost=[Entry.from_document(e) for e in doc.get("lost") or ()],
         )
 
-    def held_by(self, owner: str, instance: str, now: datetime) -> bool:
-        return self.owner == owner and self.instance == instance and self.lease_until > now
+    def held_by(self, owner: str, instance: str) -> bool:
+        """Held by this owner on this instance; an expired lease nobody took over is still
+        honoured (its next write renews it)."""
+        return self.owner == owner and self.instance == instance
 
     def is_free(self, now: datetime) -> bool:
         return self.owner is None or self.lease_until <= now
@@ -91,14 +100,10 @@ class Lane:
         """The filter of a write by this lane's holder: it still holds the lane it read."""
         return {"_id": self.id, "epoch": self.epoch, "owner": owner, "instance": instance}
 
-    def take_filter(self, now: datetime) -> dict[str, Any]:
-        """The filter of a takeover: the lane is unchanged since it was read, and still free
-        (a renewal by its owner in between makes it live again, and the take fails)."""
-        return {
-            "_id": self.id,
-            "epoch": self.epoch,
-            "$or": [{"owner": None}, {"lease_until": {"$lte": now}}],
-        }
+    def take_filter(self) -> dict[str, Any]:
+        """The filter of a takeover: the lane is exactly as read (judged free then); any write
+        in between (a renewal, a hand-back, another take) moves ``rev`` on and the take fails."""
+        return {"_id": self.id, "rev": self.rev}
 
 
 def lane_document(lane_id: int) -> dict[str, Any]:
@@ -108,6 +113,7 @@ def lane_document(lane_id: int) -> dict[str, Any]:
         "instance": None,
         "lease_until": NEVER,
         "epoch": 0,
+        "rev": 0,
         "in_flight": [],
         "lost": [],
     }
@@ -124,8 +130,15 @@ async def seed_lanes(db: Any, collection: Any) -> None:
     await collection.bulk_write(ops, ordered=False)
 
 
-async def read_lanes(collection: Any) -> list[Lane]:
-    return [Lane.from_document(doc) for doc in await _driver.find_list(collection, {})]
+REQUEUES = "requeues"
+
+
+async def read_lanes(collection: Any) -> tuple[list[Lane], int]:
+    """Every lane, and the requeue counter."""
+    docs = await _driver.find_list(collection, {})
+    lanes = [Lane.from_document(doc) for doc in docs if isinstance(doc["_id"], int)]
+    requeues = next((int(d.get("value", 0)) for d in docs if d["_id"] == REQUEUES), 0)
+    return lanes, requeues
 
 
 def generation_filter(entries: Iterable[Entry]) -> dict[str, Any]:
@@ -150,7 +163,9 @@ async def charge_lost(
             {"$inc": {"attempts": 1, "claims": 1}, "$set": {"updated_at": now}},
         )
     clear: list[UpdateOne | UpdateMany] = [
-        _driver.update_by_id(db, {"_id": lane.id, "epoch": epoch}, {"$set": {"lost": []}})
+        _driver.update_by_id(
+            db, {"_id": lane.id, "epoch": epoch}, {"$set": {"lost": []}, "$inc": {"rev": 1}}
+        )
         for lane, epoch in taken
         if lane.lost
     ]

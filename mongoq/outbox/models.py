@@ -52,6 +52,8 @@ def normalize(field_name: str, value: Any) -> Any:
     strings, enums their value, tuples lists. Anything else, a non-string key, a key starting
     with ``$`` or containing ``.`` (refused, not escaped: the server gives them meaning in
     queries and updates), and NaN or infinity are `InvalidInput` naming the field."""
+    if isinstance(value, enum.Enum):  # first: IntEnum and StrEnum members are ints and strs
+        return normalize(field_name, value.value)
     if value is None or isinstance(value, bool | str):
         return value
     if isinstance(value, int):
@@ -60,8 +62,6 @@ def normalize(field_name: str, value: Any) -> Any:
         if not math.isfinite(value):
             raise InvalidInput(field_name, "must be a finite number (JSON has no NaN or infinity)")
         return value
-    if isinstance(value, enum.Enum):
-        return normalize(field_name, value.value)
     if isinstance(value, datetime | date):
         return value.isoformat()
     if isinstance(value, uuid.UUID | Decimal):

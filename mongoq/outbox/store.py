@@ -24,12 +24,13 @@ Indexes (created by `setup`) and the queries they serve:
   head of a key (lowest pending sequence);
 - deliveries ``parked`` ``(handler, key, sequence)`` partial ``lane: "parked"``: unparking;
 - deliveries ``due`` ``(due_at)`` partial on pending: `statistics` (oldest due);
-- deliveries ``status_created`` ``(status, created_at)``, ``status_updated`` ``(status,
-  updated_at)``, ``handler_created`` ``(handler, created_at)``, ``type_created``
-  ``(event_type, created_at)``: counts, listings, purge of dead deliveries;
+- deliveries ``status`` ``(status, _id)``, ``handler`` ``(handler, _id)``, ``event_type``
+  ``(event_type, _id)``: counts and listings (``_id`` is an ObjectId: creation order);
+  ``status_updated`` ``(status, updated_at)``: purge of dead deliveries;
 - events ``created`` ``(created_at, _id)`` and ``completed`` ``(completed_at, _id)``: purge;
-- completed_deliveries ``completed`` ``(completed_at, _id)``, ``event`` ``(event_id)``,
-  ``created`` ``(created_at, _id)``: purge, references, listing.
+- completed_deliveries ``completed`` ``(completed_at, _id)``: purge; ``event``
+  ``(event_id)``: references; ``handler`` ``(handler, _id)``, ``event_type``
+  ``(event_type, _id)``: listing.
 
 Per-key order: a keyed delivery is claimed only when it is the lowest pending sequence of its
 handler and key and no delivery of them runs. All deliveries of a key share a lane and only the
@@ -56,7 +57,15 @@ from mongoq._validation import MAX_BATCH, check_batch, check_int, check_name, ch
 from mongoq._validation import check_worker_id as _check_owner
 from mongoq.clock import Clock, ServerClock, stored_instant
 from mongoq.errors import InvalidInput, LeaseLost
-from mongoq.outbox.lanes import Entry, Lane, charge_lost, generation_filter, read_lanes, seed_lanes
+from mongoq.outbox.lanes import (
+    REQUEUES,
+    Entry,
+    Lane,
+    charge_lost,
+    generation_filter,
+    read_lanes,
+    seed_lanes,
+)
 from mongoq.outbox.models import (
     Delivery,
     DeliveryInfo,
@@ -175,6 +184,10 @@ class AsyncOutbox:
         # name takes its predecessor's lanes over like any worker, it does not adopt them.
         self.instance = uuid.uuid4().hex
         self._claim_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # owner -> {delivery _id: generation} of the claims this instance handed out and has
+        # not seen settled: what runs in the owner's lanes (see `_reconcile`).
+        self._issued: dict[str, dict[Any, int]] = defaultdict(dict)
+        self._unpark_after: tuple[str, str] | None = None
 
     # ------------------------------------------------------------------------------ set-up
 
@@ -208,15 +221,16 @@ class AsyncOutbox:
             partialFilterExpression={"lane": PARKED},
         )
         await d.create_index([("due_at", 1)], name="due", partialFilterExpression=pending)
-        await d.create_index([("status", 1), ("created_at", 1)], name="status_created")
+        await d.create_index([("status", 1), ("_id", 1)], name="status")
         await d.create_index([("status", 1), ("updated_at", 1)], name="status_updated")
-        await d.create_index([("handler", 1), ("created_at", 1)], name="handler_created")
-        await d.create_index([("event_type", 1), ("created_at", 1)], name="type_created")
+        await d.create_index([("handler", 1), ("_id", 1)], name="handler")
+        await d.create_index([("event_type", 1), ("_id", 1)], name="event_type")
         await self.events.create_index([("created_at", 1), ("_id", 1)], name="created")
         await self.events.create_index([("completed_at", 1), ("_id", 1)], name="completed")
         await self.history.create_index([("completed_at", 1), ("_id", 1)], name="completed")
         await self.history.create_index([("event_id", 1)], name="event")
-        await self.history.create_index([("created_at", 1), ("_id", 1)], name="created")
+        await self.history.create_index([("handler", 1), ("_id", 1)], name="handler")
+        await self.history.create_index([("event_type", 1), ("_id", 1)], name="event_type")
         await seed_lanes(self.db, self.lanes)
 
     async def _now(self) -> datetime:
@@ -260,7 +274,7 @@ class AsyncOutbox:
             return await self._publish_in_transaction(list(checked.values()), session, now)
         return await self._publish_plain(list(checked.values()), now)
 
-    def _event_document(self, event: Event, now: datetime) -> dict[str, Any]:
+    def _event_document(self, event: Event, now: datetime, sequence: int | None) -> dict[str, Any]:
         doc: dict[str, Any] = {
             "type": event.type,
             "payload": event.payload,
@@ -270,6 +284,10 @@ class AsyncOutbox:
         for name in ("key", "correlation_id", "causation_id"):
             if getattr(event, name) is not None:
                 doc[name] = getattr(event, name)
+        if sequence is not None:
+            # Kept on the event: a replay that adds a handler gives its delivery the same
+            # sequence, so it never jumps ahead of the key's earlier deliveries.
+            doc["sequence"] = sequence
         return doc
 
     async def _sequences(self, events: Sequence[Event], session: Any) -> dict[str, int]:
@@ -293,12 +311,7 @@ class AsyncOutbox:
         return sequences
 
     def _delivery_documents(
-        self,
-        event_id: str,
-        stored: Mapping[str, Any],
-        handlers: Iterable[str],
-        sequence: int | None,
-        now: datetime,
+        self, event_id: str, stored: Mapping[str, Any], handlers: Iterable[str], now: datetime
     ) -> list[dict[str, Any]]:
         key = stored.get("key")
         lane_id = lane_of(key if key is not None else event_id)
@@ -320,10 +333,21 @@ class AsyncOutbox:
             }
             if key is not None:
                 doc["key"] = key
-                if sequence is not None:
-                    doc["sequence"] = sequence
+                doc["sequence"] = stored.get("sequence")
             docs.append(doc)
         return docs
+
+    def _wanted(self, stored: Mapping[str, Any]) -> list[str]:
+        """The subscribed handlers the stored event does not list yet."""
+        listed = stored.get("handlers", ())
+        return [h for h in self.handlers_for(stored["type"]) if h not in listed]
+
+    async def _existing(self, ids: list[str], session: Any) -> dict[str, dict[str, Any]]:
+        projection = {"handlers": 1, "key": 1, "type": 1, "sequence": 1}
+        docs = await self.events.find({"_id": {"$in": ids}}, projection, session=session).to_list(
+            None
+        )
+        return {doc["_id"]: doc for doc in docs}
 
     async def _publish_in_transaction(
         self, events: list[Event], session: Any, now: datetime
@@ -331,36 +355,40 @@ class AsyncOutbox:
         # Read what exists, then write with upserts: a plain insert racing another transaction
         # would fail with a duplicate key, which aborts the transaction without a retry label;
         # an upsert race is a write conflict, which the caller's `with_transaction` retries.
-        ids = [e.id for e in events]
-        existing = {
-            doc["_id"]: doc
-            for doc in await self.events.find(
-                {"_id": {"$in": ids}}, {"handlers": 1, "key": 1, "type": 1}, session=session
-            ).to_list(None)
-        }
+        existing = await self._existing([e.id for e in events], session)
         new = [e for e in events if e.id not in existing]
         sequences = await self._sequences(new, session)
         ops: list[UpdateOne | UpdateMany] = []
-        deliveries: list[dict[str, Any]] = []
+        deliveries: list[UpdateOne | UpdateMany] = []
         for event in events:
-            stored = existing.get(event.id) or self._event_document(event, now)
-            wanted = [
-                h for h in self.handlers_for(stored["type"]) if h not in stored.get("handlers", ())
-            ]
+            stored = existing.get(event.id) or self._event_document(
+                event, now, sequences.get(event.id)
+            )
+            wanted = self._wanted(stored)
             if event.id in existing and not wanted:
                 continue
             update: dict[str, Any] = {"$addToSet": {"handlers": {"$each": wanted}}}
             if event.id not in existing:
                 update["$setOnInsert"] = stored
-            ops.append(_driver.update_by_id(self.db, {"_id": event.id}, update, upsert=True))
-            deliveries += self._delivery_documents(
-                event.id, stored, wanted, sequences.get(event.id), now
-            )
+            ops.append(_driver.update_single(self.db, {"_id": event.id}, update, upsert=True))
+            deliveries += [
+                _driver.update_single(
+                    self.db,
+                    {"event_id": event.id, "handler": doc["handler"]},
+                    {"$setOnInsert": doc},
+                    upsert=True,
+                )
+                for doc in self._delivery_documents(event.id, stored, wanted, now)
+            ]
+        added = 0
         if ops:
             await self.events.bulk_write(ops, ordered=True, session=session)
         if deliveries:
-            await self.deliveries.insert_many(deliveries, ordered=True, session=session)
-        return PublishResult(len(new), len(deliveries))
+            # Upserts too: a delivery left by a non-transactional publish that crashed before
+            # listing its handler is kept, not a duplicate key that aborts the transaction.
+            result = await self.deliveries.bulk_write(deliveries, ordered=True, session=session)
+            added = len(result.upserted_ids)
+        return PublishResult(len(new), added)
 
     async def _publish_plain(self, events: list[Event], now: datetime) -> PublishResult:
         # Without a transaction the order of the writes carries the guarantees: the event
@@ -368,11 +396,15 @@ class AsyncOutbox:
         # a handler is listed on the event only after its delivery exists (a crash in between
         # is repaired by publishing again: the unique index turns the repeated delivery into a
         # no-op, or, if it already completed, it runs once more: at least once, never lost).
+        # Sequences are taken for every keyed event before knowing which are new: a replay
+        # leaves a gap in its key's sequence, which blocks nothing.
+        sequences = await self._sequences(events, None)
+        documents = {e.id: self._event_document(e, now, sequences.get(e.id)) for e in events}
         upserts: list[UpdateOne | UpdateMany] = [
-            _driver.update_by_id(
+            _driver.update_single(
                 self.db,
                 {"_id": e.id},
-                {"$setOnInsert": {**self._event_document(e, now), "handlers": []}},
+                {"$setOnInsert": {**documents[e.id], "handlers": []}},
                 upsert=True,
             )
             for e in events
@@ -380,32 +412,26 @@ class AsyncOutbox:
         result = await self.events.bulk_write(upserts, ordered=True)
         new_ids = {events[index].id for index in result.upserted_ids}
         replayed = [e.id for e in events if e.id not in new_ids]
-        existing: dict[str, Any] = {}
-        if replayed:
-            existing = {
-                doc["_id"]: doc
-                for doc in await _driver.find_list(
-                    self.events,
-                    {"_id": {"$in": replayed}},
-                    projection={"handlers": 1, "key": 1, "type": 1},
-                )
-            }
-        sequences = await self._sequences([e for e in events if e.id in new_ids], None)
+        existing = await self._existing(replayed, None) if replayed else {}
         deliveries: list[dict[str, Any]] = []
         listed: list[UpdateOne | UpdateMany] = []
         for event in events:
-            stored = existing.get(event.id) or self._event_document(event, now)
-            wanted = [
-                h for h in self.handlers_for(stored["type"]) if h not in stored.get("handlers", ())
-            ]
+            stored = existing.get(event.id) or documents[event.id]
+            wanted = self._wanted(stored)
             if not wanted:
                 continue
-            deliveries += self._delivery_documents(
-                event.id, stored, wanted, sequences.get(event.id), now
-            )
+            deliveries += self._delivery_documents(event.id, stored, wanted, now)
+            # An upsert: should a purge have deleted the event since it was read (a replay of
+            # an old id), it is written again rather than leave its new deliveries orphaned.
             listed.append(
-                _driver.update_by_id(
-                    self.db, {"_id": event.id}, {"$addToSet": {"handlers": {"$each": wanted}}}
+                _driver.update_single(
+                    self.db,
+                    {"_id": event.id},
+                    {
+                        "$addToSet": {"handlers": {"$each": wanted}},
+                        "$setOnInsert": self._event_document(event, now, stored.get("sequence")),
+                    },
+                    upsert=True,
                 )
             )
         added = len(deliveries)
@@ -448,8 +474,8 @@ class AsyncOutbox:
 
     async def _claim(self, owner: str, handlers: list[str] | None, limit: int) -> list[Delivery]:
         now = await self._now()
-        lanes = await read_lanes(self.lanes)
-        held = {lane.id: lane for lane in lanes if lane.held_by(owner, self.instance, now)}
+        lanes, requeues = await read_lanes(self.lanes)
+        held = {lane.id: lane for lane in lanes if lane.held_by(owner, self.instance)}
         free = {lane.id: lane for lane in lanes if lane.id not in held and lane.is_free(now)}
         # A lane whose previous holder left deliveries listed (a crash, an expired lease, a
         # graceful stop) is taken over before anything is read from it: what was running there
@@ -467,7 +493,7 @@ class AsyncOutbox:
             for lane, _ in unpaid:
                 lane.lost = []
         await self._unpark(handlers)
-        running = await self._running(held.values())
+        running = await self._reconcile(owner, held.values(), now)
         running_keys = {(e.handler, e.key) for e in running if e.key is not None}
         excluded = {e.delivery for e in running}
 
@@ -478,49 +504,113 @@ class AsyncOutbox:
         after: tuple[datetime, Any] | None = None
         page = min(limit * 2 + PARK_THRESHOLD, MAX_BATCH)
         lane_ids = sorted([*held, *free])
+
+        def blocked(hk: tuple[str, str]) -> bool:
+            return hk in running_keys or hk in taken_keys
+
+        def key_of(candidate: Mapping[str, Any]) -> tuple[str, str] | None:
+            key = candidate.get("key")
+            return None if key is None else (candidate["handler"], key)
+
+        def unknown(hk: tuple[str, str] | None) -> bool:
+            return hk is not None and hk not in heads and not blocked(hk)
+
         while len(picks) < limit and lane_ids:
             candidates = await self._scan(lane_ids, handlers, now, after, page)
-            unknown = {
-                (c["handler"], c["key"])
-                for c in candidates
-                if c.get("key") is not None and (c["handler"], c["key"]) not in heads
-            }
-            heads.update(await self._heads(unknown))
-            for candidate in candidates:
-                after = (candidate["due_at"], candidate["_id"])
-                if candidate["_id"] in excluded:
-                    continue
-                if candidate.get("key") is not None:
-                    hk = (candidate["handler"], candidate["key"])
-                    head = heads.get(hk)
-                    if (
-                        hk in running_keys
-                        or hk in taken_keys
-                        or head is None
-                        or head["_id"] != candidate["_id"]
-                    ):
-                        waiting[hk].append(candidate["_id"])
+            position = 0
+            while position < len(candidates) and len(picks) < limit:
+                # Look up the heads of the next keys only as far as the picks still needed
+                # can reach, so a claim of one does not probe every key of a page.
+                wave: list[tuple[str, str]] = []
+                for candidate in candidates[position:]:
+                    hk = key_of(candidate)
+                    if hk is not None and unknown(hk) and hk not in wave:
+                        wave.append(hk)
+                        if len(wave) == limit - len(picks):
+                            break
+                heads.update(await self._heads(wave))
+                for candidate in candidates[position:]:
+                    hk = key_of(candidate)
+                    if unknown(hk):
+                        break  # beyond this wave
+                    position += 1
+                    after = (candidate["due_at"], candidate["_id"])
+                    if candidate["_id"] in excluded:
                         continue
-                    taken_keys.add(hk)
-                picks.append(candidate)
-                if len(picks) == limit:
-                    break
+                    if hk is not None:
+                        head = heads.get(hk)
+                        if blocked(hk) or head is None or head["_id"] != candidate["_id"]:
+                            waiting[hk].append(candidate["_id"])
+                            continue
+                        taken_keys.add(hk)
+                    picks.append(candidate)
+                    if len(picks) == limit:
+                        break
             if len(candidates) < page:
                 break
+            page = min(page * 2, MAX_BATCH)  # a long blocked stretch: read further per query
         deliveries = await self._record(owner, now, held, free, running, picks)
+        issued = self._issued[owner]
+        for delivery in deliveries:
+            issued[bson.ObjectId(delivery.id)] = _parse_token(delivery)[3]
+        if any(d.event.key is not None for d in deliveries):
+            try:
+                deliveries = await self._recheck_after_requeue(owner, deliveries, requeues, now)
+            except BaseException:
+                self._forget(deliveries)  # never handed out: the next claim frees them
+                raise
         await self._park(waiting, heads, now)
         return deliveries
+
+    async def _recheck_after_requeue(
+        self, owner: str, deliveries: list[Delivery], requeues: int, now: datetime
+    ) -> list[Delivery]:
+        """Give back the keyed picks a dead letter requeued during this claim now precedes.
+
+        `requeue` counts itself after making the delivery pending; a claim whose heads were
+        read before that write and recorded after it sees the count moved here, reads the
+        heads of its keyed picks again and gives back each that is no longer first (its claim
+        generation moves on, no attempt is charged). A requeue that counts itself only after
+        this claim returned is ordered after the claim, like one that came later.
+        """
+        counter = await _driver.find_list(self.lanes, {"_id": REQUEUES}, limit=1)
+        if not counter or int(counter[0].get("value", 0)) == requeues:
+            return deliveries
+        keys = {(d.handler, d.event.key) for d in deliveries if d.event.key is not None}
+        heads = await self._heads((h, k) for h, k in keys if k is not None)
+        overtaken = [
+            d
+            for d in deliveries
+            if d.event.key is not None
+            and (heads.get((d.handler, d.event.key)) or {}).get("_id") != bson.ObjectId(d.id)
+        ]
+        if not overtaken:
+            return deliveries
+        entries = [self._lease_entry(d) for d in overtaken]
+        await self.deliveries.update_many(
+            {**generation_filter(entries), "due_at": {"$exists": True}},
+            {"$inc": {"claims": 1}, "$set": {"updated_at": now}},
+        )
+        for delivery in overtaken:
+            self._issued[owner].pop(bson.ObjectId(delivery.id), None)
+        self.log.info("gave back %d pick(s) a requeued delivery now precedes", len(overtaken))
+        return [d for d in deliveries if d not in overtaken]
+
+    @staticmethod
+    def _lease_entry(delivery: Delivery) -> Entry:
+        doc_id, _, _, claims = _parse_token(delivery)
+        return Entry(doc_id, claims, delivery.handler, delivery.event.key)
 
     async def _take_over(self, owner: str, stale: list[Lane], now: datetime) -> dict[int, Lane]:
         """Take `stale` lanes over and charge what their previous holders left running; returns
         the lanes now held (a lane another claimer took first is left out)."""
         lease_until = now + timedelta(seconds=self.lease)
         ops = [
-            _driver.update_by_id(self.db, lane.take_filter(now), {
+            _driver.update_by_id(self.db, lane.take_filter(), {
                 "$set": {"owner": owner, "instance": self.instance, "lease_until": lease_until,
                          "in_flight": [],
                          "lost": [e.document() for e in lane.lost + lane.in_flight]},
-                "$inc": {"epoch": 1},
+                "$inc": {"epoch": 1, "rev": 1},
             })
             for lane in stale
         ]  # fmt: skip
@@ -534,8 +624,8 @@ class AsyncOutbox:
             else await self._confirm(owner, expected)
         )
         adopted = {
-            lane.id: Lane(lane.id, owner, self.instance, lease_until, lane.epoch + 1, [],
-                          lane.lost + lane.in_flight)
+            lane.id: Lane(lane.id, owner, self.instance, lease_until, lane.epoch + 1,
+                          rev=lane.rev + 1, lost=lane.lost + lane.in_flight)
             for lane in stale
             if lane.id in taken
         }  # fmt: skip
@@ -549,10 +639,18 @@ class AsyncOutbox:
                 lane.lost = []
         return adopted
 
-    async def _running(self, held: Iterable[Lane]) -> list[Entry]:
-        """The entries of `held` lanes whose delivery still exists at the listed generation."""
+    async def _reconcile(self, owner: str, held: Iterable[Lane], now: datetime) -> list[Entry]:
+        """What runs in `held` lanes: entries whose delivery still exists at the listed
+        generation and that this instance handed out and has not seen settled.
+
+        Any other entry at its listed generation is a claim nobody will settle: its record
+        reached the lane but the claim failed before handing it out (a lost reply), or its
+        settle failed. Its generation moves on (no attempt charged), which frees it and its
+        key at once, and any late settle of that claim is refused."""
+        issued = self._issued[owner]
         entries = [entry for lane in held for entry in lane.in_flight]
         if not entries:
+            issued.clear()
             return []
         current = {
             (doc["_id"], int(doc.get("claims", 0)))
@@ -562,7 +660,18 @@ class AsyncOutbox:
                 projection={"claims": 1},
             )
         }
-        return [e for e in entries if (e.delivery, e.generation) in current]
+        listed = [e for e in entries if (e.delivery, e.generation) in current]
+        running = [e for e in listed if issued.get(e.delivery) == e.generation]
+        orphaned = [e for e in listed if issued.get(e.delivery) != e.generation]
+        self._issued[owner] = {e.delivery: e.generation for e in running}
+        if orphaned:
+            self.log.info("freeing %d claim(s) that were never handed out or settled",
+                          len(orphaned))  # fmt: skip
+            await self.deliveries.update_many(
+                {**generation_filter(orphaned), "due_at": {"$exists": True}},
+                {"$inc": {"claims": 1}, "$set": {"updated_at": now}},
+            )
+        return running
 
     async def _scan(
         self,
@@ -655,11 +764,13 @@ class AsyncOutbox:
                 ops.append(_driver.update_by_id(self.db, lane.fence(owner, self.instance), {
                     "$set": {"owner": None, "instance": None, "lease_until": now,
                              "in_flight": [], "lost": []},
+                    "$inc": {"rev": 1},
                 }))  # fmt: skip
             elif by_lane[lane.id] or len(entries) != len(lane.in_flight):
                 ops.append(_driver.update_by_id(self.db, lane.fence(owner, self.instance), {
                     "$set": {"in_flight": [e.document() for e in entries]},
                     "$max": {"lease_until": lease_until},
+                    "$inc": {"rev": 1},
                 }))  # fmt: skip
                 expected[lane.id] = (lane.epoch, entries)
         for lane_id, lane_picks in by_lane.items():
@@ -668,10 +779,10 @@ class AsyncOutbox:
             # A free lane with nothing listed (stale ones were taken over above).
             lane = free[lane_id]
             entries = [self._entry(p) for p in lane_picks]
-            ops.append(_driver.update_by_id(self.db, lane.take_filter(now), {
+            ops.append(_driver.update_by_id(self.db, lane.take_filter(), {
                 "$set": {"owner": owner, "instance": self.instance, "lease_until": lease_until,
                          "in_flight": [e.document() for e in entries], "lost": []},
-                "$inc": {"epoch": 1},
+                "$inc": {"epoch": 1, "rev": 1},
             }))  # fmt: skip
             expected[lane_id] = (lane.epoch + 1, entries)
         written = set(expected)
@@ -781,18 +892,32 @@ class AsyncOutbox:
         match: dict[str, Any] = {"lane": PARKED}
         if handlers is not None:
             match["handler"] = {"$in": handlers}
+        if self._unpark_after is not None:
+            # Each claim goes on after the last key the previous one looked at, wrapping
+            # around, so every parked key is looked at however many there are.
+            handler, key = self._unpark_after
+            match["$or"] = [
+                {"handler": {"$gt": handler}},
+                {"handler": handler, "key": {"$gt": key}},
+            ]
+        # Sorted on the parked index's leading keys and grouped by them: a distinct scan of
+        # the index on a server (one entry per key, however long its backlog).
         groups = await _driver.aggregate_list(
             self.deliveries,
             [
                 {"$match": match},
+                {"$sort": {"handler": 1, "key": 1}},
                 {"$group": {"_id": {"h": "$handler", "k": "$key"}}},
+                {"$sort": {"_id.h": 1, "_id.k": 1}},
                 {"$limit": UNPARK_KEYS_PER_CLAIM},
             ],
             hint=PARKED_INDEX,
-        )
-        if not groups:
+        )  # fmt: skip
+        pairs = [(str(g["_id"]["h"]), str(g["_id"]["k"])) for g in groups]
+        self._unpark_after = pairs[-1] if len(pairs) == UNPARK_KEYS_PER_CLAIM else None
+        if not pairs:
             return
-        heads = await self._heads((g["_id"]["h"], g["_id"]["k"]) for g in groups)
+        heads = await self._heads(pairs)
         ready = [h["_id"] for h in heads.values() if h is not None and h.get("lane") == PARKED]
         if ready:
             await self.deliveries.update_many(
@@ -838,13 +963,25 @@ class AsyncOutbox:
         if session is not None:
             await self._complete_in(session, [delivery], [fence], now)
             return True
-        if self.completion_history and _driver.supports_transactions(self.db):
-            return await self._complete_in_own_transaction([delivery], [fence], now)
-        result = await self.deliveries.delete_one(fence)
-        if result.deleted_count != 1:
-            return False
-        await self._after_completion([delivery], now, None)
-        return True
+        try:
+            if self.completion_history and _driver.supports_transactions(self.db):
+                return await self._complete_in_own_transaction([delivery], [fence], now)
+            result = await self.deliveries.delete_one(fence)
+            if result.deleted_count != 1:
+                return False
+            await self._after_completion([delivery], now, None)
+            return True
+        finally:
+            self._forget([delivery])
+
+    def _forget(self, deliveries: Iterable[Delivery]) -> None:
+        """Settled (or its outcome unknown): no longer counted as running by this instance;
+        the next claim frees it if its settle did not apply (see `_reconcile`)."""
+        for delivery in deliveries:
+            doc_id, _, _, claims = _parse_token(delivery)
+            issued = self._issued[delivery.owner]
+            if issued.get(doc_id) == claims:  # a stale settle leaves a newer claim running
+                del issued[doc_id]
 
     async def _complete_in(
         self, session: Any, deliveries: list[Delivery], fences: list[dict[str, Any]], now: datetime
@@ -904,6 +1041,14 @@ class AsyncOutbox:
         if not batch:
             return []
         now = await self._now()
+        try:
+            return await self._complete_batch(batch, fences, now)
+        finally:
+            self._forget(batch)
+
+    async def _complete_batch(
+        self, batch: list[Delivery], fences: list[dict[str, Any]], now: datetime
+    ) -> list[bool]:
         if self.completion_history and _driver.supports_transactions(self.db):
             if await self._complete_in_own_transaction(batch, fences, now):
                 return [True] * len(batch)
@@ -923,6 +1068,16 @@ class AsyncOutbox:
             }  # fmt: skip
             proven = result.deleted_count == len(batch) - len(still)
             done = [proven and f["_id"] not in still for f in fences]
+            if not proven:
+                # Unproven is not undone: the events of every delivery gone keep their
+                # completion time (it only lengthens how long they stay as deduplication
+                # records); the history records only what is proven.
+                gone = [d for d, f in zip(batch, fences, strict=True) if f["_id"] not in still]
+                await self.events.update_many(
+                    {"_id": {"$in": list({d.event.id for d in gone})}},
+                    {"$max": {"completed_at": now}},
+                )
+                return done
         finished = [d for d, ok in zip(batch, done, strict=True) if ok]
         if finished:
             await self._after_completion(finished, now, None)
@@ -936,7 +1091,10 @@ class AsyncOutbox:
         }
 
     async def _settle(self, delivery: Delivery, update: Mapping[str, Any]) -> bool:
-        result = await self.deliveries.update_one(self._fence(delivery), dict(update))
+        try:
+            result = await self.deliveries.update_one(self._fence(delivery), dict(update))
+        finally:
+            self._forget([delivery])
         return bool(result.modified_count)
 
     async def reschedule(
@@ -977,7 +1135,7 @@ class AsyncOutbox:
         now = await self._now()
         result = await self.lanes.update_many(
             {"owner": owner, "instance": self.instance},
-            {"$max": {"lease_until": now + timedelta(seconds=self.lease)}},
+            {"$max": {"lease_until": now + timedelta(seconds=self.lease)}, "$inc": {"rev": 1}},
         )
         return int(result.matched_count)
 
@@ -995,6 +1153,7 @@ class AsyncOutbox:
                 ops.append(_driver.update_by_id(self.db, lane.fence(owner, self.instance), {
                     "$set": {"owner": None, "instance": None, "lease_until": now,
                              "in_flight": [], "lost": lost},
+                    "$inc": {"rev": 1},
                 }))  # fmt: skip
             if not ops:
                 return 0
@@ -1019,11 +1178,16 @@ class AsyncOutbox:
                 "$inc": {"claims": 1},
             },
         )  # fmt: skip
-        return bool(result.modified_count)
+        if not result.modified_count:
+            return False
+        # Counted after the delivery is pending: a claim in progress that sees the count move
+        # checks its keyed picks again (see `_recheck_after_requeue`).
+        await self.lanes.update_one({"_id": REQUEUES}, {"$inc": {"value": 1}}, upsert=True)
+        return True
 
     async def _running_ids(self, now: datetime) -> set[Any]:
         live = [
-            lane for lane in await read_lanes(self.lanes)
+            lane for lane in (await read_lanes(self.lanes))[0]
             if lane.owner is not None and lane.lease_until > now
         ]  # fmt: skip
         entries = [e for lane in live for e in lane.in_flight]
@@ -1043,9 +1207,10 @@ class AsyncOutbox:
         event_type: str | None = None,
         limit: int = 100,
     ) -> list[DeliveryInfo]:
-        """Deliveries, oldest first: ``pending`` (`running` tells which run now), ``parked``,
-        ``dead``, or ``completed`` (the completion history; empty without it); all of them
-        when `status` is None. `handler` and `event_type` narrow the list."""
+        """Deliveries, oldest first (parked ones in key order): ``pending`` (`running` tells
+        which run now), ``parked``, ``dead``, or ``completed`` (the completion history; empty
+        without it); all of them when `status` is None. `handler` and `event_type` narrow the
+        list."""
         if status not in (None, PENDING, PARKED, DEAD, COMPLETED):
             raise InvalidInput("status", "must be None, 'pending', 'parked', 'dead' or 'completed'")
         if handler is not None:
@@ -1062,20 +1227,22 @@ class AsyncOutbox:
         infos: list[DeliveryInfo] = []
         if status != COMPLETED:
             query = dict(narrow)
+            hint = None
             if status == PARKED:
-                query.update(status=PENDING, lane=PARKED)
+                query["lane"] = PARKED
+                hint = PARKED_INDEX  # in key order (handler, key, sequence): the queue order
             elif status is not None:
                 query["status"] = status
             docs = await _driver.find_list(
-                self.deliveries, query, sort=[("created_at", 1), ("_id", 1)], limit=limit
-            )
+                self.deliveries, query, sort=None if hint else [("_id", 1)], limit=limit,
+                hint=hint,
+            )  # fmt: skip
             running = await self._running_ids(now) if docs else set()
             infos += [self._info(doc, doc["_id"] in running) for doc in docs]
-        if status in (None, COMPLETED) and len(infos) < limit:
+        if self.completion_history and status in (None, COMPLETED) and len(infos) < limit:
             docs = await _driver.find_list(
-                self.history, narrow, sort=[("created_at", 1), ("_id", 1)],
-                limit=limit - len(infos),
-            )  # fmt: skip
+                self.history, narrow, sort=[("_id", 1)], limit=limit - len(infos)
+            )
             infos += [self._info({**doc, "status": COMPLETED}, False) for doc in docs]
         return infos
 
@@ -1106,15 +1273,16 @@ class AsyncOutbox:
         now = await self._now()
         pending, parked, dead, completed, oldest, lanes = await asyncio.gather(
             self.deliveries.count_documents({"status": PENDING}),
-            self.deliveries.count_documents({"lane": PARKED}),
+            self.deliveries.count_documents({"lane": PARKED}, hint=PARKED_INDEX),
             self.deliveries.count_documents({"status": DEAD}),
-            self.history.count_documents({}) if self.completion_history else _zero(),
+            self.history.estimated_document_count() if self.completion_history else _zero(),
             _driver.find_list(
                 self.deliveries, {"due_at": {"$exists": True}}, sort=[("due_at", 1)], limit=1,
                 projection={"due_at": 1}, hint="due",
             ),
             read_lanes(self.lanes),
         )  # fmt: skip
+        lanes = lanes[0]
         live = [lane for lane in lanes if lane.owner is not None and lane.lease_until > now]
         running = len(await self._running_ids(now)) if any(lane.in_flight for lane in live) else 0
         return OutboxStatistics(

@@ -1,0 +1,91 @@
+"""Outbox benchmarks: the lifecycle (publish, claim, complete) with batches of 1 and 100, and
+the claim cost with a backlog waiting behind a blocked key, on the first claim (which parks the
+backlog) and after it.
+
+The seed's claims to check: an unkeyed batch claim costs a small fixed number of commands and
+writes no delivery document; a batch completion of any size costs a fixed number of commands
+(two here: the deletion and the completion time on the events); once a blocked backlog is
+parked, a claim no longer scans it. As everywhere, times on the embedded backend measure
+mongomock's full scans, not index use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from benchmarks.harness import Result, counted_database
+from mongoq.outbox import AsyncOutbox, Event
+from mongoq.testing import ManualClock
+
+
+async def _outbox(db: object, clock: ManualClock) -> AsyncOutbox:
+    outbox = AsyncOutbox(db, "bench_", subscriptions={"e": ["h"]}, clock=clock)
+    await outbox.setup()
+    return outbox
+
+
+def _events(count: int, keys: int | None) -> list[Event]:
+    return [
+        Event(f"e{n}", "e", {"n": n}, key=None if keys is None else f"k{n % keys}")
+        for n in range(count)
+    ]
+
+
+async def lifecycle(uri: str | None, count: int, batch: int, keys: int | None) -> Result:
+    async with counted_database(uri) as bench:
+        clock = ManualClock()
+        outbox = await _outbox(bench.db, clock)
+        events = _events(count, keys)
+        bench.start()
+        for start in range(0, count, batch):
+            await outbox.publish(events[start : start + batch], session=None)
+        done = 0
+        while claimed := await outbox.claim("bench", limit=batch):
+            if batch == 1:
+                done += sum([await outbox.complete(delivery) for delivery in claimed])
+            else:
+                done += sum(await outbox.complete_many(claimed))
+            clock.advance(0.001)
+        assert done == count, (done, count)
+        kind = "unkeyed" if keys is None else f"{keys} keys"
+        name = (
+            "publish + claim + complete" if batch == 1 else f"publish/claim/complete_many({batch})"
+        )
+        return bench.stop(f"outbox: {name}, {kind}", count)
+
+
+async def blocked_key(uri: str | None, backlog: int, claims: int = 20) -> list[Result]:
+    """`backlog` deliveries of one key wait behind its head, which the same worker runs (so
+    the key's lane is its own and the claim scans it); unkeyed deliveries are due behind them.
+    The first claim walks the backlog and parks it; later claims do not see it."""
+    async with counted_database(uri) as bench:
+        clock = ManualClock()
+        outbox = await _outbox(bench.db, clock)
+        events = _events(backlog + 1, keys=1) + [
+            Event(f"u{n}", "e", {"n": n}) for n in range(claims + 1)
+        ]
+        for start in range(0, len(events), 1000):
+            await outbox.publish(events[start : start + 1000], session=None)
+        head = await outbox.claim("bench", limit=1)
+        assert head and head[0].event.key == "k0"
+        bench.start()
+        first = await outbox.claim("bench", limit=1)
+        assert first and first[0].event.key is None
+        parked = bench.stop(f"outbox: first claim, {backlog} behind a blocked key", 1)
+        bench.start()
+        for _ in range(claims):
+            assert await outbox.claim("bench", limit=1)
+        after = bench.stop(f"outbox: claims after parking, {backlog} blocked", claims)
+        return [parked, after]
+
+
+def scenarios(count: int, blocked: list[int]) -> list[tuple[str, Callable[[str | None], object]]]:
+    runs: list[tuple[str, Callable[[str | None], object]]] = [
+        ("outbox lifecycle single", lambda uri: lifecycle(uri, count, 1, None)),
+        ("outbox lifecycle batched", lambda uri: lifecycle(uri, count, 100, None)),
+        ("outbox lifecycle single keyed", lambda uri: lifecycle(uri, count, 1, 50)),
+        ("outbox lifecycle batched keyed", lambda uri: lifecycle(uri, count, 100, 50)),
+    ]
+    for size in blocked:
+        runs.append((f"outbox blocked key {size}", lambda uri, size=size: blocked_key(uri, size)))
+    return runs
