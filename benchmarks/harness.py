@@ -35,9 +35,13 @@ class Result:
         return self.commands / self.items if self.items else 0.0
 
     def line(self) -> str:
+        if self.per_second >= 10:
+            rate = f"{self.per_second:>10.0f} /s"
+        else:  # slow items read better as a latency
+            rate = f"{1000 / self.per_second:>7.0f} ms/it" if self.per_second else " " * 13
         return (
             f"{self.scenario:<50} {self.backend:<8} {self.items:>7} items  "
-            f"{self.per_second:>10.0f} /s  {self.commands_per_item:>6.2f} commands/item"
+            f"{rate}  {self.commands_per_item:>6.2f} commands/item"
         )
 
     def as_dict(self) -> dict[str, Any]:

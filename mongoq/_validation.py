@@ -88,15 +88,20 @@ def check_seconds(field: str, value: Any, *, positive: bool = False) -> float:
     return float(value)
 
 
+def check_field_name(field: str, key: Any) -> str:
+    """A field name inside a user value: a string neither starting with ``$`` nor containing
+    ``.`` (the server gives those meaning in queries and updates; refused, not escaped)."""
+    if not isinstance(key, str):
+        raise InvalidInput(field, f"field names must be strings, got {_kind(key)}")
+    if key.startswith("$") or "." in key:
+        raise InvalidInput(f"{field}.{key}", "field names may not start with '$' or contain '.'")
+    return key
+
+
 def _check_field_names(field: str, value: Any) -> None:
     if isinstance(value, Mapping):
         for key, item in value.items():
-            if not isinstance(key, str):
-                raise InvalidInput(field, f"field names must be strings, got {_kind(key)}")
-            if key.startswith("$") or "." in key:
-                raise InvalidInput(
-                    f"{field}.{key}", "field names may not start with '$' or contain '.'"
-                )
+            check_field_name(field, key)
             _check_field_names(f"{field}.{key}", item)
     elif isinstance(value, list | tuple):
         for index, item in enumerate(value):

@@ -463,7 +463,7 @@ class AsyncGroupTransport(WorkerHost):
         leases: list[GroupLease] = []
         for group_id in order:
             try:
-                lease = await self._lease_fromcheck_batch(
+                lease = await self._lease_from_batch(
                     group_id, locks, heads, stamped_ids, token, worker, now, lease_until
                 )
             except _driver.DRIVER_ERRORS:
@@ -474,7 +474,7 @@ class AsyncGroupTransport(WorkerHost):
                 leases.append(lease)
         return leases
 
-    async def _lease_fromcheck_batch(
+    async def _lease_from_batch(
         self,
         group_id: GroupId,
         locks: Mapping[GroupId, Any],

@@ -702,7 +702,8 @@ class Outbox(Facade):
     def requeue(self, event_id: str, handler: str) -> bool:
         """Make a dead delivery pending again, due now, with its attempts reset. It then comes
         before the later deliveries of its key that were not claimed yet, and does not start
-        while one of them runs. False if there is no such dead delivery.
+        while one of them runs. False if there is no such dead delivery. A requeue that failed
+        midway is finished by calling it again (it then returns True).
         """
         return cast("bool", self._call("requeue", event_id, handler))
 

@@ -119,3 +119,8 @@ async def drain(outbox: AsyncOutbox, owner: str = "drainer") -> list[Delivery]:
             assert await outbox.complete(delivery), f"{delivery} could not be completed"
         ran += batch
     raise AssertionError("drain did not end")
+
+
+def paid(event_id: str, key: str | None = None) -> Event:
+    """An event with one subscriber, "stats"."""
+    return Event(id=event_id, type="order.paid", key=key)

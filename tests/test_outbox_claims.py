@@ -32,16 +32,12 @@ from tests.outbox_helpers import (
     lanes,
     new_outbox,
     order,
+    paid,
     pairs,
     stored,
 )
 
 LEASE = 30
-
-
-def paid(event_id: str, key: str | None = None) -> Event:
-    """An event with one subscriber, "stats"."""
-    return Event(id=event_id, type="order.paid", key=key)
 
 
 def entry(doc: dict[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import bson
 import pytest
 from pymongo.errors import PyMongoError
 
-from mongoq.outbox import AsyncOutbox, Delivery, Event, lane_of
+from mongoq.outbox import AsyncOutbox, Delivery, lane_of
 from mongoq.outbox.lanes import lane_document
 from mongoq.testing import (
     CommandCounter,
@@ -42,15 +42,11 @@ from tests.outbox_helpers import (
     keys_in_distinct_lanes,
     lanes,
     new_outbox,
+    paid,
     stored,
 )
 
 LEASE = 30
-
-
-def paid(event_id: str, key: str | None = None) -> Event:
-    """An event with one subscriber, "stats"."""
-    return Event(id=event_id, type="order.paid", key=key)
 
 
 def attempts(docs: list[dict[str, Any]]) -> dict[str, tuple[int, int]]:

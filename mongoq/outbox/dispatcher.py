@@ -47,6 +47,7 @@ class DeliveryContext:
         self.outbox = outbox
         self.delivery = delivery
         self.completed_in_transaction = False
+        self.lease_lost = False
 
     @property
     def attempt(self) -> int:
@@ -56,7 +57,11 @@ class DeliveryContext:
         """Complete the delivery in `session`'s started transaction, so that it commits with
         the handler's writes or not at all. Raises `LeaseLost` if the claim has ended (let it
         abort the transaction: another worker runs the delivery)."""
-        await self.outbox.complete(self.delivery, session=session)
+        try:
+            await self.outbox.complete(self.delivery, session=session)
+        except LeaseLost:
+            self.lease_lost = True
+            raise
         self.completed_in_transaction = True
 
 
@@ -254,15 +259,16 @@ class OutboxDispatcher:
             with anyio.CancelScope(shield=True):
                 await self._settle(delivery, "released", self.outbox.release(delivery))
             raise
-        except LeaseLost:
-            # Raised by `context.complete` when the claim ended (then the release below changes
-            # nothing), or by something else in the handler: either way the delivery is handed
-            # back rather than left listed as running.
-            self.summary.lost += 1
-            await self._settle(delivery, "released", self.outbox.release(delivery), quiet=True)
         except PermanentError as exc:
             await self._settle(delivery, "buried", self.outbox.bury(delivery, error=exc))
         except Exception as exc:
+            if isinstance(exc, LeaseLost) and context.lease_lost:
+                # `context.complete` found the claim ended: another worker runs the delivery.
+                # The release changes nothing then; it only stops this instance counting it as
+                # running. (A LeaseLost of the handler's own is a failure like any other.)
+                self.summary.lost += 1
+                await self._settle(delivery, "released", self.outbox.release(delivery), True)
+                return
             log.info(
                 "handler %r failed on event %r (attempt %d)", delivery.handler,
                 delivery.event.id, delivery.attempt, exc_info=True,
@@ -270,8 +276,7 @@ class OutboxDispatcher:
             if delivery.attempt >= self.max_attempts:
                 await self._settle(delivery, "buried", self.outbox.bury(delivery, error=exc))
             else:
-                delay = float(self.backoff(delivery.attempt))
-                call = self.outbox.reschedule(delivery, delay=delay, error=exc)
+                call = self.outbox.reschedule(delivery, delay=self._delay(delivery), error=exc)
                 await self._settle(delivery, "retried", call)
         else:
             if context.completed_in_transaction:
@@ -280,7 +285,7 @@ class OutboxDispatcher:
                 # its transaction did not commit, the delivery runs again, with its writes.
                 retry = self.outbox.reschedule(
                     delivery,
-                    delay=float(self.backoff(delivery.attempt)),
+                    delay=self._delay(delivery),
                     error="the handler returned, but its transaction did not commit the completion",
                 )
                 try:
@@ -293,6 +298,15 @@ class OutboxDispatcher:
                 return
             self._finished.append(delivery)
             await self._flush()
+
+    def _delay(self, delivery: Delivery) -> float:
+        """``backoff(attempt)``; a backoff that fails or gives no usable number of seconds is
+        logged and replaced by `default_backoff`, so a retry is never lost to it."""
+        try:
+            return check_seconds("backoff", self.backoff(delivery.attempt))
+        except Exception:
+            log.exception("backoff(%d) failed; using the default backoff", delivery.attempt)
+            return default_backoff(delivery.attempt)
 
     async def _settle(
         self, delivery: Delivery, outcome: str, call: Awaitable[bool], quiet: bool = False
@@ -315,6 +329,14 @@ class OutboxDispatcher:
             batch, self._finished = self._finished, []
             if not batch:
                 return
+            # One delivery at two claim generations (it was lost and claimed again while a
+            # flush waited): only the newest claim can still complete it.
+            newest: dict[str, Delivery] = {}
+            for delivery in batch:
+                kept = newest.get(delivery.id)
+                if kept is None or _generation(delivery) > _generation(kept):
+                    newest[delivery.id] = delivery
+            batch = list(newest.values())
             with anyio.CancelScope(shield=True):
                 try:
                     done = await self.outbox.complete_many(batch)
@@ -325,3 +347,7 @@ class OutboxDispatcher:
                     return
             self.summary.completed += sum(done)
             self.summary.lost += len(done) - sum(done)
+
+
+def _generation(delivery: Delivery) -> int:
+    return int(delivery.lease_token.rsplit(":", 1)[1])

@@ -15,7 +15,7 @@ from datetime import date, datetime
 from decimal import Decimal
 from typing import Any
 
-from mongoq._validation import check_payload
+from mongoq._validation import check_field_name, check_payload
 from mongoq.errors import InvalidInput
 
 __all__ = [
@@ -69,12 +69,7 @@ def normalize(field_name: str, value: Any) -> Any:
     if isinstance(value, Mapping):
         normalized: dict[str, Any] = {}
         for key, item in value.items():
-            if not isinstance(key, str):
-                raise InvalidInput(field_name, f"keys must be strings, got {type(key).__name__}")
-            if key.startswith("$") or "." in key:
-                raise InvalidInput(
-                    f"{field_name}.{key}", "keys may not start with '$' or contain '.'"
-                )
+            check_field_name(field_name, key)
             normalized[key] = normalize(f"{field_name}.{key}", item)
         return normalized
     if isinstance(value, list | tuple):

@@ -43,7 +43,7 @@ import asyncio
 import logging
 import uuid
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from logging import Logger
 from typing import Any
@@ -187,7 +187,11 @@ class AsyncOutbox:
         # owner -> {delivery _id: generation} of the claims this instance handed out and has
         # not seen settled: what runs in the owner's lanes (see `_reconcile`).
         self._issued: dict[str, dict[Any, int]] = defaultdict(dict)
-        self._unpark_after: tuple[str, str] | None = None
+        # owner -> (delivery _id, generation) of claims whose settle returned since the owner's
+        # last claim: known to have ended, so that claim need not look them up.
+        self._settled: dict[str, set[tuple[Any, int]]] = defaultdict(set)
+        # handler set of a claim -> the last parked key its unparking looked at
+        self._unpark_after: dict[tuple[str, ...] | None, tuple[str, str]] = {}
 
     # ------------------------------------------------------------------------------ set-up
 
@@ -553,13 +557,13 @@ class AsyncOutbox:
         issued = self._issued[owner]
         for delivery in deliveries:
             issued[bson.ObjectId(delivery.id)] = _parse_token(delivery)[3]
-        if any(d.event.key is not None for d in deliveries):
-            try:
+        try:
+            if any(d.event.key is not None for d in deliveries):
                 deliveries = await self._recheck_after_requeue(owner, deliveries, requeues, now)
-            except BaseException:
-                self._forget(deliveries)  # never handed out: the next claim frees them
-                raise
-        await self._park(waiting, heads, now)
+            await self._park(waiting, heads, now)
+        except BaseException:
+            self._forget(deliveries)  # never handed out (an error, a cancellation): freed next
+            raise
         return deliveries
 
     async def _recheck_after_requeue(
@@ -647,23 +651,30 @@ class AsyncOutbox:
         reached the lane but the claim failed before handing it out (a lost reply), or its
         settle failed. Its generation moves on (no attempt charged), which frees it and its
         key at once, and any late settle of that claim is refused."""
-        issued = self._issued[owner]
+        issued, settled = self._issued[owner], self._settled[owner]
         entries = [entry for lane in held for entry in lane.in_flight]
-        if not entries:
-            issued.clear()
-            return []
-        current = {
-            (doc["_id"], int(doc.get("claims", 0)))
-            for doc in await _driver.find_list(
-                self.deliveries,
-                {"_id": {"$in": [e.delivery for e in entries]}, "due_at": {"$exists": True}},
-                projection={"claims": 1},
-            )
-        }
-        listed = [e for e in entries if (e.delivery, e.generation) in current]
-        running = [e for e in listed if issued.get(e.delivery) == e.generation]
-        orphaned = [e for e in listed if issued.get(e.delivery) != e.generation]
+        # Only the entries this instance neither runs nor saw settled need a look: a settle
+        # that returned ended its claim (deleted, or its generation moved on for good).
+        unknown = [
+            e
+            for e in entries
+            if issued.get(e.delivery) != e.generation and (e.delivery, e.generation) not in settled
+        ]
+        current: set[tuple[Any, int]] = set()
+        if unknown:
+            current = {
+                (doc["_id"], int(doc.get("claims", 0)))
+                for doc in await _driver.find_list(
+                    self.deliveries,
+                    {"_id": {"$in": [e.delivery for e in unknown]}, "due_at": {"$exists": True}},
+                    projection={"claims": 1},
+                )
+            }
+        running = [e for e in entries if issued.get(e.delivery) == e.generation]
+        orphaned = [e for e in unknown if (e.delivery, e.generation) in current]
         self._issued[owner] = {e.delivery: e.generation for e in running}
+        # This claim's lane writes list only what runs and what it picks.
+        self._settled[owner] = set()
         if orphaned:
             self.log.info("freeing %d claim(s) that were never handed out or settled",
                           len(orphaned))  # fmt: skip
@@ -892,10 +903,11 @@ class AsyncOutbox:
         match: dict[str, Any] = {"lane": PARKED}
         if handlers is not None:
             match["handler"] = {"$in": handlers}
-        if self._unpark_after is not None:
-            # Each claim goes on after the last key the previous one looked at, wrapping
-            # around, so every parked key is looked at however many there are.
-            handler, key = self._unpark_after
+        cursor = None if handlers is None else tuple(sorted(handlers))
+        if cursor in self._unpark_after:
+            # Each claim goes on after the last key the previous one (for the same handlers)
+            # looked at, wrapping around, so every parked key is looked at however many.
+            handler, key = self._unpark_after[cursor]
             match["$or"] = [
                 {"handler": {"$gt": handler}},
                 {"handler": handler, "key": {"$gt": key}},
@@ -914,7 +926,10 @@ class AsyncOutbox:
             hint=PARKED_INDEX,
         )  # fmt: skip
         pairs = [(str(g["_id"]["h"]), str(g["_id"]["k"])) for g in groups]
-        self._unpark_after = pairs[-1] if len(pairs) == UNPARK_KEYS_PER_CLAIM else None
+        if len(pairs) == UNPARK_KEYS_PER_CLAIM:
+            self._unpark_after[cursor] = pairs[-1]
+        else:
+            self._unpark_after.pop(cursor, None)
         if not pairs:
             return
         heads = await self._heads(pairs)
@@ -959,29 +974,43 @@ class AsyncOutbox:
         fence = self._fence(delivery)
         if session is not None and not _driver.in_transaction(session):
             raise InvalidInput("session", "has no transaction started; start one first")
-        now = await self._now()
         if session is not None:
-            await self._complete_in(session, [delivery], [fence], now)
+            now = await self._now()
+            try:
+                await self._complete_in(session, [delivery], [fence], now)
+            except LeaseLost:
+                self._forget([delivery], settled=True)  # its claim had ended
+                raise
+            # Whether it commits is the caller's to know: no longer counted as running, so
+            # the next claim looks it up (gone once committed; freed to run again if aborted).
+            self._forget([delivery])
             return True
         try:
+            now = await self._now()
             if self.completion_history and _driver.supports_transactions(self.db):
-                return await self._complete_in_own_transaction([delivery], [fence], now)
-            result = await self.deliveries.delete_one(fence)
-            if result.deleted_count != 1:
-                return False
-            await self._after_completion([delivery], now, None)
-            return True
-        finally:
+                done = await self._complete_in_own_transaction([delivery], [fence], now)
+            else:
+                result = await self.deliveries.delete_one(fence)
+                done = result.deleted_count == 1
+                if done:
+                    await self._after_completion([delivery], now, None)
+        except BaseException:
             self._forget([delivery])
+            raise
+        self._forget([delivery], settled=True)
+        return done
 
-    def _forget(self, deliveries: Iterable[Delivery]) -> None:
-        """Settled (or its outcome unknown): no longer counted as running by this instance;
-        the next claim frees it if its settle did not apply (see `_reconcile`)."""
+    def _forget(self, deliveries: Iterable[Delivery], *, settled: bool = False) -> None:
+        """Settled (`settled`: the call returned) or its outcome unknown: no longer counted as
+        running by this instance; the next claim frees it if it was not settled after all
+        (see `_reconcile`)."""
         for delivery in deliveries:
             doc_id, _, _, claims = _parse_token(delivery)
             issued = self._issued[delivery.owner]
             if issued.get(doc_id) == claims:  # a stale settle leaves a newer claim running
                 del issued[doc_id]
+            if settled:
+                self._settled[delivery.owner].add((doc_id, claims))
 
     async def _complete_in(
         self, session: Any, deliveries: list[Delivery], fences: list[dict[str, Any]], now: datetime
@@ -1040,11 +1069,13 @@ class AsyncOutbox:
             raise InvalidInput("deliveries", "lists the same delivery twice")
         if not batch:
             return []
-        now = await self._now()
         try:
-            return await self._complete_batch(batch, fences, now)
-        finally:
+            done = await self._complete_batch(batch, fences, await self._now())
+        except BaseException:
             self._forget(batch)
+            raise
+        self._forget(batch, settled=True)
+        return done
 
     async def _complete_batch(
         self, batch: list[Delivery], fences: list[dict[str, Any]], now: datetime
@@ -1090,11 +1121,19 @@ class AsyncOutbox:
             "$inc": {"claims": 1, "attempts": 1 if charge else 0},
         }
 
-    async def _settle(self, delivery: Delivery, update: Mapping[str, Any]) -> bool:
+    async def _settle(
+        self, delivery: Delivery, update: Callable[[datetime], Mapping[str, Any]]
+    ) -> bool:
+        """Apply ``update(now)`` to the delivery if its claim still holds. Whatever happens
+        from here on, the claim no longer counts as running on this instance."""
+        fence = self._fence(delivery)
         try:
-            result = await self.deliveries.update_one(self._fence(delivery), dict(update))
-        finally:
+            now = await self._now()
+            result = await self.deliveries.update_one(fence, dict(update(now)))
+        except BaseException:
             self._forget([delivery])
+            raise
+        self._forget([delivery], settled=True)
         return bool(result.modified_count)
 
     async def reschedule(
@@ -1104,8 +1143,7 @@ class AsyncOutbox:
         (its key stays blocked until then). False if the claim had ended."""
         self._fence(delivery)
         seconds = check_seconds("delay", delay)
-        now = await self._now()
-        return await self._settle(delivery, {
+        return await self._settle(delivery, lambda now: {
             "$set": {"due_at": now + timedelta(seconds=seconds), "lane": READY,
                      "last_error": error_text(error), "updated_at": now},
             "$inc": {"attempts": 1, "claims": 1},
@@ -1113,9 +1151,7 @@ class AsyncOutbox:
 
     async def release(self, delivery: Delivery) -> bool:
         """Hand the delivery back unrun (e.g. on shutdown), due now, no attempt counted."""
-        self._fence(delivery)
-        now = await self._now()
-        return await self._settle(delivery, {
+        return await self._settle(delivery, lambda now: {
             "$set": {"due_at": now, "lane": READY, "updated_at": now},
             "$inc": {"claims": 1},
         })  # fmt: skip
@@ -1124,9 +1160,7 @@ class AsyncOutbox:
         """End this attempt as failed for good: the delivery becomes a dead letter (see
         `requeue`). Its key stays blocked behind it only while it is pending, so later
         deliveries of the key go on. False if the claim had ended."""
-        self._fence(delivery)
-        now = await self._now()
-        return await self._settle(delivery, self._dead_update(error, now, charge=True))
+        return await self._settle(delivery, lambda now: self._dead_update(error, now, charge=True))
 
     async def extend_lease(self, owner: str) -> int:
         """Renew the lease of every lane `owner` holds on this instance; returns how many. An
@@ -1165,24 +1199,34 @@ class AsyncOutbox:
     async def requeue(self, event_id: str, handler: str) -> bool:
         """Make a dead delivery pending again, due now, with its attempts reset. It then comes
         before the later deliveries of its key that were not claimed yet, and does not start
-        while one of them runs. False if there is no such dead delivery."""
+        while one of them runs. False if there is no such dead delivery. A requeue that failed
+        midway is finished by calling it again (it then returns True)."""
         if not isinstance(event_id, str) or not event_id:
             raise InvalidInput("event_id", "must be a non-empty string")
         _check_handler("handler", handler)
         now = await self._now()
+        selector = {"event_id": event_id, "handler": handler}
         result = await self.deliveries.update_one(
-            {"event_id": event_id, "handler": handler, "status": DEAD},
+            {**selector, "status": DEAD},
             {
                 "$set": {"status": PENDING, "lane": READY, "due_at": now, "attempts": 0,
-                         "updated_at": now},
+                         "updated_at": now, "requeue_uncounted": True},
                 "$inc": {"claims": 1},
             },
         )  # fmt: skip
         if not result.modified_count:
-            return False
+            # A requeue that stopped before counting itself is finished by calling it again.
+            unfinished = await self.deliveries.find_one(
+                {**selector, "requeue_uncounted": True}, {"_id": 1}
+            )
+            if unfinished is None:
+                return False
         # Counted after the delivery is pending: a claim in progress that sees the count move
-        # checks its keyed picks again (see `_recheck_after_requeue`).
+        # checks its keyed picks again (see `_recheck_after_requeue`); then the mark goes.
         await self.lanes.update_one({"_id": REQUEUES}, {"$inc": {"value": 1}}, upsert=True)
+        await self.deliveries.update_one(
+            {**selector, "requeue_uncounted": True}, {"$unset": {"requeue_uncounted": ""}}
+        )
         return True
 
     async def _running_ids(self, now: datetime) -> set[Any]:
