@@ -92,7 +92,8 @@ async def claim_cost(uri: str | None, groups: int, claims: int = 20) -> Result:
             lease = await transport.claim("bench")
             assert lease is not None
             await transport.ack(lease)
-        return bench.stop(f"groups: claim + ack, {groups} groups", claims)
+        result = bench.stop(f"groups: claim + ack, {groups} groups", claims)
+        return await bench.examined(result, lambda: transport.claim("bench"))
 
 
 def scenarios(

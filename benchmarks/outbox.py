@@ -76,6 +76,7 @@ async def blocked_key(uri: str | None, backlog: int, claims: int = 20) -> list[R
         for _ in range(claims):
             assert await outbox.claim("bench", limit=1)
         after = bench.stop(f"outbox: claims after parking, {backlog} blocked", claims)
+        after = await bench.examined(after, lambda: outbox.claim("bench", limit=1))
         return [parked, after]
 
 

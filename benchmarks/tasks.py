@@ -84,7 +84,8 @@ async def claim_cost(uri: str | None, backlog: int, claims: int = 20) -> Result:
             task = await queue.claim("bench")
             assert task is not None
             await queue.complete(task)
-        return bench.stop(f"tasks: claim + complete, backlog {backlog}", claims)
+        result = bench.stop(f"tasks: claim + complete, backlog {backlog}", claims)
+        return await bench.examined(result, lambda: queue.claim("bench"))
 
 
 def scenarios(tasks: int, backlogs: list[int]) -> list[tuple[str, Callable[[str | None], object]]]:

@@ -97,8 +97,16 @@ def backend_of(db: Any) -> Backend:
     )
 
 
-def connect(uri: str | None = None, database: str = "mongoq", *, driver: str = "pymongo") -> Any:
-    """Build an async database handle; see `mongoq.connect`."""
+def connect(
+    uri: str | None = None,
+    database: str = "mongoq",
+    *,
+    driver: str = "pymongo",
+    client_options: Mapping[str, Any] | None = None,
+) -> Any:
+    """Build an async database handle; see `mongoq.connect`. `client_options` go to a server
+    client's constructor (e.g. ``event_listeners`` for command monitoring)."""
+    options = dict(client_options or {})
     if not isinstance(database, str) or not database:
         raise InvalidInput("database", "must be a non-empty string")
     if uri is None:
@@ -114,11 +122,11 @@ def connect(uri: str | None = None, database: str = "mongoq", *, driver: str = "
     if driver == "pymongo":
         from pymongo import AsyncMongoClient
 
-        return AsyncMongoClient(uri)[database]
+        return AsyncMongoClient(uri, **options)[database]
     if driver == "motor":
         from motor.motor_asyncio import AsyncIOMotorClient
 
-        return AsyncIOMotorClient(uri)[database]
+        return AsyncIOMotorClient(uri, **options)[database]
     raise InvalidInput("driver", f"must be 'pymongo' or 'motor', got {driver!r}")
 
 

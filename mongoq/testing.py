@@ -167,6 +167,8 @@ class Operation:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     actor: str | None
+    #: cursor methods chained on a find or aggregate (``("hint", ("claim",))``...), in order
+    chain: tuple[tuple[str, tuple[Any, ...]], ...] = ()
 
     @property
     def filter(self) -> Any:
@@ -220,9 +222,10 @@ class InstrumentedDatabase:
         return await self._call("$cmd", "command", self.mongoq_delegate.command, args, kwargs)
 
     async def _call(
-        self, collection: str, name: str, method: Callable[..., Any], args: Any, kwargs: Any
-    ) -> Any:
-        op = Operation(collection, name, tuple(args), dict(kwargs), _ACTOR.get())
+        self, collection: str, name: str, method: Callable[..., Any], args: Any, kwargs: Any,
+        chain: tuple[tuple[str, tuple[Any, ...]], ...] = (),
+    ) -> Any:  # fmt: skip
+        op = Operation(collection, name, tuple(args), dict(kwargs), _ACTOR.get(), chain)
         entered: list[Hook] = []
         error: BaseException | None = None
         try:
@@ -305,9 +308,10 @@ class _InstrumentedCursor:
 
         return list(
             await self._collection._db._call(
-                self._collection.name, self._name, read, self._args, self._kwargs
+                self._collection.name, self._name, read, self._args, self._kwargs,
+                tuple(self._chain),
             )
-        )
+        )  # fmt: skip
 
 
 def instrument(db: Any, *hooks: Hook) -> InstrumentedDatabase:
