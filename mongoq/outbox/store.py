@@ -187,9 +187,6 @@ class AsyncOutbox:
         # owner -> {delivery _id: generation} of the claims this instance handed out and has
         # not seen settled: what runs in the owner's lanes (see `_reconcile`).
         self._issued: dict[str, dict[Any, int]] = defaultdict(dict)
-        # owner -> (delivery _id, generation) of claims whose settle returned since the owner's
-        # last claim: known to have ended, so that claim need not look them up.
-        self._settled: dict[str, set[tuple[Any, int]]] = defaultdict(set)
         # handler set of a claim -> the last parked key its unparking looked at
         self._unpark_after: dict[tuple[str, ...] | None, tuple[str, str]] = {}
 
@@ -650,31 +647,29 @@ class AsyncOutbox:
         Any other entry at its listed generation is a claim nobody will settle: its record
         reached the lane but the claim failed before handing it out (a lost reply), or its
         settle failed. Its generation moves on (no attempt charged), which frees it and its
-        key at once, and any late settle of that claim is refused."""
-        issued, settled = self._issued[owner], self._settled[owner]
+        key at once, and any late settle of that claim is refused.
+
+        Every listed entry is looked up, those this instance runs too: one whose settle went
+        through another `AsyncOutbox` object, or committed in the caller's transaction, is
+        gone from the collection, not from this instance's records. And `running` is decided
+        after the lookup, so a settle that failed while it ran is freed, not skipped."""
+        issued = self._issued[owner]
         entries = [entry for lane in held for entry in lane.in_flight]
-        # Only the entries this instance neither runs nor saw settled need a look: a settle
-        # that returned ended its claim (deleted, or its generation moved on for good).
-        unknown = [
-            e
-            for e in entries
-            if issued.get(e.delivery) != e.generation and (e.delivery, e.generation) not in settled
-        ]
-        current: set[tuple[Any, int]] = set()
-        if unknown:
-            current = {
-                (doc["_id"], int(doc.get("claims", 0)))
-                for doc in await _driver.find_list(
-                    self.deliveries,
-                    {"_id": {"$in": [e.delivery for e in unknown]}, "due_at": {"$exists": True}},
-                    projection={"claims": 1},
-                )
-            }
-        running = [e for e in entries if issued.get(e.delivery) == e.generation]
-        orphaned = [e for e in unknown if (e.delivery, e.generation) in current]
+        if not entries:
+            issued.clear()
+            return []
+        current = {
+            (doc["_id"], int(doc.get("claims", 0)))
+            for doc in await _driver.find_list(
+                self.deliveries,
+                {"_id": {"$in": [e.delivery for e in entries]}, "due_at": {"$exists": True}},
+                projection={"claims": 1},
+            )
+        }
+        listed = [e for e in entries if (e.delivery, e.generation) in current]
+        running = [e for e in listed if issued.get(e.delivery) == e.generation]
+        orphaned = [e for e in listed if issued.get(e.delivery) != e.generation]
         self._issued[owner] = {e.delivery: e.generation for e in running}
-        # This claim's lane writes list only what runs and what it picks.
-        self._settled[owner] = set()
         if orphaned:
             self.log.info("freeing %d claim(s) that were never handed out or settled",
                           len(orphaned))  # fmt: skip
@@ -979,11 +974,11 @@ class AsyncOutbox:
             try:
                 await self._complete_in(session, [delivery], [fence], now)
             except LeaseLost:
-                self._forget([delivery], settled=True)  # its claim had ended
+                self._forget([delivery])  # its claim had ended
                 raise
-            # Whether it commits is the caller's to know: no longer counted as running, so
-            # the next claim looks it up (gone once committed; freed to run again if aborted).
-            self._forget([delivery])
+            # Still counted as running until the caller's transaction commits (the next claim
+            # then finds it gone). If it aborts, settle the delivery otherwise (`reschedule`,
+            # `release`), as `OutboxDispatcher` does.
             return True
         try:
             now = await self._now()
@@ -997,20 +992,17 @@ class AsyncOutbox:
         except BaseException:
             self._forget([delivery])
             raise
-        self._forget([delivery], settled=True)
+        self._forget([delivery])
         return done
 
-    def _forget(self, deliveries: Iterable[Delivery], *, settled: bool = False) -> None:
-        """Settled (`settled`: the call returned) or its outcome unknown: no longer counted as
-        running by this instance; the next claim frees it if it was not settled after all
-        (see `_reconcile`)."""
+    def _forget(self, deliveries: Iterable[Delivery]) -> None:
+        """Settled, or its outcome unknown: no longer counted as running by this instance; the
+        next claim frees it if it was not settled after all (see `_reconcile`)."""
         for delivery in deliveries:
             doc_id, _, _, claims = _parse_token(delivery)
             issued = self._issued[delivery.owner]
             if issued.get(doc_id) == claims:  # a stale settle leaves a newer claim running
                 del issued[doc_id]
-            if settled:
-                self._settled[delivery.owner].add((doc_id, claims))
 
     async def _complete_in(
         self, session: Any, deliveries: list[Delivery], fences: list[dict[str, Any]], now: datetime
@@ -1074,7 +1066,7 @@ class AsyncOutbox:
         except BaseException:
             self._forget(batch)
             raise
-        self._forget(batch, settled=True)
+        self._forget(batch)
         return done
 
     async def _complete_batch(
@@ -1133,7 +1125,7 @@ class AsyncOutbox:
         except BaseException:
             self._forget([delivery])
             raise
-        self._forget([delivery], settled=True)
+        self._forget([delivery])
         return bool(result.modified_count)
 
     async def reschedule(
@@ -1206,6 +1198,10 @@ class AsyncOutbox:
         _check_handler("handler", handler)
         now = await self._now()
         selector = {"event_id": event_id, "handler": handler}
+        # Counted before and after the delivery turns pending: a claim whose heads were read
+        # before that write and that records after it sees the count move either way (see
+        # `_recheck_after_requeue`), even if the second count never happens.
+        await self.lanes.update_one({"_id": REQUEUES}, {"$inc": {"value": 1}}, upsert=True)
         result = await self.deliveries.update_one(
             {**selector, "status": DEAD},
             {
