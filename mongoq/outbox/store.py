@@ -6,7 +6,8 @@ Collections (``<prefix>`` defaults to ``mongoq_outbox_``):
   created_at, handlers: [every handler it ever had a delivery for], completed_at?}``;
 - ``deliveries``: one per unfinished (or dead) event and handler: ``{_id: ObjectId, event_id,
   event_type, handler, key?, sequence?, lane_id, lane: "ready"|"parked", status:
-  "pending"|"dead", due_at, attempts, claims, last_error?, created_at, updated_at}``. ``due_at``
+  "pending"|"dead", due_at, attempts, claims, last_error?, requeue_uncounted?, created_at,
+  updated_at}``. ``due_at``
   and ``lane`` exist only while pending; ``attempts`` counts attempts that ended; ``claims`` is
   the claim generation (moves on whenever a claim of the delivery ends), which fences every
   settle. A completion deletes the document;
@@ -35,6 +36,11 @@ Indexes (created by `setup`) and the queries they serve:
 Per-key order: a keyed delivery is claimed only when it is the lowest pending sequence of its
 handler and key and no delivery of them runs. All deliveries of a key share a lane and only the
 lane's holder claims from it, so what runs is what the holder's lanes list.
+
+What runs: an entry of a held lane whose delivery still has the listed generation and that this
+instance handed out and has not seen settled. The owner's next claim frees any other such entry
+(a claim whose reply was lost, a settle that failed) by moving its generation on, no attempt
+charged, so nothing stays listed as running with nobody running it.
 """
 
 from __future__ import annotations
