@@ -26,7 +26,7 @@ import traceback
 import uuid
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -36,7 +36,15 @@ from mongoq._validation import check_worker_id
 from mongoq.clock import Clock
 from mongoq.errors import MongoqError
 
-__all__ = ["KeepAlive", "WorkerHost", "WorkerLoop", "default_worker_id", "error_text"]
+__all__ = [
+    "KeepAlive",
+    "WorkerHost",
+    "WorkerLoop",
+    "default_worker_id",
+    "error_text",
+    "require_main_thread",
+    "watch_signals",
+]
 
 log = logging.getLogger("mongoq.worker")
 
@@ -60,6 +68,37 @@ def error_text(error: BaseException | str | None) -> str | None:
     else:
         text = str(error)
     return text[-ERROR_LIMIT:]
+
+
+class Stoppable(Protocol):
+    """A run loop that can be asked to stop gracefully (`WorkerLoop`, `OutboxDispatcher`)."""
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def stop(self) -> None: ...
+
+
+def require_main_thread() -> None:
+    """Signals reach only the main thread's event loop: `handle_signals` is refused elsewhere."""
+    if threading.current_thread() is not threading.main_thread():
+        raise MongoqError(
+            "handle_signals needs the main thread's event loop; from mongoq_sync, Ctrl-C "
+            "during run() cancels it (in-flight work is released), and stop() stops it "
+            "gracefully"
+        )
+
+
+async def watch_signals(loop: Stoppable, scope: anyio.CancelScope, name: str) -> None:
+    """The first SIGTERM/SIGINT stops `loop` gracefully; a second one cancels `scope`."""
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            if loop.stopping:
+                log.warning("%s: second signal %d, cancelling in-flight work", name, signum)
+                scope.cancel()
+                return
+            log.info("%s: signal %d, stopping gracefully", name, signum)
+            loop.stop()
 
 
 class WorkerLoop(Generic[Item]):
@@ -105,33 +144,17 @@ class WorkerLoop(Generic[Item]):
             nap.cancel()
 
     async def run(self, *, handle_signals: bool = False) -> None:
-        if handle_signals and threading.current_thread() is not threading.main_thread():
-            raise MongoqError(
-                "handle_signals needs the main thread's event loop; from mongoq_sync, Ctrl-C "
-                "during run() cancels it (in-flight work is released), and stop() stops it "
-                "gracefully"
-            )
+        if handle_signals:
+            require_main_thread()
         async with anyio.create_task_group() as group:
             if handle_signals:
-                group.start_soon(self._watch_signals, group.cancel_scope)
+                group.start_soon(watch_signals, self, group.cancel_scope, self._name)
             if self._housekeeping is not None:
                 group.start_soon(self._housekeep)
             async with anyio.create_task_group() as slots:
                 for _ in range(self._concurrency):
                     slots.start_soon(self._slot)
             group.cancel_scope.cancel()  # the signal watcher, once every slot has returned
-
-    async def _watch_signals(self, scope: anyio.CancelScope) -> None:
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                if self._stopping:
-                    log.warning(
-                        "%s: second signal %d, cancelling in-flight work", self._name, signum
-                    )
-                    scope.cancel()
-                    return
-                log.info("%s: signal %d, stopping gracefully", self._name, signum)
-                self.stop()
 
     async def _housekeep(self) -> None:
         while True:

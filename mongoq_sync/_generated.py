@@ -801,6 +801,10 @@ class OutboxDispatcher(Facade):
     def max_attempts(self) -> int:
         return cast("int", self._get("max_attempts"))
 
+    @property
+    def stopping(self) -> bool:
+        return cast("bool", self._get("stopping"))
+
     def stop(self) -> None:
         """Graceful stop: claim nothing more, let running handlers finish, hand lanes back."""
         self._call("stop")

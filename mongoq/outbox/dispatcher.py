@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import logging
 import random
-import signal
-import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -23,10 +21,10 @@ import anyio.lowlevel
 from mongoq import _driver
 from mongoq._validation import check_int, check_seconds
 from mongoq._validation import check_worker_id as _check_owner
-from mongoq.errors import InvalidInput, LeaseLost, MongoqError, PermanentError
+from mongoq.errors import InvalidInput, LeaseLost, PermanentError
 from mongoq.outbox.models import Delivery, DispatchSummary, Event
 from mongoq.outbox.store import AsyncOutbox, _check_handler
-from mongoq.worker import default_worker_id
+from mongoq.worker import default_worker_id, require_main_thread, watch_signals
 
 __all__ = ["DeliveryContext", "Handler", "OutboxDispatcher", "default_backoff"]
 
@@ -118,6 +116,10 @@ class OutboxDispatcher:
 
     # ------------------------------------------------------------------------------- loops
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
     def stop(self) -> None:
         """Graceful stop: claim nothing more, let running handlers finish, hand lanes back."""
         self._stopping = True
@@ -152,12 +154,12 @@ class OutboxDispatcher:
         nothing runs). With `handle_signals`, SIGTERM/SIGINT stop gracefully and a second one
         cancels. Cancelling the call releases the deliveries still running (no attempt
         counted) and hands the lanes back. Returns the totals of this dispatcher."""
-        if handle_signals and threading.current_thread() is not threading.main_thread():
-            raise MongoqError("handle_signals needs the main thread's event loop")
+        if handle_signals:
+            require_main_thread()
         try:
             async with anyio.create_task_group() as group:
                 if handle_signals:
-                    group.start_soon(self._watch_signals, group.cancel_scope)
+                    group.start_soon(watch_signals, self, group.cancel_scope, self.owner)
                 group.start_soon(self._renew_while_running)
                 async with anyio.create_task_group() as handlers:
                     await self._claim_loop(handlers, stop_when_empty)
@@ -210,16 +212,6 @@ class OutboxDispatcher:
             return []
         self.summary.claimed += len(batch)
         return batch
-
-    async def _watch_signals(self, scope: anyio.CancelScope) -> None:
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                if self._stopping:
-                    log.warning("second signal %d, cancelling running handlers", signum)
-                    scope.cancel()
-                    return
-                log.info("signal %d, stopping gracefully", signum)
-                self.stop()
 
     async def _renew_while_running(self) -> None:
         interval = self.outbox.lease / 3
@@ -288,13 +280,7 @@ class OutboxDispatcher:
                     delay=self._delay(delivery),
                     error="the handler returned, but its transaction did not commit the completion",
                 )
-                try:
-                    retried = await retry
-                except _driver.DRIVER_ERRORS as exc:
-                    log.warning("settling delivery %s failed (%s)", delivery.id, exc)
-                    return
-                field = "retried" if retried else "completed"
-                setattr(self.summary, field, getattr(self.summary, field) + 1)
+                await self._settle(delivery, "retried", retry, otherwise="completed")
                 return
             self._finished.append(delivery)
             await self._flush()
@@ -309,8 +295,15 @@ class OutboxDispatcher:
             return default_backoff(delivery.attempt)
 
     async def _settle(
-        self, delivery: Delivery, outcome: str, call: Awaitable[bool], quiet: bool = False
+        self,
+        delivery: Delivery,
+        outcome: str,
+        call: Awaitable[bool],
+        quiet: bool = False,
+        otherwise: str = "lost",
     ) -> None:
+        """Await the settle `call` and count `outcome` when it took effect, `otherwise` when
+        it did not (nothing with `quiet`)."""
         try:
             done = await call
         except _driver.DRIVER_ERRORS as exc:
@@ -319,7 +312,7 @@ class OutboxDispatcher:
             return
         if quiet:
             return
-        field = outcome if done else "lost"
+        field = outcome if done else otherwise
         setattr(self.summary, field, getattr(self.summary, field) + 1)
 
     async def _flush(self) -> None:
@@ -334,7 +327,7 @@ class OutboxDispatcher:
             newest: dict[str, Delivery] = {}
             for delivery in batch:
                 kept = newest.get(delivery.id)
-                if kept is None or _generation(delivery) > _generation(kept):
+                if kept is None or delivery.generation > kept.generation:
                     newest[delivery.id] = delivery
             batch = list(newest.values())
             with anyio.CancelScope(shield=True):
@@ -347,7 +340,3 @@ class OutboxDispatcher:
                     return
             self.summary.completed += sum(done)
             self.summary.lost += len(done) - sum(done)
-
-
-def _generation(delivery: Delivery) -> int:
-    return int(delivery.lease_token.rsplit(":", 1)[1])

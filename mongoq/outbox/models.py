@@ -161,6 +161,11 @@ class Delivery:
     def lane_id(self) -> int:
         return int(self.lease_token.split(":", 1)[0])
 
+    @property
+    def generation(self) -> int:
+        """The delivery's claim generation this claim holds (the token's last part)."""
+        return int(self.lease_token.rsplit(":", 1)[1])
+
 
 @dataclass(frozen=True)
 class PublishResult:

@@ -593,11 +593,7 @@ class AsyncOutbox:
         ]
         if not overtaken:
             return deliveries
-        entries = [self._lease_entry(d) for d in overtaken]
-        await self.deliveries.update_many(
-            {**generation_filter(entries), "due_at": {"$exists": True}},
-            {"$inc": {"claims": 1}, "$set": {"updated_at": now}},
-        )
+        await self._free([self._lease_entry(d) for d in overtaken], now)
         for delivery in overtaken:
             self._issued[owner].pop(bson.ObjectId(delivery.id), None)
         self.log.info("gave back %d pick(s) a requeued delivery now precedes", len(overtaken))
@@ -613,12 +609,7 @@ class AsyncOutbox:
         the lanes now held (a lane another claimer took first is left out)."""
         lease_until = now + timedelta(seconds=self.lease)
         ops = [
-            _driver.update_by_id(self.db, lane.take_filter(), {
-                "$set": {"owner": owner, "instance": self.instance, "lease_until": lease_until,
-                         "in_flight": [],
-                         "lost": [e.document() for e in lane.lost + lane.in_flight]},
-                "$inc": {"epoch": 1, "rev": 1},
-            })
+            self._take(lane, owner, lease_until, [], lane.lost + lane.in_flight)
             for lane in stale
         ]  # fmt: skip
         result = await self.lanes.bulk_write(ops, ordered=False)
@@ -679,11 +670,17 @@ class AsyncOutbox:
         if orphaned:
             self.log.info("freeing %d claim(s) that were never handed out or settled",
                           len(orphaned))  # fmt: skip
-            await self.deliveries.update_many(
-                {**generation_filter(orphaned), "due_at": {"$exists": True}},
-                {"$inc": {"claims": 1}, "$set": {"updated_at": now}},
-            )
+            await self._free(orphaned, now)
         return running
+
+    async def _free(self, entries: list[Entry], now: datetime) -> None:
+        """End the claims `entries` list without an attempt: their generation moves on (each
+        only if still at the listed one), so they are claimable again and any late settle of
+        those claims is refused."""
+        await self.deliveries.update_many(
+            {**generation_filter(entries), "due_at": {"$exists": True}},
+            {"$inc": {"claims": 1}, "$set": {"updated_at": now}},
+        )
 
     async def _scan(
         self,
@@ -791,11 +788,7 @@ class AsyncOutbox:
             # A free lane with nothing listed (stale ones were taken over above).
             lane = free[lane_id]
             entries = [self._entry(p) for p in lane_picks]
-            ops.append(_driver.update_by_id(self.db, lane.take_filter(), {
-                "$set": {"owner": owner, "instance": self.instance, "lease_until": lease_until,
-                         "in_flight": [e.document() for e in entries], "lost": []},
-                "$inc": {"epoch": 1, "rev": 1},
-            }))  # fmt: skip
+            ops.append(self._take(lane, owner, lease_until, entries, []))
             expected[lane_id] = (lane.epoch + 1, entries)
         written = set(expected)
         if ops:
@@ -808,6 +801,22 @@ class AsyncOutbox:
             for pick in picks
             if pick["lane_id"] in written
         ]
+
+    def _take(
+        self,
+        lane: Lane,
+        owner: str,
+        lease_until: datetime,
+        in_flight: list[Entry],
+        lost: list[Entry],
+    ) -> UpdateOne | UpdateMany:
+        """The write that takes `lane` over for `owner`, as read (see `Lane.take_filter`)."""
+        return _driver.update_by_id(self.db, lane.take_filter(), {
+            "$set": {"owner": owner, "instance": self.instance, "lease_until": lease_until,
+                     "in_flight": [e.document() for e in in_flight],
+                     "lost": [e.document() for e in lost]},
+            "$inc": {"epoch": 1, "rev": 1},
+        })  # fmt: skip
 
     async def _confirm(self, owner: str, expected: dict[int, tuple[int, list[Entry]]]) -> set[int]:
         """Which of the lane writes took effect, read back after a bulk write matched fewer."""
@@ -1231,11 +1240,13 @@ class AsyncOutbox:
         )
         return True
 
-    async def _running_ids(self, now: datetime) -> set[Any]:
-        live = [
-            lane for lane in (await read_lanes(self.lanes))[0]
-            if lane.owner is not None and lane.lease_until > now
-        ]  # fmt: skip
+    @staticmethod
+    def _live(lanes: Iterable[Lane], now: datetime) -> list[Lane]:
+        """The lanes held under a live lease."""
+        return [lane for lane in lanes if lane.owner is not None and lane.lease_until > now]
+
+    async def _running_ids(self, live: list[Lane]) -> set[Any]:
+        """The deliveries the `live` lanes run: listed, and still at the listed generation."""
         entries = [e for lane in live for e in lane.in_flight]
         if not entries:
             return set()
@@ -1283,7 +1294,8 @@ class AsyncOutbox:
                 self.deliveries, query, sort=None if hint else [("_id", 1)], limit=limit,
                 hint=hint,
             )  # fmt: skip
-            running = await self._running_ids(now) if docs else set()
+            live = self._live((await read_lanes(self.lanes))[0], now) if docs else []
+            running = await self._running_ids(live)
             infos += [self._info(doc, doc["_id"] in running) for doc in docs]
         if self.completion_history and status in (None, COMPLETED) and len(infos) < limit:
             docs = await _driver.find_list(
@@ -1328,9 +1340,8 @@ class AsyncOutbox:
             ),
             read_lanes(self.lanes),
         )  # fmt: skip
-        lanes = lanes[0]
-        live = [lane for lane in lanes if lane.owner is not None and lane.lease_until > now]
-        running = len(await self._running_ids(now)) if any(lane.in_flight for lane in live) else 0
+        live = self._live(lanes[0], now)
+        running = len(await self._running_ids(live))
         return OutboxStatistics(
             pending=int(pending),
             parked=int(parked),
