@@ -72,6 +72,7 @@ import anyio
 from pymongo import DeleteOne, ReturnDocument
 
 from mongoq import _driver
+from mongoq._candidates import take_candidates
 from mongoq._validation import (
     MAX_BATCH,
     check_batch,
@@ -392,7 +393,9 @@ class AsyncGroupTransport(WorkerHost):
         Reads the `n` groups that waited longest, leases those still due with one conditional
         ``update_many`` under a fresh token, reads back what it leased, reads their heads in one
         aggregation, and stamps them with one conditional ``update_many`` (the same stamp fence
-        as `claim`): five commands for any `n`. Groups leased by someone else in between are
+        as `claim`): five commands for any `n`. When other claimers leased every candidate
+        first, it reads the next ones (two more commands a round): it returns nothing only
+        when no group is due. Groups leased by someone else in between are
         not returned; a group whose head cannot be stamped, is empty, or must go to the dead
         letters is settled the way `claim` would and released or dropped (a few more commands,
         for those groups only).
@@ -405,20 +408,17 @@ class AsyncGroupTransport(WorkerHost):
             "priority": {"$in": list(ALL_PRIORITIES)[min_priority:]},
             "available_at": {"$lte": now},
         }
-        candidates = await _driver.find_list(
-            self.locks, due, sort=[("available_at", 1)], limit=n, projection={"_id": 1},
-            hint=CLAIM_INDEX,
-        )  # fmt: skip
-        if not candidates:
-            return []
-        order = [doc["_id"] for doc in candidates]
         token = f"{worker}:{uuid.uuid4().hex}"
         lease_until = now + timedelta(seconds=self.visibility)
-        leased = await self.locks.update_many(
-            {"_id": {"$in": order}, **due},
+        order = await take_candidates(
+            self.locks,
+            due,
             {"$set": {"token": token, "available_at": lease_until, "parked": False}},
+            sort=[("available_at", 1)],
+            n=n,
+            hint=CLAIM_INDEX,
         )
-        if not leased.modified_count:
+        if not order:
             return []
         locks = {
             doc["_id"]: doc

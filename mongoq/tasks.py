@@ -63,6 +63,7 @@ import anyio
 from pymongo import ReturnDocument
 
 from mongoq import _driver
+from mongoq._candidates import take_candidates
 from mongoq._validation import (
     MAX_BATCH,
     check_batch,
@@ -504,27 +505,23 @@ class AsyncTaskQueue(WorkerHost):
         Reads the `n` most urgent candidates (the claim's index range), claims those still
         claimable with one conditional ``update_many`` stamped with a fresh token, and reads
         back what that token took: a candidate another worker claimed in between is simply not
-        returned. Each task is then held exactly as if `claim` had returned it.
+        returned. When other claimers took every candidate first, it reads the next ones (two
+        more commands a round), so it returns nothing only when nothing is due. Each task is
+        then held exactly as if `claim` had returned it.
         """
         check_int("n", n, low=1, high=MAX_BATCH)
         worker = self._worker(worker_id)
         now = await self._now()
-        candidates = await _driver.find_list(
+        token = uuid.uuid4().hex
+        ids = await take_candidates(
             self.collection,
             self._claimable(now),
+            self._claiming(worker, token, now),
             sort=CLAIM_ORDER,
-            limit=n,
-            projection={"_id": 1},
+            n=n,
             hint=CLAIM_INDEX,
         )
-        if not candidates:
-            return []
-        ids = [doc["_id"] for doc in candidates]
-        token = uuid.uuid4().hex
-        claimed = await self.collection.update_many(
-            {"_id": {"$in": ids}, **self._claimable(now)}, self._claiming(worker, token, now)
-        )
-        if not claimed.modified_count:
+        if not ids:
             return []
         docs = await _driver.find_list(self.collection, {"_id": {"$in": ids}, "lease_token": token})
         order = {task_id: index for index, task_id in enumerate(ids)}

@@ -3,6 +3,9 @@
 - `ManualClock`: time that moves only when the test says so; workers' sleeps (poll intervals,
   heartbeats) wake when the clock is advanced past their deadline.
 - `memory_database()`: a fresh embedded in-memory database (mongomock-motor).
+- `interleaving_database(seed)`: the same, but every command yields to the event loop before
+  and after it runs (a seeded number of times, optionally after a short real delay), as over a
+  network: concurrent workers interleave at command boundaries, as they do on a server.
 - `instrument(db, *hooks)`: a database wrapper through which every collection command passes; the
   hooks see each command before and after it runs. Three hooks ship here:
   `FaultInjector` (fail a chosen command before it applies, or after it applied as if the reply
@@ -20,6 +23,7 @@ import asyncio
 import contextvars
 import heapq
 import itertools
+import random
 import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -44,7 +48,9 @@ __all__ = [
     "Operation",
     "Pause",
     "all_interleavings",
+    "Yielding",
     "instrument",
+    "interleaving_database",
     "memory_database",
     "settle",
 ]
@@ -144,15 +150,41 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-async def settle(rounds: int = 50) -> None:
-    """Let every runnable task run until it blocks (the embedded backend never does real I/O)."""
-    for _ in range(rounds):
+async def settle(rounds: int = 50, *, limit: int = 100_000) -> None:
+    """Let every runnable task run until it blocks (the embedded backend never does real I/O).
+
+    Yields to the event loop until nothing else is ready to run for `rounds` yields in a row
+    (at most `limit` yields): commands that yield between each other (`interleaving_database`)
+    then settle as fully as commands that never yield."""
+    loop = asyncio.get_running_loop()
+    # asyncio keeps the callbacks ready to run in `_ready`; another loop implementation may
+    # not, and then a fixed number of yields is the best there is.
+    ready = getattr(loop, "_ready", None)
+    quiet = 0
+    for _ in range(limit):
         await anyio.lowlevel.checkpoint()
+        quiet = quiet + 1 if ready is None or not ready else 0
+        if quiet >= rounds:
+            return
 
 
 def memory_database(name: str = "mongoq") -> Any:
     """A fresh, empty embedded in-memory database."""
     return _driver.connect(_driver.MEMORY_SCHEME, name)
+
+
+def interleaving_database(
+    name: str = "mongoq", *, seed: int = 0, max_yields: int = 3, max_delay: float = 0.0
+) -> InstrumentedDatabase:
+    """A fresh embedded database whose commands interleave as over a network (see `Yielding`).
+
+    Code that is correct on `memory_database()` only because its commands never overlap with
+    another worker's fails here the way it would on a server. The whole mongoq suite runs on
+    both.
+    """
+    return instrument(
+        memory_database(name), Yielding(seed=seed, max_yields=max_yields, max_delay=max_delay)
+    )
 
 
 # ------------------------------------------------------------------------------ instrumentation
@@ -345,6 +377,40 @@ class CommandCounter:
 
     async def after(self, op: Operation, error: BaseException | None) -> None:
         return None
+
+
+# ------------------------------------------------------------------------------- yielding
+
+
+class Yielding:
+    """Makes every command yield to the event loop before and after it runs; use with
+    `instrument` (or `interleaving_database`).
+
+    The embedded backend runs each command synchronously, so concurrent coroutines never
+    overlap between commands; over a network every command is a suspension point. Before and
+    after each command this yields between 1 and `max_yields` times (seeded, so a failing order
+    repeats), and with `max_delay` > 0 also sleeps a random real delay up to that many seconds
+    (for benchmarks: tests keep it 0 and stay deterministic).
+    """
+
+    def __init__(self, *, seed: int = 0, max_yields: int = 3, max_delay: float = 0.0) -> None:
+        if max_yields < 1 or max_delay < 0:
+            raise ValueError("max_yields must be at least 1 and max_delay at least 0")
+        self._random = random.Random(seed)
+        self.max_yields = max_yields
+        self.max_delay = max_delay
+
+    async def _yield(self) -> None:
+        if self.max_delay:
+            await anyio.sleep(self._random.uniform(0, self.max_delay))
+        for _ in range(self._random.randint(1, self.max_yields)):
+            await anyio.lowlevel.checkpoint()
+
+    async def before(self, op: Operation) -> None:
+        await self._yield()
+
+    async def after(self, op: Operation, error: BaseException | None) -> None:
+        await self._yield()
 
 
 # ------------------------------------------------------------------------------------- faults

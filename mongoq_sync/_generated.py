@@ -138,7 +138,9 @@ class TaskQueue(Facade):
         Reads the `n` most urgent candidates (the claim's index range), claims those still
         claimable with one conditional ``update_many`` stamped with a fresh token, and reads
         back what that token took: a candidate another worker claimed in between is simply not
-        returned. Each task is then held exactly as if `claim` had returned it.
+        returned. When other claimers took every candidate first, it reads the next ones (two
+        more commands a round), so it returns nothing only when nothing is due. Each task is
+        then held exactly as if `claim` had returned it.
         """
         return cast("list[Task]", self._call("claim_many", n, worker_id))
 
@@ -419,7 +421,9 @@ class GroupTransport(Facade):
         Reads the `n` groups that waited longest, leases those still due with one conditional
         ``update_many`` under a fresh token, reads back what it leased, reads their heads in one
         aggregation, and stamps them with one conditional ``update_many`` (the same stamp fence
-        as `claim`): five commands for any `n`. Groups leased by someone else in between are
+        as `claim`): five commands for any `n`. When other claimers leased every candidate
+        first, it reads the next ones (two more commands a round): it returns nothing only
+        when no group is due. Groups leased by someone else in between are
         not returned; a group whose head cannot be stamped, is empty, or must go to the dead
         letters is settled the way `claim` would and released or dropped (a few more commands,
         for those groups only).

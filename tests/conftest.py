@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,7 +19,7 @@ import pytest
 
 import mongoq
 from mongoq import _driver
-from mongoq.testing import ManualClock, memory_database
+from mongoq.testing import ManualClock, interleaving_database, memory_database
 from tests.txengine import transactional_database
 
 TEST_URI = os.environ.get("MONGOQ_TEST_URI")
@@ -27,34 +28,33 @@ REAL_SERVER_SKIP = "real-server lane: set MONGOQ_TEST_URI to a replica-set URI t
 
 # Without a server the lanes are not generated at all (one skip line per test would bury the
 # report); the header and tests/test_real_server_lane.py say so instead.
-BACKENDS = ["memory", "pymongo", "motor"] if TEST_URI else ["memory"]
+# "interleaved" is the embedded backend with every command yielding to the event loop, as over a
+# network (`mongoq.testing.interleaving_database`): the second embedded lane.
+EMBEDDED = ["memory", "interleaved"]
+SERVERS = ["pymongo", "motor"] if TEST_URI else []
+BACKENDS = [*EMBEDDED, *SERVERS]
 
 
 def pytest_report_header() -> str:
     if TEST_URI:
-        return "mongoq backends: memory, pymongo and motor on MONGOQ_TEST_URI"
-    return f"mongoq backends: memory only ({REAL_SERVER_SKIP})"
+        return "mongoq backends: memory, interleaved, and pymongo and motor on MONGOQ_TEST_URI"
+    return f"mongoq backends: memory and interleaved only ({REAL_SERVER_SKIP})"
 
 
 @pytest.fixture(params=BACKENDS)
 async def db(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
     """A fresh, empty database on each backend."""
-    if request.param == "memory":
-        yield memory_database()
-        return
-    assert TEST_URI is not None
-    name = f"mongoq_test_{uuid.uuid4().hex[:10]}"
-    database = mongoq.connect(TEST_URI, name, driver=request.param)
-    try:
+    async for database in _database(request.param, request.node.nodeid):
         yield database
-    finally:
-        await database.client.drop_database(name)
-        await _driver.close(database)
 
 
-async def _database(kind: str) -> AsyncIterator[Any]:
+async def _database(kind: str, test_id: str) -> AsyncIterator[Any]:
     if kind == "memory":
         yield memory_database()
+        return
+    if kind == "interleaved":
+        # Seeded by the test's id: a failing interleaving repeats on every run.
+        yield interleaving_database(seed=zlib.crc32(test_id.encode()))
         return
     if kind == "tx":
         yield transactional_database()
@@ -71,17 +71,17 @@ async def _database(kind: str) -> AsyncIterator[Any]:
 
 # The outbox runs with and without transactions: "tx" is the test-only transactional engine
 # (tests/txengine.py, mongomock-ng), the embedded backend has none.
-@pytest.fixture(params=["memory", "tx", *BACKENDS[1:]])
+@pytest.fixture(params=[*EMBEDDED, "tx", *SERVERS])
 async def odb(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
     """A fresh database on every backend the outbox supports, transactional or not."""
-    async for database in _database(request.param):
+    async for database in _database(request.param, request.node.nodeid):
         yield database
 
 
-@pytest.fixture(params=["tx", *BACKENDS[1:]])
+@pytest.fixture(params=["tx", *SERVERS])
 async def txdb(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
     """A fresh database with multi-document transactions."""
-    async for database in _database(request.param):
+    async for database in _database(request.param, request.node.nodeid):
         yield database
 
 

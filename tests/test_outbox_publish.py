@@ -29,7 +29,7 @@ from mongoq.errors import InvalidInput
 from mongoq.outbox import AsyncOutbox, Event, PublishResult, lane_of
 from mongoq.outbox import store as store_module
 from mongoq.testing import CommandCounter, FaultInjector, ManualClock, instrument
-from tests.conftest import BACKENDS
+from tests.conftest import EMBEDDED, SERVERS
 from tests.helpers import nth, utc
 from tests.outbox_helpers import (
     PREFIX,
@@ -52,9 +52,11 @@ FREE_LANE = {
 
 # Every test marked `both_ways` runs a publish without a transaction on every backend, and one
 # inside a transaction where there are transactions.
-WAYS = [("memory", "plain"), ("tx", "plain"), ("tx", "transaction")] + [
-    (backend, way) for backend in BACKENDS[1:] for way in ("plain", "transaction")
-]
+WAYS = (
+    [(backend, "plain") for backend in EMBEDDED]
+    + [("tx", "plain"), ("tx", "transaction")]
+    + [(backend, way) for backend in SERVERS for way in ("plain", "transaction")]
+)
 both_ways = pytest.mark.parametrize(
     ("odb", "way"), WAYS, indirect=["odb"], ids=[f"{b}-{w}" for b, w in WAYS]
 )

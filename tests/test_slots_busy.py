@@ -1,0 +1,81 @@
+"""Batched run loops keep every slot busy when commands interleave (as on a server).
+
+On the embedded backend's plain lane no two claims overlap; on the interleaving lane (and on a
+server) the slots of one worker read the same candidates at once. A claim that lost its
+candidates to another slot must move past them rather than report "nothing due": otherwise the
+slot naps (or, with ``stop_when_empty``, exits) while due work waits, and one slot of eight does
+all the work. Assertions read the stored documents, and count the handlers running at once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import anyio.lowlevel
+
+from mongoq import GroupLease, NewMessage, NewTask, Task
+from mongoq.testing import ManualClock
+from tests.group_helpers import assert_empty, new_transport
+from tests.helpers import new_queue, read_all
+
+ITEMS = 400
+SLOTS = 8
+BATCH = 10
+
+
+class Busy:
+    """Counts handlers running at once; each handler stays in for a while (yields only: the
+    manual clock does not move), so slots that have work overlap."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.most = 0
+        self.seen: Counter[Any] = Counter()
+
+    async def work(self, item: Any) -> None:
+        self.seen[item] += 1
+        self.now += 1
+        self.most = max(self.most, self.now)
+        try:
+            for _ in range(50):
+                await anyio.lowlevel.checkpoint()
+        finally:
+            self.now -= 1
+
+
+async def test_every_task_slot_is_busy_at_once(db: Any, clock: ManualClock) -> None:
+    queue = await new_queue(db, clock)
+    await queue.put_many(NewTask(f"t{i}", i) for i in range(ITEMS))
+    busy = Busy()
+
+    async def handle(task: Task) -> None:
+        await busy.work(task.id)
+
+    summary = await queue.run(
+        handle, concurrency=SLOTS, batch_size=BATCH, stop_when_empty=True, worker_id="w"
+    )
+    assert busy.most == SLOTS
+    assert summary.completed == ITEMS
+    stored = await read_all(db)
+    assert len(stored) == ITEMS
+    assert {doc["status"] for doc in stored.values()} == {"done"}
+    assert all(doc["attempts"] == 1 for doc in stored.values())  # each claimed once
+    assert set(busy.seen.values()) == {1}
+
+
+async def test_every_group_slot_is_busy_at_once(db: Any, clock: ManualClock) -> None:
+    transport = await new_transport(db, clock)
+    await transport.publish_many(NewMessage(f"g{i}", i) for i in range(ITEMS))
+    busy = Busy()
+
+    async def handle(lease: GroupLease) -> None:
+        await busy.work(lease.event)
+
+    summary = await transport.run(
+        handle, concurrency=SLOTS, batch_size=BATCH, stop_when_empty=True, worker_id="w"
+    )
+    assert busy.most == SLOTS
+    assert summary.acked == ITEMS
+    assert set(busy.seen.values()) == {1} and len(busy.seen) == ITEMS
+    await assert_empty(db)  # every message acked, every group dropped
