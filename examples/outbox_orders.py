@@ -26,7 +26,7 @@ sent: list[str] = []
 
 async def in_transaction(db: Any, work: Callable[[Any], Awaitable[None]]) -> None:
     """Run `work(session)` in a transaction where the database has them, else without."""
-    if _driver.supports_transactions(db):
+    if await _driver.supports_transactions(db):
         async with db.client.start_session() as session:
             await session.with_transaction(work)
     else:

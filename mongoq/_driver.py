@@ -25,11 +25,14 @@ from __future__ import annotations
 import enum
 import inspect
 import os
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
-from pymongo import UpdateMany, UpdateOne
+from pymongo import ReadPreference, UpdateMany, UpdateOne
+from pymongo.read_concern import ReadConcern
+from pymongo.write_concern import WriteConcern
 from pymongo.errors import (
     CollectionInvalid,
     ConnectionFailure,
@@ -39,7 +42,7 @@ from pymongo.errors import (
     WTimeoutError,
 )
 
-from mongoq.errors import InvalidInput
+from mongoq.errors import InvalidInput, MongoqError
 
 __all__ = ["TRANSIENT_ERRORS", "Backend", "backend_of", "connect"]
 
@@ -215,10 +218,65 @@ async def create_partial_ttl_index(
     return True
 
 
-def supports_transactions(db: Any) -> bool:
-    """Whether `db` can run multi-document transactions (the embedded backend cannot; a real
-    server needs a replica set or a sharded cluster, which the server itself checks)."""
-    return backend_of(db) is not Backend.MEMORY
+class Topology(enum.Enum):
+    """What kind of deployment a database handle talks to."""
+
+    EMBEDDED = "embedded"
+    STANDALONE = "standalone"
+    REPLICA_SET = "replica_set"
+    SHARDED = "sharded"
+
+
+# Keyed by the client object's id, holding the client weakly so that a new client reusing the
+# address of a dead one is asked again. Clients are not hashable by identity (PyMongo's compare
+# equal by their seeds), hence not a WeakKeyDictionary.
+_TOPOLOGIES: dict[int, tuple[weakref.ref[Any], Topology]] = {}
+
+
+def topology_from_hello(reply: Mapping[str, Any]) -> Topology:
+    """Read the deployment kind from a ``hello`` reply: a mongos says ``msg: "isdbgrid"``, a
+    replica-set member names its set, anything else is a standalone."""
+    if reply.get("msg") == "isdbgrid":
+        return Topology.SHARDED
+    if reply.get("setName"):
+        return Topology.REPLICA_SET
+    return Topology.STANDALONE
+
+
+async def topology(db: Any) -> Topology:
+    """The deployment behind `db`, asked once per client with ``hello`` and remembered."""
+    if backend_of(db) is Backend.MEMORY:
+        return Topology.EMBEDDED
+    client = unwrap(db).client
+    known = _TOPOLOGIES.get(id(client))
+    if known is not None and known[0]() is client:
+        return known[1]
+    found = topology_from_hello(await unwrap(db).command("hello"))
+    try:
+        _TOPOLOGIES[id(client)] = (weakref.ref(client), found)
+    except TypeError:  # a client that cannot be referenced weakly is simply asked again
+        pass
+    return found
+
+
+async def supports_transactions(db: Any) -> bool:
+    """Whether `db` can run multi-document transactions: a replica set or a sharded cluster
+    can; a standalone server and the embedded backend cannot."""
+    return await topology(db) in (Topology.REPLICA_SET, Topology.SHARDED)
+
+
+async def require_transactions(db: Any, feature: str) -> None:
+    """Raise `MongoqError` naming `feature` and the fix when `db` has no transactions (checked
+    before anything is written)."""
+    kind = await topology(db)
+    if kind in (Topology.REPLICA_SET, Topology.SHARDED):
+        return
+    where = "the embedded backend" if kind is Topology.EMBEDDED else "a standalone server"
+    raise MongoqError(
+        f"{feature} needs multi-document transactions, which {where} does not have: run "
+        "MongoDB as a replica set (a single node is enough: start mongod with --replSet rs0 "
+        "and run rs.initiate() once)"
+    )
 
 
 def in_transaction(session: Any) -> bool:
@@ -226,14 +284,48 @@ def in_transaction(session: Any) -> bool:
     return bool(getattr(session, "in_transaction", False))
 
 
+#: Writes wait for a majority: an acknowledged claim, settle or publish survives a failover
+#: (with ``w=1`` a new primary can roll back a claim and hand the work to a second holder).
+WRITE_CONCERN = WriteConcern(w="majority")
+#: Reads see only majority-committed data and, with majority writes on the primary, this
+#: worker's own writes: never a claim that a failover could roll back.
+READ_CONCERN = ReadConcern("majority")
+#: Reads from the primary: a secondary lags, and the read-backs after claims must see them.
+READ_PREFERENCE = ReadPreference.PRIMARY
+#: How long a commit may wait for its write concern before the driver reports it.
+MAX_COMMIT_TIME_MS = 10_000
+
+
+def collection(db: Any, name: str) -> Any:
+    """The handle mongoq uses for collection `name`: majority writes and reads on the primary,
+    whatever the client's defaults (a URI's ``w=1`` or ``readPreference=secondary``)."""
+    return db.get_collection(
+        name,
+        write_concern=WRITE_CONCERN,
+        read_concern=READ_CONCERN,
+        read_preference=READ_PREFERENCE,
+    )
+
+
+def transaction_options() -> dict[str, Any]:
+    """Options of the transactions mongoq starts: snapshot reads, majority writes, the
+    primary, and a bound on the commit."""
+    return {
+        "read_concern": ReadConcern("snapshot"),
+        "write_concern": WRITE_CONCERN,
+        "read_preference": READ_PREFERENCE,
+        "max_commit_time_ms": MAX_COMMIT_TIME_MS,
+    }
+
+
 async def run_in_transaction(db: Any, work: Callable[[Any], Awaitable[T]]) -> T:
-    """Run ``work(session)`` in a transaction of its own, retried by the driver on transient
-    errors (`with_transaction`), and return what it returned."""
+    """Run ``work(session)`` in a transaction of its own (`transaction_options`), retried by
+    the driver on transient errors (`with_transaction`), and return what it returned."""
     session = unwrap(db).client.start_session()
     if inspect.isawaitable(session):  # Motor awaits it, PyMongo async does not
         session = await session
     async with session:
-        result: T = await session.with_transaction(work)
+        result: T = await session.with_transaction(work, **transaction_options())
         return result
 
 

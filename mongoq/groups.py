@@ -205,10 +205,10 @@ class AsyncGroupTransport(WorkerHost):
         self.max_deliveries = max_deliveries
         self.clock: Clock = clock if clock is not None else ServerClock(db)
         self.db = db
-        self.messages = db[f"{prefix}_messages"]
-        self.locks = db[f"{prefix}_locks"]
-        self.counters = db[f"{prefix}_counters"]
-        self.dead = db[f"{prefix}_dead"]
+        self.messages = _driver.collection(db, f"{prefix}_messages")
+        self.locks = _driver.collection(db, f"{prefix}_locks")
+        self.counters = _driver.collection(db, f"{prefix}_counters")
+        self.dead = _driver.collection(db, f"{prefix}_dead")
         self._recovered_until: datetime | None = None
 
     async def ensure_indexes(self) -> None:

@@ -313,7 +313,7 @@ class AsyncTaskQueue(WorkerHost):
         self.tombstone_ttl = int(check_seconds("tombstone_ttl", tombstone_ttl, positive=True))
         self.clock: Clock = clock if clock is not None else ServerClock(db)
         self.db = db
-        self.collection = db[name]
+        self.collection = _driver.collection(db, name)
         self._leases: dict[str, TaskLease] = {}
 
     # ------------------------------------------------------------------------------ set-up

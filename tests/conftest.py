@@ -24,6 +24,14 @@ from tests.txengine import transactional_database
 
 TEST_URI = os.environ.get("MONGOQ_TEST_URI")
 REAL_SERVER_SKIP = "real-server lane: set MONGOQ_TEST_URI to a replica-set URI to run it"
+#: Which drivers the real-server lane uses (a CI matrix runs one per job): "pymongo,motor".
+TEST_DRIVERS = [
+    d.strip() for d in os.environ.get("MONGOQ_TEST_DRIVERS", "pymongo,motor").split(",") if d
+]
+#: The topology the CI job set up ("replica_set" or "standalone"): the real-server lane fails
+#: at once on another, so a misconfigured job cannot pass by skipping what it should run.
+TOPOLOGY_EXPECT = os.environ.get("MONGOQ_TEST_TOPOLOGY_EXPECT")
+NO_TRANSACTIONS_SKIP = "this server has no transactions (standalone); the replica-set jobs run it"
 
 
 # Without a server the lanes are not generated at all (one skip line per test would bury the
@@ -31,7 +39,7 @@ REAL_SERVER_SKIP = "real-server lane: set MONGOQ_TEST_URI to a replica-set URI t
 # "interleaved" is the embedded backend with every command yielding to the event loop, as over a
 # network (`mongoq.testing.interleaving_database`): the second embedded lane.
 EMBEDDED = ["memory", "interleaved"]
-SERVERS = ["pymongo", "motor"] if TEST_URI else []
+SERVERS = [d for d in ("pymongo", "motor") if d in TEST_DRIVERS] if TEST_URI else []
 BACKENDS = [*EMBEDDED, *SERVERS]
 
 
@@ -63,6 +71,9 @@ async def _database(kind: str, test_id: str) -> AsyncIterator[Any]:
     name = f"mongoq_test_{uuid.uuid4().hex[:10]}"
     database = mongoq.connect(TEST_URI, name, driver=kind)
     try:
+        found = await _driver.topology(database)
+        if TOPOLOGY_EXPECT and found.value != TOPOLOGY_EXPECT:
+            pytest.fail(f"MONGOQ_TEST_URI is a {found.value}; the job expects {TOPOLOGY_EXPECT}")
         yield database
     finally:
         await database.client.drop_database(name)
@@ -82,6 +93,8 @@ async def odb(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
 async def txdb(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
     """A fresh database with multi-document transactions."""
     async for database in _database(request.param, request.node.nodeid):
+        if not await _driver.supports_transactions(database):
+            pytest.skip(NO_TRANSACTIONS_SKIP)
         yield database
 
 

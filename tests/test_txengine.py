@@ -43,7 +43,7 @@ async def test_shape(db: TxDatabase) -> None:
     with pytest.raises(AttributeError):
         _ = db._private
     assert _driver.backend_of(db) is _driver.Backend.PYMONGO
-    assert _driver.supports_transactions(db)
+    assert await _driver.supports_transactions(db)
 
 
 async def test_committed_transaction_keeps_writes_in_two_collections(db: TxDatabase) -> None:

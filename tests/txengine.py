@@ -370,7 +370,8 @@ class TxDatabase:
         if name in ("ping", "hello"):
             now = datetime.now(UTC).replace(tzinfo=None)
             now = now.replace(microsecond=now.microsecond // 1000 * 1000)  # BSON: milliseconds
-            return {"ok": 1.0, "localTime": now, "isWritablePrimary": True}
+            # A replica set's answer: the engine has transactions.
+            return {"ok": 1.0, "localTime": now, "isWritablePrimary": True, "setName": "tx"}
         spec = {command: value} if isinstance(command, str) else dict(command)
         try:
             return dict(self._inner.command(spec, **kwargs))

@@ -181,11 +181,11 @@ class AsyncOutbox:
         self.log = logger if logger is not None else log
         self.db = db
         self.prefix = prefix
-        self.events = db[f"{prefix}events"]
-        self.deliveries = db[f"{prefix}deliveries"]
-        self.sequences = db[f"{prefix}key_sequences"]
-        self.lanes = db[f"{prefix}lanes"]
-        self.history = db[f"{prefix}completed_deliveries"]
+        self.events = _driver.collection(db, f"{prefix}events")
+        self.deliveries = _driver.collection(db, f"{prefix}deliveries")
+        self.sequences = _driver.collection(db, f"{prefix}key_sequences")
+        self.lanes = _driver.collection(db, f"{prefix}lanes")
+        self.history = _driver.collection(db, f"{prefix}completed_deliveries")
         # Lanes are held per owner *and* per instance: a process restarted under a fixed owner
         # name takes its predecessor's lanes over like any worker, it does not adopt them.
         self.instance = uuid.uuid4().hex
@@ -267,6 +267,8 @@ class AsyncOutbox:
         transactional = session is not None
         if transactional and not _driver.in_transaction(session):
             raise InvalidInput("session", "has no transaction started; start one first")
+        if transactional:
+            await _driver.require_transactions(self.db, "publish(session=...)")
         batch = [events] if isinstance(events, Event) else check_batch("events", events)
         checked: dict[str, Event] = {}
         for index, event in enumerate(batch):
@@ -985,6 +987,7 @@ class AsyncOutbox:
         if session is not None and not _driver.in_transaction(session):
             raise InvalidInput("session", "has no transaction started; start one first")
         if session is not None:
+            await _driver.require_transactions(self.db, "complete(delivery, session=...)")
             now = await self._now()
             try:
                 await self._complete_in(session, [delivery], [fence], now)
@@ -997,7 +1000,7 @@ class AsyncOutbox:
             return True
         try:
             now = await self._now()
-            if self.completion_history and _driver.supports_transactions(self.db):
+            if self.completion_history and await _driver.supports_transactions(self.db):
                 done = await self._complete_in_own_transaction([delivery], [fence], now)
             else:
                 result = await self.deliveries.delete_one(fence)
@@ -1087,7 +1090,7 @@ class AsyncOutbox:
     async def _complete_batch(
         self, batch: list[Delivery], fences: list[dict[str, Any]], now: datetime
     ) -> list[bool]:
-        if self.completion_history and _driver.supports_transactions(self.db):
+        if self.completion_history and await _driver.supports_transactions(self.db):
             if await self._complete_in_own_transaction(batch, fences, now):
                 return [True] * len(batch)
             # Some claim ended (the transaction wrote nothing): complete the others one by one.
@@ -1450,7 +1453,7 @@ class AsyncOutbox:
             result = await self.events.delete_many({**query, "_id": {"$in": free}}, session=session)
             return int(result.deleted_count)
 
-        if _driver.supports_transactions(self.db):
+        if await _driver.supports_transactions(self.db):
             # A publish adding a delivery to one of these events conflicts with the deletion,
             # and one of the two retries: a delivery never loses its event.
             return await _driver.run_in_transaction(self.db, delete)
