@@ -16,12 +16,13 @@ import sys
 from collections.abc import Awaitable
 from typing import Any, cast
 
-from benchmarks import groups, outbox, peer, sync_facade, tasks
+from benchmarks import groups, outbox, peer, slots, sync_facade, tasks
 from benchmarks.harness import Result
 from benchmarks.peer import Ratio, Skipped
+from benchmarks.slots import SlotsResult
 from benchmarks.sync_facade import Overhead
 
-Outcome = Result | Overhead | Ratio | Skipped
+Outcome = Result | Overhead | Ratio | Skipped | SlotsResult
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         help="backlog sizes behind a blocked key for the outbox claim-cost scenario",
     )  # fmt: skip
     parser.add_argument(
-        "--only", choices=["tasks", "groups", "outbox", "sync", "peer"], help="run one family"
+        "--only",
+        choices=["tasks", "groups", "outbox", "slots", "sync", "peer"],
+        help="run one family",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of lines")
     args = parser.parse_args(argv)
@@ -53,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         runs += groups.scenarios(args.tasks, args.groups)
     if args.only in (None, "outbox"):
         runs += outbox.scenarios(args.tasks, args.blocked)
+    if args.only in (None, "slots"):
+        runs += slots.scenarios()
     if args.only in (None, "sync") and not args.uri:
         runs += sync_facade.scenarios()
     if args.only in (None, "peer"):

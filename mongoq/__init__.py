@@ -11,7 +11,7 @@ from typing import Any
 
 from mongoq import _driver
 from mongoq.clock import Clock, ServerClock, SystemClock
-from mongoq.errors import InvalidInput, LeaseLost, MongoqError, PermanentError
+from mongoq.errors import IndexesMissing, InvalidInput, LeaseLost, MongoqError, PermanentError
 from mongoq.groups import (
     AsyncGroupTransport,
     DeadLetter,
@@ -61,6 +61,7 @@ __all__ = [
     "GroupLease",
     "GroupRunSummary",
     "GroupStats",
+    "IndexesMissing",
     "InvalidInput",
     "LeaseLost",
     "MongoqError",

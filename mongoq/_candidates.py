@@ -5,12 +5,15 @@ those still due with one conditional ``update_many``. On a server other claimers
 between the two, so the slots of one worker read the same candidates at once and all but one
 find them taken. A claimer that lost every candidate moves past them: they are no longer due,
 so reading again returns the next ones. It reports "nothing" only when nothing is due, so a run
-loop never naps while due work waits. Owns no collections.
+loop never naps while due work waits. The first round takes the most urgent candidates in
+order; later rounds, only reached under contention, take a random part of a wider window.
+Owns no collections.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,6 +25,9 @@ log = logging.getLogger("mongoq.claims")
 #: means another claimer took a whole batch, so rounds beyond the number of concurrent claimers
 #: are rare; the bound keeps a claim finite under producers that never stop.
 MAX_ROUNDS = 32
+#: The widest candidate window a claim reads after lost rounds.
+MAX_WINDOW = 1000
+_random = random.Random()
 
 
 async def take_candidates(
@@ -36,12 +42,19 @@ async def take_candidates(
     """Mark up to `n` due documents with `update` (which must make them no longer `due`);
     returns the candidate ids of the round that took some, in claim order (the caller reads
     back which of them its update took), or ``[]`` when nothing is due."""
-    for _ in range(MAX_ROUNDS):
+    for lost in range(MAX_ROUNDS):
+        # After a lost round the other losers read the same next candidates: each reads a
+        # wider window and tries a random `n` of it (in claim order), so that they split the
+        # window instead of colliding again, all but one, round after round.
+        window = min(n * (lost + 1), MAX_WINDOW)
         candidates = await _driver.find_list(
-            collection, due, sort=sort, limit=n, projection={"_id": 1}, hint=hint
+            collection, due, sort=sort, limit=window, projection={"_id": 1}, hint=hint
         )
         if not candidates:
             return []
+        if len(candidates) > n:
+            chosen = sorted(_random.sample(range(len(candidates)), n))
+            candidates = [candidates[index] for index in chosen]
         ids = [doc["_id"] for doc in candidates]
         taken = await collection.update_many({"_id": {"$in": ids}, **due}, dict(update))
         if taken.modified_count:

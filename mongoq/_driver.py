@@ -22,27 +22,29 @@ Owns no collections.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import inspect
 import os
 import weakref
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
 from pymongo import ReadPreference, UpdateMany, UpdateOne
-from pymongo.read_concern import ReadConcern
-from pymongo.write_concern import WriteConcern
 from pymongo.errors import (
     CollectionInvalid,
     ConnectionFailure,
+    DocumentTooLarge,
     ExecutionTimeout,
     OperationFailure,
     PyMongoError,
     WTimeoutError,
 )
+from pymongo.read_concern import ReadConcern
+from pymongo.write_concern import WriteConcern
 
-from mongoq.errors import InvalidInput, MongoqError
+from mongoq.errors import IndexesMissing, InvalidInput, MongoqError
 
 __all__ = ["TRANSIENT_ERRORS", "Backend", "backend_of", "connect"]
 
@@ -55,6 +57,10 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 )
 #: Every driver error: what background loops (heartbeats, worker slots) survive and log.
 DRIVER_ERRORS: tuple[type[BaseException], ...] = (PyMongoError,)
+#: The server's refusals of a document over 16 MiB: an update's result (17419), an upsert's
+#: insert (17420), a document built otherwise (10334). Definite: nothing was written.
+TOO_LARGE_CODES = frozenset({17419, 17420, 10334})
+_BAD_VALUE = 2
 _INDEX_OPTIONS_CONFLICT = 85
 _NAMESPACE_EXISTS = 48
 T = TypeVar("T")
@@ -66,6 +72,39 @@ class Backend(enum.Enum):
     PYMONGO = "pymongo"
     MOTOR = "motor"
     MEMORY = "memory"
+
+
+def too_large(error: BaseException) -> bool:
+    """Whether `error` is a refusal of a document over the size limit (server or driver)."""
+    if isinstance(error, DocumentTooLarge):
+        return True
+    return isinstance(error, OperationFailure) and error.code in TOO_LARGE_CODES
+
+
+def missing_index(error: BaseException) -> bool:
+    """Whether `error` is the server's refusal of a hint to an index that does not exist."""
+    return (
+        isinstance(error, OperationFailure)
+        and error.code == _BAD_VALUE
+        and "hint provided does not correspond to an existing index" in str(error)
+    )
+
+
+@contextlib.contextmanager
+def index_required(collection: Any, index: str | None) -> Iterator[None]:
+    """Turn a refused hint to `index` into `IndexesMissing`, naming the collection and the
+    set-up call: the same clear error on the first call, never a failure logged every poll."""
+    try:
+        yield
+    except OperationFailure as error:
+        if index is None or not missing_index(error):
+            raise
+        name = getattr(collection, "full_name", None) or getattr(collection, "name", "?")
+        raise IndexesMissing(
+            f"{name} has no index {index!r}: mongoq's indexes were never created here; run "
+            "ensure_indexes() (AsyncTaskQueue, AsyncGroupTransport) or setup() (AsyncOutbox) "
+            "once, at deploy time or when the service starts"
+        ) from error
 
 
 def unwrap(db: Any) -> Any:
@@ -115,11 +154,11 @@ def connect(
     if uri is None:
         uri = os.environ.get("MONGOQ_URI") or None
     if uri is None or uri == MEMORY_SCHEME:
-        from mongomock_motor import AsyncMongoMockClient
+        # mongomock-motor, refusing what a server refuses (16 MiB, hints, transactions): see
+        # mongoq._embedded. Imported here: the embedded backend is an extra.
+        from mongoq._embedded import embedded_database
 
-        # Not tz_aware (PyMongo's default, as for the server clients below), so dates inside
-        # payloads read back alike on every backend; mongoq makes its own fields aware.
-        return AsyncMongoMockClient()[database]
+        return embedded_database(database)
     if not isinstance(uri, str) or not uri.startswith(("mongodb://", "mongodb+srv://")):
         raise InvalidInput("uri", "must start with mongodb://, mongodb+srv:// or memory://")
     if driver == "pymongo":
@@ -146,7 +185,8 @@ async def find_list(
     cursor = collection.find(filter, projection, sort=sort, limit=limit)
     if hint is not None:  # chained: mongomock's `find` rejects a `hint` argument
         cursor = cursor.hint(hint)
-    return list(await cursor.to_list(None))
+    with index_required(collection, hint):
+        return list(await cursor.to_list(None))
 
 
 def owned_by(pairs: Sequence[tuple[Any, Any]], token_field: str = "token") -> dict[str, Any]:
@@ -164,10 +204,11 @@ async def aggregate_list(
 ) -> list[Any]:
     """Run an aggregation and read all of it, whichever driver."""
     options = {} if hint is None else {"hint": hint}
-    cursor = collection.aggregate(list(pipeline), **options)
-    if inspect.isawaitable(cursor):
-        cursor = await cursor
-    return list(await cursor.to_list(None))
+    with index_required(collection, hint):
+        cursor = collection.aggregate(list(pipeline), **options)
+        if inspect.isawaitable(cursor):
+            cursor = await cursor
+        return list(await cursor.to_list(None))
 
 
 def update_by_id(
@@ -252,10 +293,8 @@ async def topology(db: Any) -> Topology:
     if known is not None and known[0]() is client:
         return known[1]
     found = topology_from_hello(await unwrap(db).command("hello"))
-    try:
+    with contextlib.suppress(TypeError):  # a client without weak references: asked again
         _TOPOLOGIES[id(client)] = (weakref.ref(client), found)
-    except TypeError:  # a client that cannot be referenced weakly is simply asked again
-        pass
     return found
 
 

@@ -7,7 +7,7 @@ outcome is unknown", and every primitive is built so that such an outcome is rec
 
 from __future__ import annotations
 
-__all__ = ["InvalidInput", "LeaseLost", "MongoqError", "PermanentError"]
+__all__ = ["IndexesMissing", "InvalidInput", "LeaseLost", "MongoqError", "PermanentError"]
 
 
 class MongoqError(Exception):
@@ -37,3 +37,11 @@ class LeaseLost(MongoqError):
 
 class PermanentError(MongoqError):
     """Raised by a handler to fail its work item now, without further retries."""
+
+
+class IndexesMissing(MongoqError):
+    """A query names an index that the collection does not have: the primitive's indexes were
+    never created. Run ``ensure_indexes()`` (task queue, group transport) or ``setup()``
+    (outbox) once, at deploy time or when the service starts; a run loop stops with this error
+    rather than log a failure on every poll.
+    """

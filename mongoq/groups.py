@@ -4,7 +4,9 @@ Collections (names start with ``{prefix}``):
 
 - ``{prefix}_messages``: one document per message, ``{_id: seq, group_id, event, priority,
   published_at, deliveries, token, stamp_until, last_error, dead}``; ``seq`` is a global
-  monotonic number, so a group's head is its smallest ``_id``. ``token`` / ``stamp_until`` are
+  monotonic number, so a group's head is its smallest stored ``_id`` (a concurrent publisher's
+  smaller ``seq`` may be stored after a larger one was delivered: publishes that overlap have
+  no order). ``token`` / ``stamp_until`` are
   the lease that holds the head and until when; ``deliveries`` counts the deliveries; ``dead``
   marks a head on its way to the dead letters.
 - ``{prefix}_locks``: one document per active group, the ready-index and the lease in one,
@@ -179,8 +181,12 @@ class AsyncGroupTransport(WorkerHost):
     """Per-group FIFO over MongoDB (see the module docstring for the layout).
 
     Guarantees: a group has at most one live holder (the claim is one atomic sorted
-    ``find_one_and_update``); messages of a group are delivered in ``seq`` order, the next only
-    after the previous was acked or dead-lettered; every ack/nack/extend is fenced on the lease
+    ``find_one_and_update``); one message of a group at a time, the next only after the
+    previous was acked or dead-lettered, the head being the smallest ``seq`` stored; if
+    ``publish(a)`` returned before ``publish(b)`` was called (or ``a`` precedes ``b`` in one
+    `publish_many`), ``a`` is delivered first. Concurrent publishes to one group have no order:
+    allocating a ``seq`` and inserting the message are two commands, so a later ``seq`` can be
+    stored, and delivered, before an earlier one. Every ack/nack/extend is fenced on the lease
     token, so a holder that lost the group changes nothing and gets ``False``; a consumer that
     dies leaves its group claimable again after `visibility` with the same head. Delivery is at
     least once. Without `max_deliveries`, a head that always fails blocks its group (FIFO): set it
@@ -352,13 +358,14 @@ class AsyncGroupTransport(WorkerHost):
             due: dict[str, Any] = {"priority": {"$in": floor}, "available_at": {"$lte": now}}
             if refused:
                 due["_id"] = {"$nin": refused}
-            lock = await self.locks.find_one_and_update(
-                due,
-                {"$set": {"token": token, "available_at": lease_until, "parked": False}},
-                sort=[("available_at", 1)],
-                hint=CLAIM_INDEX,
-                return_document=ReturnDocument.AFTER,
-            )
+            with _driver.index_required(self.locks, CLAIM_INDEX):
+                lock = await self.locks.find_one_and_update(
+                    due,
+                    {"$set": {"token": token, "available_at": lease_until, "parked": False}},
+                    sort=[("available_at", 1)],
+                    hint=CLAIM_INDEX,
+                    return_document=ReturnDocument.AFTER,
+                )
             if lock is None:
                 return None
             head = await self._take_head(lock["_id"], token, now, lease_until)
@@ -620,13 +627,14 @@ class AsyncGroupTransport(WorkerHost):
             }
         ]
         while True:
-            head = await self.messages.find_one_and_update(
-                {"group_id": group_id},
-                stamp,
-                sort=[("_id", 1)],
-                hint=HEAD_INDEX,
-                return_document=ReturnDocument.AFTER,
-            )
+            with _driver.index_required(self.messages, HEAD_INDEX):
+                head = await self.messages.find_one_and_update(
+                    {"group_id": group_id},
+                    stamp,
+                    sort=[("_id", 1)],
+                    hint=HEAD_INDEX,
+                    return_document=ReturnDocument.AFTER,
+                )
             if head is None:
                 return None
             if head.get("token") != token:

@@ -60,12 +60,15 @@ from functools import partial
 from typing import Any, Literal
 
 import anyio
+import bson
 from pymongo import ReturnDocument
 
 from mongoq import _driver
 from mongoq._candidates import take_candidates
 from mongoq._validation import (
     MAX_BATCH,
+    MAX_DOCUMENT_BYTES,
+    MAX_PAYLOAD_BYTES,
     check_batch,
     check_id,
     check_int,
@@ -108,6 +111,27 @@ NOT_AN_ATTEMPT_DELAY = 5.0
 TaskId = str | int
 
 
+#: A result this small always fits: a put leaves the task document this much room (the
+#: payload limit), well above the bookkeeping fields and a 2,000-character error.
+_RESULT_ALWAYS_FITS = 32 * 1024
+
+
+def check_result(field: str, task: Task, result: Any) -> None:
+    """`result` is storable on `task`'s document: BSON-encodable, and the document with it stays
+    within the server's 16 MiB (a server refuses the completion otherwise: code 17419)."""
+    size = check_payload(field, result)
+    if size <= _RESULT_ALWAYS_FITS:
+        return
+    stored = len(bson.encode(task.document(result)))
+    if stored > MAX_DOCUMENT_BYTES:
+        raise InvalidInput(
+            field,
+            f"encodes to {size} bytes; with the task's payload the document would take {stored} "
+            f"bytes, over the server's limit of {MAX_DOCUMENT_BYTES} (16 MiB): store large "
+            "results elsewhere (GridFS, object storage) and return a reference",
+        )
+
+
 @dataclass(frozen=True)
 class Task:
     """A snapshot of a task document; `claim` returns one with the lease fields set.
@@ -147,6 +171,24 @@ class Task:
             created_at=stored_instant(doc.get("created_at")),
             updated_at=stored_instant(doc.get("updated_at")),
         )
+
+    def document(self, result: Any = None) -> dict[str, Any]:
+        """The stored form of this task with `result` (what a completion leaves)."""
+        return {
+            "_id": self.id,
+            "payload": self.payload,
+            "revision": self.revision,
+            "priority": self.priority,
+            "status": DONE,
+            "attempts": self.attempts,
+            "lease_until": self.lease_until,
+            "worker_id": self.worker_id,
+            "lease_token": self.lease_token,
+            "error": self.error,
+            "result": result,
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+        }
 
 
 @dataclass(frozen=True)
@@ -379,11 +421,17 @@ class AsyncTaskQueue(WorkerHost):
     @staticmethod
     def _check_new_task(spec: NewTask, prefix: str = "") -> NewTask:
         task_id = check_id(f"{prefix}task_id", spec.task_id)
-        check_payload(f"{prefix}payload", spec.payload)
+        size = check_payload(f"{prefix}payload", spec.payload)
         if spec.revision is not None:
             if isinstance(spec.revision, bool) or not isinstance(spec.revision, str | int):
                 raise InvalidInput(f"{prefix}revision", "must be a string, an int or None")
-            check_payload(f"{prefix}revision", spec.revision)
+            size += check_payload(f"{prefix}revision", spec.revision)
+            if size > MAX_PAYLOAD_BYTES:
+                raise InvalidInput(
+                    f"{prefix}revision",
+                    f"payload and revision encode to {size} bytes together; the limit is "
+                    f"{MAX_PAYLOAD_BYTES}",
+                )
         check_int(f"{prefix}priority", spec.priority, low=-(2**31), high=2**31 - 1)
         delay = check_seconds(f"{prefix}delay", spec.delay)
         return NewTask(task_id, spec.payload, spec.revision, spec.priority, delay)
@@ -461,13 +509,14 @@ class AsyncTaskQueue(WorkerHost):
         """
         worker = self._worker(worker_id)
         now = await self._now()
-        doc = await self.collection.find_one_and_update(
-            self._claimable(now),
-            self._claiming(worker, uuid.uuid4().hex, now),
-            sort=CLAIM_ORDER,
-            hint=CLAIM_INDEX,
-            return_document=ReturnDocument.AFTER,
-        )
+        with _driver.index_required(self.collection, CLAIM_INDEX):
+            doc = await self.collection.find_one_and_update(
+                self._claimable(now),
+                self._claiming(worker, uuid.uuid4().hex, now),
+                sort=CLAIM_ORDER,
+                hint=CLAIM_INDEX,
+                return_document=ReturnDocument.AFTER,
+            )
         if doc is None:
             return None
         task = Task.from_document(doc)
@@ -542,7 +591,7 @@ class AsyncTaskQueue(WorkerHost):
             raise InvalidInput("results", "must have one result per task")
         for index, (task, result) in enumerate(zip(tasks, values, strict=True)):
             self._fence(task)
-            check_payload(f"results[{index}]", result)
+            check_result(f"results[{index}]", task, result)
         if not tasks:
             return []
         now = await self._now()
@@ -623,7 +672,9 @@ class AsyncTaskQueue(WorkerHost):
         lease = self._leases.get(task.lease_token or "")
         try:
             result = await self.collection.update_one({**fence, "revision": task.revision}, update)
-        except _driver.DRIVER_ERRORS:
+        except _driver.DRIVER_ERRORS as error:
+            if _driver.too_large(error):  # refused, nothing written: a fact, not an unknown
+                raise InvalidInput("result", f"the server refused the document: {error}") from error
             # Applied or not, nobody can tell. The lease stays unsettled, so the exit of
             # `leased` still releases the task: harmless if this write applied (the release
             # then matches nothing), the fastest recovery if it did not.
@@ -670,7 +721,7 @@ class AsyncTaskQueue(WorkerHost):
     async def complete(self, task: Task, result: Any = None) -> bool:
         """Mark the task ``done`` with `result`; False (and no change) if no longer held."""
         self._fence(task)
-        check_payload("result", result)
+        check_result("result", task, result)
         now = await self._now()
         return await self._settle(task, "completed", self._done(result, now), now)
 
@@ -1015,7 +1066,7 @@ class AsyncTaskQueue(WorkerHost):
                             continue  # taken over meanwhile: never start it twice
                         try:
                             result = await handler(current)
-                            check_payload("result", result)
+                            check_result("result", current, result)
                         except (PermanentError, InvalidInput) as exc:
                             await settle(current, "failed", partial(self.fail, current, exc))
                         except Exception as exc:

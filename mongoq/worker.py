@@ -17,6 +17,7 @@ gone. Owns no collections.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -24,7 +25,7 @@ import socket
 import threading
 import traceback
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import datetime, timedelta
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -42,6 +43,7 @@ __all__ = [
     "WorkerLoop",
     "default_worker_id",
     "error_text",
+    "mongoq_errors_unwrapped",
     "require_main_thread",
     "watch_signals",
 ]
@@ -101,6 +103,28 @@ async def watch_signals(loop: Stoppable, scope: anyio.CancelScope, name: str) ->
             loop.stop()
 
 
+@contextlib.contextmanager
+def mongoq_errors_unwrapped() -> Iterator[None]:
+    """A run loop's task groups wrap what their tasks raise in exception groups. When all of it
+    is mongoq's own errors (`IndexesMissing` from every slot at once), the caller gets the
+    first of them as itself, so ``except IndexesMissing`` works on ``run()``."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaves = list(_leaves(group))
+        if leaves and all(isinstance(leaf, MongoqError) for leaf in leaves):
+            raise leaves[0] from group
+        raise
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
+    for error in group.exceptions:
+        if isinstance(error, BaseExceptionGroup):
+            yield from _leaves(error)
+        else:
+            yield error
+
+
 class WorkerLoop(Generic[Item]):
     """Claim-process slots over a claim function and a process function."""
 
@@ -146,6 +170,10 @@ class WorkerLoop(Generic[Item]):
     async def run(self, *, handle_signals: bool = False) -> None:
         if handle_signals:
             require_main_thread()
+        with mongoq_errors_unwrapped():
+            await self._run(handle_signals)
+
+    async def _run(self, handle_signals: bool) -> None:
         async with anyio.create_task_group() as group:
             if handle_signals:
                 group.start_soon(watch_signals, self, group.cancel_scope, self._name)

@@ -343,8 +343,12 @@ class GroupTransport(Facade):
     """Per-group FIFO over MongoDB (see the module docstring for the layout).
 
     Guarantees: a group has at most one live holder (the claim is one atomic sorted
-    ``find_one_and_update``); messages of a group are delivered in ``seq`` order, the next only
-    after the previous was acked or dead-lettered; every ack/nack/extend is fenced on the lease
+    ``find_one_and_update``); one message of a group at a time, the next only after the
+    previous was acked or dead-lettered, the head being the smallest ``seq`` stored; if
+    ``publish(a)`` returned before ``publish(b)`` was called (or ``a`` precedes ``b`` in one
+    `publish_many`), ``a`` is delivered first. Concurrent publishes to one group have no order:
+    allocating a ``seq`` and inserting the message are two commands, so a later ``seq`` can be
+    stored, and delivered, before an earlier one. Every ack/nack/extend is fenced on the lease
     token, so a holder that lost the group changes nothing and gets ``False``; a consumer that
     dies leaves its group claimable again after `visibility` with the same head. Delivery is at
     least once. Without `max_deliveries`, a head that always fails blocks its group (FIFO): set it

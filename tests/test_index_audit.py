@@ -56,6 +56,7 @@ from mongoq import (
     PermanentError,
     Task,
 )
+from mongoq.outbox import AsyncOutbox, Event
 from mongoq.testing import CommandCounter, ManualClock, Operation, instrument, memory_database
 
 TASKS = "audit_tasks"
@@ -901,7 +902,10 @@ def _explain_command(op: Operation, recorder: ChainRecorder) -> dict[str, Any]:
         update = {"q": filter, "u": op.args[1], "multi": op.name == "update_many"}
         return {"update": op.collection, "updates": [update]}
     if op.name == "aggregate":
-        return {"aggregate": op.collection, "pipeline": list(op.args[0]), "cursor": {}}
+        command = {"aggregate": op.collection, "pipeline": list(op.args[0]), "cursor": {}}
+        if op.kwargs.get("hint") is not None:
+            command["hint"] = op.kwargs["hint"]
+        return command
     raise AssertionError(f"no explain for {op.collection}.{op.name}")
 
 
@@ -951,3 +955,45 @@ async def test_claim_queries_do_not_scan_the_collection_on_a_real_server(
             scans.append(f"{op.collection}.{op.name} {op.filter!r}")
     assert len(counter.operations) >= 10
     assert not scans, "claim queries that scan the collection:\n" + "\n".join(scans)
+
+
+#: The commands of a claim path that select documents by more than ``_id``.
+_EXPLAINED = frozenset({"find", "aggregate", "find_one_and_update", "update_one", "update_many"})
+
+
+async def test_outbox_claim_queries_do_not_scan_the_collection_on_a_real_server(
+    db: Any, request: pytest.FixtureRequest
+) -> None:
+    if request.node.callspec.params["db"] in ("memory", "interleaved"):
+        pytest.skip("explain needs a real server: set MONGOQ_TEST_URI")
+    recorder = ChainRecorder(db)
+    counter = CommandCounter()
+    outbox = AsyncOutbox(
+        instrument(recorder, counter), subscriptions={"t": ["h", "i"]}, clock=ManualClock()
+    )
+    await outbox.setup()
+    await outbox.publish(
+        [Event(id=f"e{n}", type="t", key=f"k{n % 20}" if n % 2 else None) for n in range(200)],
+        session=None,
+    )
+    first = await outbox.claim("w", limit=32)
+    assert await outbox.complete_many(first) == [True] * len(first)
+
+    counter.record = True
+    assert await outbox.claim("w", limit=32)
+    assert await outbox.claim("v", ["h"], limit=8)
+    counter.record = False
+
+    scans = []
+    explained = 0
+    for op in counter.operations:
+        if op.name not in _EXPLAINED or op.collection == "$cmd":
+            continue
+        plan = await db.command(
+            {"explain": _explain_command(op, recorder), "verbosity": "queryPlanner"}
+        )
+        explained += 1
+        if "COLLSCAN" in set(_stages(plan)):
+            scans.append(f"{op.collection}.{op.name} {op.filter!r}")
+    assert explained >= 4
+    assert not scans, "outbox claim queries that scan the collection:\n" + "\n".join(scans)

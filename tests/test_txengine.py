@@ -13,6 +13,7 @@ from pymongo.errors import (
     CollectionInvalid,
     DuplicateKeyError,
     InvalidOperation,
+    NetworkTimeout,
     OperationFailure,
 )
 
@@ -155,6 +156,132 @@ async def test_duplicate_key_inside_a_transaction_rolls_back(db: TxDatabase) -> 
     assert await ids(db, "a") == [1]
 
 
+def assert_no_such_transaction(error: BaseException) -> None:
+    assert type(error) is OperationFailure
+    assert error.code == 251 and (error.details or {}).get("codeName") == "NoSuchTransaction"
+    assert error.has_error_label("TransientTransactionError")
+
+
+async def test_a_swallowed_duplicate_key_aborts_the_transaction_as_on_a_server(
+    db: TxDatabase,
+) -> None:
+    await db.a.insert_one({"_id": 1})
+    async with db.client.start_session() as session:
+        await session.start_transaction()
+        await db.a.insert_one({"_id": 2}, session=session)
+        await db.b.insert_one({"_id": 2}, session=session)
+        with pytest.raises(DuplicateKeyError) as dup:
+            await db.a.insert_one({"_id": 1}, session=session)
+        assert not dup.value.has_error_label("TransientTransactionError")  # as a server's
+        # Aborted at once: its writes are undone, its collections free for other writers.
+        assert (await ids(db, "a"), await ids(db, "b")) == ([1], [])
+        await db.a.insert_one({"_id": 3})
+        async with db.client.start_session() as other, await other.start_transaction():
+            await db.b.insert_one({"_id": "other"}, session=other)
+        # The client still thinks it is open; every later command in it fails.
+        assert session.in_transaction
+        for command in (
+            db.a.insert_one({"_id": 4}, session=session),
+            db.a.find_one({"_id": 1}, session=session),
+            db.b.delete_many({}, session=session),
+            db.command("ping", session=session),
+        ):
+            with pytest.raises(OperationFailure) as later:
+                await command
+            assert_no_such_transaction(later.value)
+        with pytest.raises(InvalidOperation):
+            await session.start_transaction()
+        with pytest.raises(OperationFailure) as commit:
+            await session.commit_transaction()
+        assert_no_such_transaction(commit.value)
+        assert not session.in_transaction
+        # The session works again for the next transaction.
+        async with await session.start_transaction():
+            await db.a.insert_one({"_id": 5}, session=session)
+    assert (await ids(db, "a"), await ids(db, "b")) == ([1, 3, 5], ["other"])
+
+
+async def test_a_swallowed_bulk_write_error_aborts_and_an_abort_then_succeeds(
+    db: TxDatabase,
+) -> None:
+    await db.a.insert_one({"_id": 1})
+    async with db.client.start_session() as session:
+        await session.start_transaction()
+        with pytest.raises(BulkWriteError):
+            await db.a.insert_many(
+                [{"_id": 2}, {"_id": 1}, {"_id": 3}], ordered=False, session=session
+            )
+        assert await ids(db, "a") == [1]  # 2 and 3 were inserted, then rolled back
+        await session.abort_transaction()  # PyMongo ignores the server's NoSuchTransaction
+        assert not session.in_transaction
+        await session.start_transaction()
+        with pytest.raises(DuplicateKeyError):
+            await db.a.update_one({"_id": 9}, {"$set": {"_id": 1}}, upsert=True, session=session)
+    assert not session.in_transaction and await ids(db, "a") == [1]  # ending it cleared it
+
+
+async def test_a_write_error_outside_a_transaction_leaves_the_session_usable(
+    db: TxDatabase,
+) -> None:
+    await db.a.insert_one({"_id": 1})
+    async with db.client.start_session() as session:
+        with pytest.raises(DuplicateKeyError):
+            await db.a.insert_one({"_id": 1}, session=session)
+        await db.a.insert_one({"_id": 2}, session=session)
+        assert await db.a.find_one({"_id": 2}, session=session) == {"_id": 2}
+    assert await ids(db, "a") == [1, 2]
+
+
+async def test_with_transaction_swallowing_a_write_error_gives_up_after_max_attempts() -> None:
+    """The commit fails with NoSuchTransaction, which with_transaction retries: on a server
+    until its 120 s run out; here after `max_attempts`, raising what PyMongo raises then."""
+    db = transactional_database(max_attempts=3)
+    await db.a.insert_one({"_id": 1})
+    attempts = 0
+
+    async def swallowing(session: TxSession) -> None:
+        nonlocal attempts
+        attempts += 1
+        await db.a.insert_one({"_id": f"try{attempts}"}, session=session)
+        with pytest.raises(DuplicateKeyError):  # caught, not re-raised
+            await db.a.insert_one({"_id": 1}, session=session)
+
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(NetworkTimeout) as gave_up:
+        await _driver.run_in_transaction(db, swallowing)
+    assert loop.time() - started < 5
+    assert attempts == 3
+    assert gave_up.value.has_error_label("TransientTransactionError")
+    assert gave_up.value.__cause__ is not None
+    assert_no_such_transaction(gave_up.value.__cause__)
+    assert await ids(db, "a") == [1]
+
+    db.client.retry_time_limit = 0  # the time limit binds too
+    attempts = 0
+    with pytest.raises(NetworkTimeout):
+        await _driver.run_in_transaction(db, swallowing)
+    assert attempts == 1
+
+
+async def test_with_transaction_retries_a_transient_commit_failure(db: TxDatabase) -> None:
+    await db.a.insert_one({"_id": 1})
+    attempts = 0
+
+    async def first_swallows(session: TxSession) -> str:
+        nonlocal attempts
+        attempts += 1
+        await db.a.insert_one({"_id": f"try{attempts}"}, session=session)
+        if attempts == 1:
+            with pytest.raises(DuplicateKeyError):
+                await db.a.insert_one({"_id": 1}, session=session)
+        return "committed"
+
+    assert await _driver.run_in_transaction(db, first_swallows) == "committed"
+    assert attempts == 2
+    assert await ids(db, "a") == [1, "try2"]
+
+
 async def test_bulk_write_with_update_one(db: TxDatabase) -> None:
     await db.a.insert_many([{"_id": 1, "n": 0}, {"_id": 2, "n": 0}])
     result = await db.a.bulk_write(
@@ -193,7 +320,10 @@ async def test_find_sort_limit_hint_and_to_list(db: TxDatabase) -> None:
 
 async def test_aggregate(db: TxDatabase) -> None:
     await db.a.insert_many([{"_id": i, "p": i % 3} for i in range(10)])
-    pipeline = [{"$group": {"_id": "$p", "n": {"$sum": 1}}}, {"$sort": {"_id": 1}}]
+    pipeline: list[dict[str, Any]] = [
+        {"$group": {"_id": "$p", "n": {"$sum": 1}}},
+        {"$sort": {"_id": 1}},
+    ]
     cursor = await db.a.aggregate(pipeline)
     assert await cursor.to_list() == [{"_id": 0, "n": 4}, {"_id": 1, "n": 3}, {"_id": 2, "n": 3}]
     cursor = await db.a.aggregate(pipeline)

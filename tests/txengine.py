@@ -16,7 +16,7 @@ What they do NOT model:
 (b) other writers: an abort restores the whole collection, so it also discards the writes that
     others (without a transaction) made to that collection meanwhile;
 (c) write conflicts: mongomock-ng never raises one (nor any TransientTransactionError), and a
-    commit never fails;
+    commit never fails; a write error leaves its transaction open, as if it had not happened;
 (d) DDL: creating a collection is never undone; a drop inside a transaction is undone only as
     far as its documents and indexes go.
 Reads (find, count, aggregate, ...) never take part in a transaction: given (a), they need not.
@@ -29,6 +29,19 @@ What this adapter adds on top (the workarounds):
   another transaction raises WriteConflict (code 112, label TransientTransactionError), which
   `TxSession.with_transaction` retries with backoff as PyMongo's does. Conflicts are therefore
   per collection (coarser than a server's per document), but never silent.
+- As on a server, an error raised by a write inside a transaction (a duplicate key, a write
+  conflict, any OperationFailure: BulkWriteError and DuplicateKeyError included) ABORTS that
+  transaction at once, whether or not the caller catches the error: its writes are rolled back
+  and its collections freed. The session still reports ``in_transaction`` until it is ended;
+  every later command with it raises NoSuchTransaction (code 251, label
+  TransientTransactionError), and so does the commit; an abort succeeds (PyMongo ignores
+  abortTransaction errors). Swallowing a write error inside a transaction is therefore seen.
+- `TxSession.with_transaction` retries as PyMongo's does (the whole transaction on a
+  TransientTransactionError, from the callback or from the commit), but gives up after
+  ``client.max_attempts`` attempts (default 10) as well as after ``client.retry_time_limit``
+  seconds (default 120, PyMongo's): a callback that swallows a write error fails in well under
+  a second instead of looping for two minutes. Giving up raises what PyMongo 4.20 raises,
+  NetworkTimeout carrying the last error's labels, chained to that error.
 - ``count_documents`` rejects a session (KeyError) and ``estimated_document_count`` too: reads
   run without one.
 - TTL emulation ignores ``partialFilterExpression`` and would delete every document old
@@ -50,7 +63,13 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import mongomock_ng
-from pymongo.errors import CollectionInvalid, InvalidOperation, OperationFailure, PyMongoError
+from pymongo.errors import (
+    CollectionInvalid,
+    InvalidOperation,
+    NetworkTimeout,
+    OperationFailure,
+    PyMongoError,
+)
 from pymongo.operations import IndexModel
 
 __all__ = [
@@ -64,6 +83,7 @@ __all__ = [
 
 T = TypeVar("T")
 _RETRY_TIME_LIMIT = 120.0  # seconds, as PyMongo's with_transaction
+_MAX_ATTEMPTS = 10  # PyMongo has no such bound (see the module doc)
 _BACKOFF_INITIAL, _BACKOFF_MAX = 0.005, 0.5
 _WRITE_CONFLICT = (
     "WriteConflict error: this operation conflicted with another operation. "
@@ -77,9 +97,36 @@ def _failure(message: str, code: int, code_name: str, **extra: Any) -> Operation
     return OperationFailure(message, code, details)
 
 
-def transactional_database(name: str = "mongoq") -> TxDatabase:
-    """A fresh in-memory database (own client, not tz_aware) with working transactions."""
-    return TxClient(mongomock_ng.MongoClient())[name]
+def _no_such_transaction(number: int) -> OperationFailure:
+    """What a server answers to a command in (or the commit of) a transaction it aborted."""
+    message = f"Transaction with {{ txnNumber: {number} }} has been aborted."
+    return _failure(message, 251, "NoSuchTransaction", errorLabels=["TransientTransactionError"])
+
+
+def _transient(error: BaseException) -> bool:
+    return isinstance(error, PyMongoError) and error.has_error_label("TransientTransactionError")
+
+
+def _gave_up(error: BaseException) -> NetworkTimeout:
+    """What PyMongo 4.20's with_transaction raises when its retries run out."""
+    timeout = NetworkTimeout(str(error))
+    if isinstance(error, PyMongoError):
+        timeout._error_labels = error._error_labels.copy()
+    return timeout
+
+
+def transactional_database(
+    name: str = "mongoq",
+    *,
+    max_attempts: int = _MAX_ATTEMPTS,
+    retry_time_limit: float = _RETRY_TIME_LIMIT,
+) -> TxDatabase:
+    """A fresh in-memory database (own client, not tz_aware) with working transactions;
+    `max_attempts` and `retry_time_limit` bound the retries of ``with_transaction``."""
+    client = TxClient(
+        mongomock_ng.MongoClient(), max_attempts=max_attempts, retry_time_limit=retry_time_limit
+    )
+    return client[name]
 
 
 class TxCursor:
@@ -136,26 +183,38 @@ class TxSession:
         self.client = client
         self._inner = inner
         self._held: set[tuple[str, str]] = set()
+        self._txn_number = 0
+        # Aborted "on the server" by a write error, still open for the client (see module doc).
+        self._doomed = False
 
     @property
     def in_transaction(self) -> bool:
-        return bool(self._inner.in_transaction)
+        return self._doomed or bool(self._inner.in_transaction)
 
     @property
     def has_ended(self) -> bool:
         return bool(self._inner.has_ended)
 
     async def start_transaction(self, **options: Any) -> _TransactionContext:
+        if self._doomed:
+            raise InvalidOperation("Transaction already in progress")
         self._inner.start_transaction(**options)  # raises InvalidOperation as PyMongo does
+        self._txn_number += 1
         return _TransactionContext(self)
 
     async def commit_transaction(self) -> None:
+        if self._doomed:
+            self._doomed = False
+            raise _no_such_transaction(self._txn_number)
         try:
             self._inner.commit_transaction()
         finally:
             self._release()
 
     async def abort_transaction(self) -> None:
+        if self._doomed:  # aborted already; PyMongo ignores the server's error
+            self._doomed = False
+            return
         try:
             self._inner.abort_transaction()
         finally:
@@ -165,7 +224,8 @@ class TxSession:
         self, callback: Callable[[TxSession], Awaitable[T]], **options: Any
     ) -> T:
         """Run ``await callback(self)`` in a transaction and commit it; abort and re-raise on an
-        exception, retrying the whole transaction on TransientTransactionError (as PyMongo)."""
+        exception, retrying the whole transaction on TransientTransactionError from the callback
+        or the commit (as PyMongo), within ``client.max_attempts`` and ``retry_time_limit``."""
         start, attempt = time.monotonic(), 0
         while True:
             if attempt:
@@ -178,17 +238,29 @@ class TxSession:
             except BaseException as exc:
                 if self.in_transaction:
                     await self.abort_transaction()
-                transient = isinstance(exc, PyMongoError) and exc.has_error_label(
-                    "TransientTransactionError"
-                )
-                if transient and time.monotonic() - start < _RETRY_TIME_LIMIT:
+                if not _transient(exc):
+                    raise
+                if self._may_retry(start, attempt):
                     continue
-                raise
-            if self.in_transaction:  # else the callback ended the transaction itself
+                raise _gave_up(exc) from exc
+            if not self.in_transaction:  # the callback ended the transaction itself
+                return result
+            try:
                 await self.commit_transaction()
+            except PyMongoError as exc:
+                if not _transient(exc):
+                    raise
+                if self._may_retry(start, attempt):
+                    continue
+                raise _gave_up(exc) from exc
             return result
 
+    def _may_retry(self, start: float, attempts: int) -> bool:
+        elapsed = time.monotonic() - start
+        return attempts < self.client.max_attempts and elapsed < self.client.retry_time_limit
+
     async def end_session(self) -> None:
+        self._doomed = False
         try:
             self._inner.end_session()  # aborts an open transaction
         finally:
@@ -209,6 +281,21 @@ class TxSession:
                 _WRITE_CONFLICT, 112, "WriteConflict", errorLabels=["TransientTransactionError"]
             )
         self._held.add(key)
+
+    def _check_alive(self) -> None:
+        """A command with this session: NoSuchTransaction once a write error aborted it."""
+        if self._doomed:
+            raise _no_such_transaction(self._txn_number)
+
+    def _abort_on_error(self) -> None:
+        """A write in this transaction failed: the server aborts it at once (see module doc)."""
+        if self._doomed or not self._inner.in_transaction:
+            return
+        try:
+            self._inner.abort_transaction()
+        finally:
+            self._release()
+            self._doomed = True
 
     def _release(self) -> None:
         for key in self._held:
@@ -276,9 +363,16 @@ class TxCollection:
                 raise TypeError(f"session must be a TxSession, got {type(session).__name__}")
             if session.has_ended:
                 raise InvalidOperation("Cannot use ended session")
-            if write:  # reads run without it (see the module doc)
-                session._hold((self.database.name, self.name))
-                kwargs["session"] = session._inner
+            session._check_alive()
+            if write and session.in_transaction:
+                try:
+                    session._hold((self.database.name, self.name))
+                    return getattr(self._inner, method)(*args, session=session._inner, **kwargs)
+                except OperationFailure:  # BulkWriteError and DuplicateKeyError included
+                    session._abort_on_error()
+                    raise
+            # Reads run without it (see the module doc), and so do writes outside a
+            # transaction (mongomock-ng would do nothing else with it).
         if not write:
             kwargs.pop("hint", None)  # mongomock-ng ignores hints, with a warning each time
         return getattr(self._inner, method)(*args, **kwargs)
@@ -366,6 +460,8 @@ class TxDatabase:
         comment: Any = None,
         **kwargs: Any,
     ) -> dict[str, Any]:
+        if session is not None:
+            session._check_alive()
         name = command if isinstance(command, str) else next(iter(command))
         if name in ("ping", "hello"):
             now = datetime.now(UTC).replace(tzinfo=None)
@@ -401,8 +497,17 @@ class TxDatabase:
 class TxClient:
     """`AsyncMongoClient` over a mongomock-ng client."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(
+        self,
+        inner: Any,
+        *,
+        max_attempts: int = _MAX_ATTEMPTS,
+        retry_time_limit: float = _RETRY_TIME_LIMIT,
+    ) -> None:
         self._inner = inner
+        # bounds of TxSession.with_transaction's retries (see the module doc)
+        self.max_attempts = max_attempts
+        self.retry_time_limit = retry_time_limit
         self._databases: dict[str, TxDatabase] = {}
         # (database, collection) -> the session whose open transaction writes to it
         self._holders: dict[tuple[str, str], TxSession] = {}

@@ -24,7 +24,12 @@ from mongoq._validation import check_worker_id as _check_owner
 from mongoq.errors import InvalidInput, LeaseLost, PermanentError
 from mongoq.outbox.models import Delivery, DispatchSummary, Event
 from mongoq.outbox.store import AsyncOutbox, _check_handler
-from mongoq.worker import default_worker_id, require_main_thread, watch_signals
+from mongoq.worker import (
+    default_worker_id,
+    mongoq_errors_unwrapped,
+    require_main_thread,
+    watch_signals,
+)
 
 __all__ = ["DeliveryContext", "Handler", "OutboxDispatcher", "default_backoff"]
 
@@ -157,13 +162,8 @@ class OutboxDispatcher:
         if handle_signals:
             require_main_thread()
         try:
-            async with anyio.create_task_group() as group:
-                if handle_signals:
-                    group.start_soon(watch_signals, self, group.cancel_scope, self.owner)
-                group.start_soon(self._renew_while_running)
-                async with anyio.create_task_group() as handlers:
-                    await self._claim_loop(handlers, stop_when_empty)
-                group.cancel_scope.cancel()
+            with mongoq_errors_unwrapped():
+                await self._run_loops(handle_signals, stop_when_empty)
         finally:
             with anyio.CancelScope(shield=True):
                 await self._flush()
@@ -173,6 +173,15 @@ class OutboxDispatcher:
                     log.warning("handing lanes back failed (%s); their leases will expire", exc)
             self._stopping = False  # a later run() starts afresh; a stop() before it holds
         return self.summary
+
+    async def _run_loops(self, handle_signals: bool, stop_when_empty: bool) -> None:
+        async with anyio.create_task_group() as group:
+            if handle_signals:
+                group.start_soon(watch_signals, self, group.cancel_scope, self.owner)
+            group.start_soon(self._renew_while_running)
+            async with anyio.create_task_group() as handlers:
+                await self._claim_loop(handlers, stop_when_empty)
+            group.cancel_scope.cancel()
 
     async def _claim_loop(self, handlers: anyio.abc.TaskGroup, stop_when_empty: bool) -> None:
         while not self._stopping:

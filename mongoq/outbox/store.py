@@ -1059,12 +1059,26 @@ class AsyncOutbox:
             session=session,
         )
         if self.completion_history:
+            # Upserts, never an insert whose duplicate keys are ignored: inside a transaction
+            # any write error aborts it on the server, caught or not, and the commit then fails
+            # (NoSuchTransaction, retried by `with_transaction` into the same duplicate). A record
+            # there already is kept as it is; the server retries the duplicate-key race of an
+            # upsert by _id itself (in a transaction it is a write conflict, which is retried).
+            # The same command with a session or without: no write error is swallowed anywhere.
             records = [self._history_record(d, now) for d in deliveries]
-            try:
-                await self.history.insert_many(records, ordered=False, session=session)
-            except BulkWriteError as exc:
-                if not _only_duplicates(exc):
-                    raise
+            await self.history.bulk_write(
+                [
+                    _driver.update_single(
+                        self.db,
+                        {"_id": record["_id"]},
+                        {"$setOnInsert": {k: v for k, v in record.items() if k != "_id"}},
+                        upsert=True,
+                    )
+                    for record in records
+                ],
+                ordered=False,
+                session=session,
+            )
 
     async def complete_many(self, deliveries: Sequence[Delivery]) -> list[bool]:
         """Complete a batch, from any number of lanes, in a few commands whatever its size.
@@ -1332,17 +1346,18 @@ class AsyncOutbox:
         """Counts per status, how many deliveries run now, the oldest due time of the
         unfinished ones, and how many lanes are held; a fixed number of commands."""
         now = await self._now()
-        pending, parked, dead, completed, oldest, lanes = await asyncio.gather(
-            self.deliveries.count_documents({"status": PENDING}),
-            self.deliveries.count_documents({"lane": PARKED}, hint=PARKED_INDEX),
-            self.deliveries.count_documents({"status": DEAD}),
-            self.history.estimated_document_count() if self.completion_history else _zero(),
-            _driver.find_list(
-                self.deliveries, {"due_at": {"$exists": True}}, sort=[("due_at", 1)], limit=1,
-                projection={"due_at": 1}, hint="due",
-            ),
-            read_lanes(self.lanes),
-        )  # fmt: skip
+        with _driver.index_required(self.deliveries, PARKED_INDEX):
+            pending, parked, dead, completed, oldest, lanes = await asyncio.gather(
+                self.deliveries.count_documents({"status": PENDING}),
+                self.deliveries.count_documents({"lane": PARKED}, hint=PARKED_INDEX),
+                self.deliveries.count_documents({"status": DEAD}),
+                self.history.estimated_document_count() if self.completion_history else _zero(),
+                _driver.find_list(
+                    self.deliveries, {"due_at": {"$exists": True}}, sort=[("due_at", 1)],
+                    limit=1, projection={"due_at": 1}, hint="due",
+                ),
+                read_lanes(self.lanes),
+            )  # fmt: skip
         live = self._live(lanes[0], now)
         running = len(await self._running_ids(live))
         return OutboxStatistics(

@@ -1,0 +1,409 @@
+"""The embedded backend refuses what a MongoDB server refuses, with the server's class and code.
+
+mongomock stores an 18 MiB document, ignores hints and has no sessions; `mongoq._embedded` makes
+the backend `mongoq.connect()` gives (and `memory_database()`) refuse as a server does: documents
+over 16 MiB (17419 / 17420, DocumentTooLarge, "object to insert too large"), hints to indexes that
+do not exist (2, BadValue), transactions (20, IllegalOperation). Each test asserts the refusal and
+then what is stored. Tests on the `db` fixture run on both embedded lanes and, with
+MONGOQ_TEST_URI, on a real replica set; the transaction tests use `memory_database()` directly
+(a replica set has transactions). Bulk updates use `UpdateMany` filtered on ``_id`` (mongomock
+rejects `UpdateOne` under pymongo >= 4.11; see `mongoq._driver`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import bson
+import pytest
+from pymongo import DeleteMany, InsertOne, ReadPreference, ReturnDocument, UpdateMany
+from pymongo.errors import (
+    BulkWriteError,
+    DocumentTooLarge,
+    InvalidOperation,
+    OperationFailure,
+    WriteError,
+)
+from pymongo.read_concern import ReadConcern
+from pymongo.write_concern import WriteConcern
+
+from mongoq import _driver
+from mongoq.testing import instrument, memory_database
+
+MAX = 16 * 1024 * 1024
+NINE_MIB = "x" * (9 * 1024 * 1024)
+MISSING_INDEX = "hint provided does not correspond to an existing index"
+NO_TRANSACTIONS = "Transaction numbers are only allowed on a replica set member or mongos"
+
+
+def sized(document: dict[str, Any], size: int, field: str = "pad") -> dict[str, Any]:
+    """`document` with a string `field` making it encode to exactly `size` bytes of BSON: just
+    over the limit, its update or insert command still fits what PyMongo sends (16 MiB + 16 KiB),
+    so the server itself is the one to refuse it."""
+    base = len(bson.encode({**document, field: ""}))
+    padded = {**document, field: "x" * (size - base)}
+    assert len(bson.encode(padded)) == size
+    return padded
+
+
+def is_memory(db: Any) -> bool:
+    return _driver.backend_of(db) is _driver.Backend.MEMORY
+
+
+async def stored(db: Any, name: str = "c") -> dict[Any, dict[str, Any]]:
+    return {doc["_id"]: doc for doc in await db[name].find({}).to_list(None)}
+
+
+async def aggregate(collection: Any, pipeline: list[Any], **options: Any) -> list[Any]:
+    # Awaited in PyMongo async, a lazy cursor in Motor: the refusal may come from either step.
+    cursor = collection.aggregate(pipeline, **options)
+    if inspect.isawaitable(cursor):
+        cursor = await cursor
+    return list(await cursor.to_list(None))
+
+
+# ------------------------------------------------------------------------------ document size
+
+
+async def test_an_update_past_16_mib_is_refused_and_the_document_kept(db: Any) -> None:
+    await db["c"].insert_one({"_id": 1, "a": NINE_MIB})
+    with pytest.raises(WriteError) as refused:
+        await db["c"].update_one({"_id": 1}, {"$set": {"b": NINE_MIB}})
+    assert refused.value.code == 17419
+    assert "Resulting document after update is larger than 16777216" in str(refused.value)
+    assert (await stored(db)) == {1: {"_id": 1, "a": NINE_MIB}}
+
+
+async def test_a_replacement_past_16_mib_is_refused_and_the_document_kept(db: Any) -> None:
+    await db["c"].insert_one({"_id": 1, "a": "small"})
+    replacement = sized({"b": 1}, MAX + 1)  # with its _id, the result passes the limit
+    with pytest.raises(WriteError) as refused:
+        await db["c"].replace_one({"_id": 1}, replacement)
+    assert refused.value.code == 17419
+    assert (await stored(db)) == {1: {"_id": 1, "a": "small"}}
+
+
+async def test_a_document_of_exactly_16_mib_is_accepted(db: Any) -> None:
+    await db["c"].insert_one({"_id": 1})
+    result = sized({"_id": 1}, MAX)
+    await db["c"].replace_one({"_id": 1}, {k: v for k, v in result.items() if k != "_id"})
+    assert len(bson.encode((await stored(db))[1])) == MAX
+
+
+async def test_update_many_stops_at_the_document_that_would_pass_16_mib(db: Any) -> None:
+    await db["c"].insert_many(
+        [{"_id": 1, "a": "small"}, {"_id": 2, "a": NINE_MIB}, {"_id": 3, "a": "small"}]
+    )
+    with pytest.raises(WriteError) as refused:
+        await db["c"].update_many({}, {"$set": {"b": NINE_MIB}})
+    assert refused.value.code == 17419
+    after = await stored(db)
+    assert after[2] == {"_id": 2, "a": NINE_MIB}  # the failing one is left as it was
+    for doc_id in (1, 3):  # the others: wholly updated or not at all, as on a server
+        assert after[doc_id] in (
+            {"_id": doc_id, "a": "small"},
+            {"_id": doc_id, "a": "small", "b": NINE_MIB},
+        )
+    if is_memory(db):  # natural order: the one before stays updated, the one after is not reached
+        assert "b" in after[1] and "b" not in after[3]
+
+
+async def test_an_upsert_past_16_mib_is_refused_and_nothing_inserted(db: Any) -> None:
+    document = sized({"_id": "new"}, MAX + 1)
+    with pytest.raises(WriteError) as refused:
+        await db["c"].update_one({"_id": "new"}, {"$set": {"pad": document["pad"]}}, upsert=True)
+    assert refused.value.code == 17420
+    assert "Document to upsert is larger than 16777216" in str(refused.value)
+    assert (await stored(db)) == {}
+
+
+async def test_find_one_and_update_past_16_mib_is_a_command_error(db: Any) -> None:
+    await db["c"].insert_one({"_id": 1, "a": NINE_MIB})
+    with pytest.raises(OperationFailure) as refused:
+        await db["c"].find_one_and_update(
+            {"_id": 1}, {"$set": {"b": NINE_MIB}}, return_document=ReturnDocument.AFTER
+        )
+    assert refused.value.code == 17419
+    assert not isinstance(refused.value, WriteError)  # findAndModify fails as a command
+    with pytest.raises(OperationFailure) as replaced:
+        await db["c"].find_one_and_replace({"_id": 1}, sized({"b": 1}, MAX + 1))
+    assert replaced.value.code == 17419 and not isinstance(replaced.value, WriteError)
+    assert (await stored(db)) == {1: {"_id": 1, "a": NINE_MIB}}
+
+
+async def test_find_one_and_update_upserting_past_16_mib_is_refused(db: Any) -> None:
+    pad = sized({"_id": "new"}, MAX + 1)["pad"]
+    with pytest.raises(OperationFailure) as refused:
+        await db["c"].find_one_and_update({"_id": "new"}, {"$set": {"pad": pad}}, upsert=True)
+    assert refused.value.code == 17420 and not isinstance(refused.value, WriteError)
+    assert (await stored(db)) == {}
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+async def test_bulk_write_reports_the_oversized_update_at_its_index(db: Any, ordered: bool) -> None:
+    await db["c"].insert_many([{"_id": 1, "a": NINE_MIB}, {"_id": 2, "n": 0}])
+    pad = sized({"_id": "new"}, MAX + 1)["pad"]
+    ops = [
+        UpdateMany({"_id": 2}, {"$set": {"n": 1}}),
+        UpdateMany({"_id": 1}, {"$set": {"b": NINE_MIB}}),  # refused: 17419
+        UpdateMany({"_id": 2}, {"$inc": {"n": 1}}),
+        UpdateMany({"_id": "new"}, {"$set": {"pad": pad}}, upsert=True),  # refused: 17420
+    ]
+    with pytest.raises(BulkWriteError) as refused:
+        await db["c"].bulk_write(ops, ordered=ordered)
+    errors = [
+        (error["index"], error["code"], error["errmsg"])
+        for error in refused.value.details["writeErrors"]
+    ]
+    too_large = (1, 17419, "Resulting document after update is larger than 16777216")
+    too_large_upsert = (3, 17420, "Document to upsert is larger than 16777216")
+    assert errors == ([too_large] if ordered else [too_large, too_large_upsert])
+    after = await stored(db)
+    assert after[1] == {"_id": 1, "a": NINE_MIB}
+    assert after[2]["n"] == (1 if ordered else 2)  # ordered stops at the first error
+    assert "new" not in after
+
+
+async def test_insert_one_of_18_mib_is_refused_before_sending(db: Any) -> None:
+    with pytest.raises(DocumentTooLarge):
+        await db["c"].insert_one({"_id": 1, "a": NINE_MIB, "b": NINE_MIB})
+    assert (await stored(db)) == {}
+
+
+async def test_insert_one_just_over_16_mib_is_refused_by_the_server(db: Any) -> None:
+    # Within PyMongo's 16 KiB of command overhead, the document is sent; the server refuses it.
+    with pytest.raises(WriteError) as refused:
+        await db["c"].insert_one(sized({"_id": 1}, MAX + 1))
+    assert refused.value.code == 2
+    assert "object to insert too large" in str(refused.value)
+    assert (await stored(db)) == {}
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+async def test_insert_many_refuses_the_oversized_document_only(db: Any, ordered: bool) -> None:
+    # PyMongo sends an acknowledged batch whatever its documents' sizes: the server answers with
+    # a write error for each document over the limit.
+    documents = [{"_id": 1}, sized({"_id": 2}, MAX + 1), {"_id": 3}]
+    with pytest.raises(BulkWriteError) as refused:
+        await db["c"].insert_many(documents, ordered=ordered)
+    [error] = refused.value.details["writeErrors"]
+    assert (error["index"], error["code"]) == (1, 2)
+    assert "object to insert too large" in error["errmsg"]
+    assert refused.value.details["nInserted"] == (1 if ordered else 2)
+    assert sorted(await stored(db)) == ([1] if ordered else [1, 3])
+
+
+async def test_bulk_insert_one_over_the_limit_is_a_write_error(db: Any) -> None:
+    ops = [InsertOne({"_id": 1}), InsertOne(sized({"_id": 2}, MAX + 1)), InsertOne({"_id": 3})]
+    with pytest.raises(BulkWriteError) as refused:
+        await db["c"].bulk_write(ops, ordered=False)
+    [error] = refused.value.details["writeErrors"]
+    assert (error["index"], error["code"]) == (1, 2)
+    assert sorted(await stored(db)) == [1, 3]
+
+
+async def test_a_write_that_fits_still_goes_through(db: Any) -> None:
+    await db["c"].insert_one({"_id": 1, "a": NINE_MIB})
+    await db["c"].update_one({"_id": 1}, {"$set": {"b": "x" * (6 * 1024 * 1024)}})
+    await db["c"].update_one({"_id": 2}, {"$set": {"a": NINE_MIB}}, upsert=True)
+    after = await stored(db)
+    assert len(after[1]["b"]) == 6 * 1024 * 1024 and after[2]["a"] == NINE_MIB
+
+
+# ------------------------------------------------------------------------------------- hints
+
+
+async def indexed(db: Any) -> Any:
+    """A collection with documents and one secondary index, ``by_a`` on ``{a: 1}``."""
+    collection = db["c"]
+    await collection.insert_many([{"_id": i, "a": i} for i in range(3)])
+    await collection.create_index([("a", 1)], name="by_a")
+    return collection
+
+
+def refused_hint(error: BaseException) -> bool:
+    return isinstance(error, OperationFailure) and error.code == 2 and MISSING_INDEX in str(error)
+
+
+@pytest.mark.parametrize("hint", ["missing", [("b", 1)], [("a", -1)], {"a": 1, "b": 1}])
+async def test_find_with_a_hint_to_a_missing_index_is_refused(db: Any, hint: Any) -> None:
+    collection = await indexed(db)
+    with pytest.raises(OperationFailure) as refused:
+        await collection.find({"a": {"$gte": 0}}).hint(hint).to_list(None)
+    assert refused_hint(refused.value) and not isinstance(refused.value, WriteError)
+    with pytest.raises(OperationFailure) as kwarg:
+        await collection.find({}, hint=hint).to_list(None)
+    assert refused_hint(kwarg.value)
+    with pytest.raises(OperationFailure) as one:
+        await collection.find_one({}, hint=hint)
+    assert refused_hint(one.value)
+
+
+@pytest.mark.parametrize(
+    "hint", ["by_a", [("a", 1)], {"a": 1}, "_id_", [("_id", 1)], [("$natural", 1)]]
+)
+async def test_find_with_a_hint_to_an_existing_index_runs(db: Any, hint: Any) -> None:
+    collection = await indexed(db)
+    found = await collection.find({"a": {"$gte": 1}}).hint(hint).to_list(None)
+    assert sorted(doc["_id"] for doc in found) == [1, 2]
+    assert len(await collection.find({}, hint=hint).to_list(None)) == 3
+
+
+async def test_aggregate_and_count_check_their_hint(db: Any) -> None:
+    collection = await indexed(db)
+    pipeline = [{"$match": {"a": {"$gte": 1}}}, {"$sort": {"a": 1}}]
+    with pytest.raises(OperationFailure) as refused:
+        await aggregate(collection, pipeline, hint="missing")
+    assert refused_hint(refused.value)
+    assert [doc["_id"] for doc in await aggregate(collection, pipeline, hint="by_a")] == [1, 2]
+    with pytest.raises(OperationFailure) as counted:
+        await collection.count_documents({"a": 1}, hint="missing")
+    assert refused_hint(counted.value)
+    assert await collection.count_documents({"a": {"$gte": 1}}, hint="by_a") == 2
+    assert await collection.count_documents({}, hint=[("a", 1)]) == 3
+
+
+async def test_find_one_and_modify_check_their_hint(db: Any) -> None:
+    collection = await indexed(db)
+    calls = [
+        lambda hint: collection.find_one_and_update({"a": 1}, {"$set": {"x": 1}}, hint=hint),
+        lambda hint: collection.find_one_and_replace({"a": 1}, {"a": 1, "x": 1}, hint=hint),
+        lambda hint: collection.find_one_and_delete({"a": 1}, hint=hint),
+    ]
+    for call in calls:
+        with pytest.raises(OperationFailure) as refused:
+            await call("missing")
+        assert refused_hint(refused.value) and not isinstance(refused.value, WriteError)
+    assert (await stored(db))[1] == {"_id": 1, "a": 1}  # nothing changed
+    updated = await collection.find_one_and_update(
+        {"a": 1}, {"$set": {"x": 1}}, hint="by_a", return_document=ReturnDocument.AFTER
+    )
+    assert updated == {"_id": 1, "a": 1, "x": 1}
+    assert await collection.find_one_and_delete({"a": 1}, hint=[("a", 1)]) is not None
+
+
+async def test_updates_and_deletes_check_their_hint(db: Any) -> None:
+    collection = await indexed(db)
+    writes = [
+        lambda hint: collection.update_one({"a": 1}, {"$set": {"x": 1}}, hint=hint),
+        lambda hint: collection.update_many({}, {"$set": {"x": 1}}, hint=hint),
+        lambda hint: collection.replace_one({"a": 1}, {"a": 1, "x": 1}, hint=hint),
+        lambda hint: collection.update_one({"_id": 9}, {"$set": {"a": 9}}, upsert=True, hint=hint),
+        lambda hint: collection.delete_one({"a": 1}, hint=hint),
+        lambda hint: collection.delete_many({}, hint=hint),
+    ]
+    before = await stored(db)
+    for write in writes:
+        with pytest.raises(WriteError) as refused:  # a write error in the server's reply
+            await write("missing")
+        assert refused_hint(refused.value)
+    assert (await stored(db)) == before
+    # Existing hints are accepted (mongomock itself refuses any hint on updates and deletes).
+    assert (
+        await collection.update_one({"a": 1}, {"$set": {"x": 1}}, hint="by_a")
+    ).modified_count == 1
+    assert (
+        await collection.update_many({}, {"$set": {"y": 1}}, hint=[("a", 1)])
+    ).modified_count == 3
+    assert (await collection.replace_one({"a": 2}, {"a": 2}, hint="_id_")).matched_count == 1
+    assert (await collection.delete_one({"a": 0}, hint={"a": 1})).deleted_count == 1
+    assert (await collection.delete_many({}, hint="by_a")).deleted_count == 2
+
+
+async def test_bulk_write_reports_refused_hints_as_write_errors(db: Any) -> None:
+    collection = await indexed(db)
+    ops = [
+        UpdateMany({"_id": 0}, {"$set": {"x": 1}}, hint="missing"),
+        UpdateMany({"_id": 1}, {"$set": {"x": 1}}, hint="by_a"),
+        DeleteMany({"_id": 2}, hint="missing"),
+    ]
+    with pytest.raises(BulkWriteError) as refused:
+        await collection.bulk_write(ops, ordered=False)
+    errors = refused.value.details["writeErrors"]
+    assert [(error["index"], error["code"]) for error in errors] == [(0, 2), (2, 2)]
+    assert all(MISSING_INDEX in error["errmsg"] for error in errors)
+    after = await stored(db)
+    assert "x" not in after[0] and after[1]["x"] == 1 and 2 in after
+
+
+async def test_a_dropped_index_is_no_longer_hintable(db: Any) -> None:
+    collection = await indexed(db)
+    await collection.drop_index("by_a")
+    with pytest.raises(OperationFailure) as refused:
+        await collection.find({}).hint("by_a").to_list(None)
+    assert refused_hint(refused.value)
+
+
+async def test_a_collection_that_does_not_exist_answers_empty_whatever_the_hint(db: Any) -> None:
+    # A server plans nothing on a missing collection (an empty plan), so it never looks up the
+    # hint: reads and non-upsert writes there find nothing rather than fail.
+    collection = db["never_created"]
+    assert await collection.find({}).hint("missing").to_list(None) == []
+    assert (await collection.update_many({}, {"$set": {"x": 1}}, hint="missing")).matched_count == 0
+    assert (await collection.delete_many({}, hint="missing")).deleted_count == 0
+
+
+async def test_collection_options_stay_visible_and_ruled(db: Any) -> None:
+    collection = db.get_collection(
+        "c",
+        write_concern=WriteConcern(w="majority"),
+        read_preference=ReadPreference.PRIMARY,
+        read_concern=ReadConcern("majority"),
+    )
+    assert collection.write_concern == WriteConcern(w="majority")
+    assert collection.read_preference == ReadPreference.PRIMARY
+    assert collection.read_concern == ReadConcern("majority")
+    await collection.insert_one({"_id": 1, "a": NINE_MIB})
+    with pytest.raises(WriteError) as too_large:
+        await collection.update_one({"_id": 1}, {"$set": {"b": NINE_MIB}})
+    assert too_large.value.code == 17419
+    with pytest.raises(OperationFailure) as refused:
+        await collection.find({}).hint("missing").to_list(None)
+    assert refused_hint(refused.value)
+
+
+# ------------------------------------------------------------------------------ transactions
+
+
+@pytest.mark.parametrize("lane", ["plain", "instrumented"])
+async def test_the_embedded_backend_refuses_transactions(lane: str) -> None:
+    db = memory_database() if lane == "plain" else instrument(memory_database())
+    assert _driver.backend_of(db) is _driver.Backend.MEMORY
+    ran: list[Any] = []
+
+    async def work(session: Any) -> None:
+        ran.append(session)
+
+    session = db.client.start_session()  # PyMongo async: a plain call
+    async with session:
+        assert not session.in_transaction
+        with pytest.raises(OperationFailure) as refused:
+            await session.with_transaction(work)
+        assert (refused.value.code, refused.value.details["codeName"]) == (20, "IllegalOperation")
+        assert NO_TRANSACTIONS in str(refused.value)
+        with pytest.raises(OperationFailure) as started:
+            session.start_transaction()
+        assert started.value.code == 20
+        with pytest.raises(InvalidOperation):
+            await session.commit_transaction()
+    assert session.has_ended
+    motor_style = await db.client.start_session()  # Motor: awaited
+    with pytest.raises(OperationFailure) as awaited:
+        motor_style.start_transaction()
+    assert awaited.value.code == 20
+    await motor_style.end_session()
+    with pytest.raises(OperationFailure) as through_driver:
+        await _driver.run_in_transaction(db, work)
+    assert through_driver.value.code == 20
+    assert ran == []  # the work never ran, so nothing of it was written
+
+
+async def test_a_database_opened_from_the_same_client_is_ruled_too() -> None:
+    db = memory_database()
+    other = db.client["other"]
+    await other["c"].insert_one({"_id": 1, "a": NINE_MIB})
+    with pytest.raises(WriteError) as refused:
+        await other["c"].update_one({"_id": 1}, {"$set": {"b": NINE_MIB}})
+    assert refused.value.code == 17419
+    assert _driver.backend_of(other) is _driver.Backend.MEMORY
