@@ -11,8 +11,15 @@ from typing import Any, cast
 
 from mongoq._portal import Database, Facade, in_worker_thread
 from mongoq.clock import Clock
-from mongoq.groups import AsyncGroupTransport as _AsyncGroupTransport
-from mongoq.groups import DeadLetter, GroupId, GroupLease, GroupRunSummary, GroupStats, NewMessage
+from mongoq.groups.transport import AsyncGroupTransport as _AsyncGroupTransport
+from mongoq.groups.transport import (
+    DeadLetter,
+    GroupId,
+    GroupLease,
+    GroupRunSummary,
+    GroupStats,
+    NewMessage,
+)
 from mongoq.outbox.dispatcher import DeliveryContext
 from mongoq.outbox.dispatcher import OutboxDispatcher as _AsyncOutboxDispatcher
 from mongoq.outbox.models import (
@@ -25,8 +32,8 @@ from mongoq.outbox.models import (
     PurgeResult,
 )
 from mongoq.outbox.store import AsyncOutbox as _AsyncOutbox
-from mongoq.tasks import AsyncTaskQueue as _AsyncTaskQueue
-from mongoq.tasks import (
+from mongoq.tasks.queue import AsyncTaskQueue as _AsyncTaskQueue
+from mongoq.tasks.queue import (
     NewTask,
     PutManyResult,
     PutOutcome,
@@ -36,7 +43,7 @@ from mongoq.tasks import (
     TaskId,
     TaskQueueStats,
 )
-from mongoq.tasks import TaskLease as _AsyncTaskLease
+from mongoq.tasks.queue import TaskLease as _AsyncTaskLease
 
 __all__ = ["TaskQueue", "TaskLease", "GroupTransport", "Outbox", "OutboxDispatcher"]
 

@@ -17,8 +17,8 @@ import bson
 import pytest
 
 from mongoq.outbox import AsyncOutbox, Delivery, Event, lane_of
+from mongoq.runtime.loop import error_text
 from mongoq.testing import CommandCounter, ManualClock, instrument
-from mongoq.worker import error_text
 from tests.helpers import rejects, utc
 from tests.outbox_helpers import (
     PREFIX,

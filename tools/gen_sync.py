@@ -64,14 +64,20 @@ class Spec:
 
 CLASSES = (
     Spec(
-        "mongoq.tasks",
+        "mongoq.tasks.queue",
         "AsyncTaskQueue",
         "TaskQueue",
         (("name", "str"), ("max_attempts", "int"), ("lease_ttl", "float")),
     ),
-    Spec("mongoq.tasks", "TaskLease", "TaskLease", (("task", ""), ("outcome", "")), adopted=True),
     Spec(
-        "mongoq.groups",
+        "mongoq.tasks.queue",
+        "TaskLease",
+        "TaskLease",
+        (("task", ""), ("outcome", "")),
+        adopted=True,
+    ),
+    Spec(
+        "mongoq.groups.transport",
         "AsyncGroupTransport",
         "GroupTransport",
         (("prefix", "str"), ("visibility", "float"), ("max_deliveries", "int | None")),

@@ -24,7 +24,7 @@ from mongoq._validation import check_worker_id as _check_owner
 from mongoq.errors import InvalidInput, LeaseLost, PermanentError
 from mongoq.outbox.models import Delivery, DispatchSummary, Event
 from mongoq.outbox.store import AsyncOutbox, _check_handler
-from mongoq.worker import (
+from mongoq.runtime.loop import (
     default_worker_id,
     mongoq_errors_unwrapped,
     require_main_thread,

@@ -81,7 +81,7 @@ from mongoq.outbox.models import (
     PurgeResult,
     lane_of,
 )
-from mongoq.worker import error_text
+from mongoq.runtime.loop import error_text
 
 __all__ = ["AsyncOutbox"]
 

@@ -1,18 +1,13 @@
-"""Run loops shared by the primitives: concurrency, idle polling, graceful stop, signals, and
-the keep-alive that renews a lease while its holder works.
+"""Run loops shared by the primitives: concurrency, idle polling, graceful stop, signals.
 
 A `WorkerLoop` runs `concurrency` slots. Each slot claims one item, processes it, and claims
 again; when nothing is claimable it sleeps `poll_interval` on the primitive's clock. The
 primitive's housekeeping (reclaiming expired leases, readying orphaned groups) runs every
 `housekeeping_interval`, busy or not, and when a slot finds nothing to claim unless it ran within
-that interval. `stop()` is graceful: no slot
-claims again, in-flight items finish, `run()` returns. Cancelling `run()` cancels in-flight
-items, whose lease handling releases them. With `handle_signals`, the first SIGTERM/SIGINT
-stops gracefully and a second one cancels.
-
-A `KeepAlive` calls a primitive's renew function every interval of clock time while a block
-runs; it never lets a driver error reach the block, and stops when the renewal says the lease is
-gone. Owns no collections.
+that interval. `stop()` is graceful: no slot claims again, in-flight items finish, `run()`
+returns. Cancelling `run()` cancels in-flight items, whose lease handling releases them. With
+`handle_signals`, the first SIGTERM/SIGINT stops gracefully and a second one cancels. Owns no
+collections.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ import threading
 import traceback
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
@@ -38,7 +33,6 @@ from mongoq.clock import Clock
 from mongoq.errors import MongoqError
 
 __all__ = [
-    "KeepAlive",
     "WorkerHost",
     "WorkerLoop",
     "default_worker_id",
@@ -272,61 +266,3 @@ class WorkerHost:
         let in-flight work finish, and return."""
         for loop in list(self._loops):
             loop.stop()
-
-
-class KeepAlive:
-    """Renews a lease every `interval` seconds of `clock` time while an ``async with`` block runs.
-
-    `renew()` returns True (still held), False (lost: `lost` turns True and renewing stops) or
-    None (nothing left to renew, e.g. the lease was settled: stop quietly). The first renewal is
-    due at `first_at`, counted from the lease the claim granted rather than from when this task
-    first runs, so tests on a manual clock and slow event loops see the same schedule. A driver
-    error is logged and retried after a third of the interval, well before the lease runs out.
-    """
-
-    def __init__(
-        self,
-        *,
-        clock: Clock,
-        interval: float,
-        renew: Callable[[], Awaitable[bool | None]],
-        first_at: datetime,
-        name: str,
-    ) -> None:
-        self._clock = clock
-        self._interval = interval
-        self._renew = renew
-        self._next = first_at
-        self._name = name
-        self._group: Any = None
-        self.lost = False
-        self.renewals = 0
-
-    async def __aenter__(self) -> KeepAlive:
-        self._group = anyio.create_task_group()
-        await self._group.__aenter__()  # no checkpoint: a pending cancellation hits the block
-        self._group.start_soon(self._run)
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._group.cancel_scope.cancel()
-        # Raises the cancellation here when the enclosing block is being cancelled.
-        await self._group.__aexit__(None, None, None)
-
-    async def _run(self) -> None:
-        while True:
-            await self._clock.sleep_until(self._next)
-            try:
-                held = await self._renew()
-            except _driver.DRIVER_ERRORS as exc:
-                log.warning("%s: renewal failed (%s); retrying", self._name, exc)
-                self._next = self._clock.now() + timedelta(seconds=self._interval / 3)
-                continue
-            if held is None:
-                return
-            if not held:
-                self.lost = True
-                log.warning("%s: the lease is no longer held; renewal stopped", self._name)
-                return
-            self.renewals += 1
-            self._next = self._clock.now() + timedelta(seconds=self._interval)

@@ -74,7 +74,6 @@ import anyio
 from pymongo import DeleteOne, ReturnDocument
 
 from mongoq import _driver
-from mongoq._candidates import take_candidates
 from mongoq._validation import (
     MAX_BATCH,
     check_batch,
@@ -86,7 +85,9 @@ from mongoq._validation import (
 )
 from mongoq.clock import Clock, ServerClock, stored_instant
 from mongoq.errors import InvalidInput, PermanentError
-from mongoq.worker import KeepAlive, WorkerHost, WorkerLoop, error_text
+from mongoq.runtime.candidates import take_candidates
+from mongoq.runtime.keepalive import KeepAlive
+from mongoq.runtime.loop import WorkerHost, WorkerLoop, error_text
 
 __all__ = [
     "AsyncGroupTransport",

@@ -64,7 +64,6 @@ import bson
 from pymongo import ReturnDocument
 
 from mongoq import _driver
-from mongoq._candidates import take_candidates
 from mongoq._validation import (
     MAX_BATCH,
     MAX_DOCUMENT_BYTES,
@@ -78,7 +77,9 @@ from mongoq._validation import (
 )
 from mongoq.clock import Clock, ServerClock, stored_instant
 from mongoq.errors import InvalidInput, LeaseLost, PermanentError
-from mongoq.worker import KeepAlive, WorkerHost, WorkerLoop, error_text
+from mongoq.runtime.candidates import take_candidates
+from mongoq.runtime.keepalive import KeepAlive
+from mongoq.runtime.loop import WorkerHost, WorkerLoop, error_text
 
 __all__ = [
     "AsyncTaskQueue",
