@@ -11,15 +11,9 @@ from typing import Any, cast
 
 from mongoq._portal import Database, Facade, in_worker_thread
 from mongoq.clock import Clock
+from mongoq.groups.models import DeadLetter, GroupLease, GroupRunSummary, GroupStats, NewMessage
 from mongoq.groups.transport import AsyncGroupTransport as _AsyncGroupTransport
-from mongoq.groups.transport import (
-    DeadLetter,
-    GroupId,
-    GroupLease,
-    GroupRunSummary,
-    GroupStats,
-    NewMessage,
-)
+from mongoq.groups.transport import GroupId
 from mongoq.outbox.dispatcher import DeliveryContext
 from mongoq.outbox.dispatcher import OutboxDispatcher as _AsyncOutboxDispatcher
 from mongoq.outbox.models import (
@@ -32,24 +26,23 @@ from mongoq.outbox.models import (
     PurgeResult,
 )
 from mongoq.outbox.store import AsyncOutbox as _AsyncOutbox
-from mongoq.tasks.queue import AsyncTaskQueue as _AsyncTaskQueue
-from mongoq.tasks.queue import (
+from mongoq.tasks.models import (
     NewTask,
     PutManyResult,
-    PutOutcome,
     ReclaimResult,
     RunSummary,
     Task,
-    TaskId,
     TaskQueueStats,
 )
+from mongoq.tasks.queue import AsyncTaskQueue as _AsyncTaskQueue
+from mongoq.tasks.queue import PutOutcome, TaskId
 from mongoq.tasks.queue import TaskLease as _AsyncTaskLease
 
 __all__ = ["TaskQueue", "TaskLease", "GroupTransport", "Outbox", "OutboxDispatcher"]
 
 
 class TaskQueue(Facade):
-    """A durable task queue in one MongoDB collection (see the module docstring for its layout).
+    """A durable task queue in one MongoDB collection (its layout: `mongoq.tasks.schema`).
 
     Guarantees: a task has at most one live holder (claims are one atomic command; every settle
     is fenced on the claim's token); a holder that lost its task changes nothing and is told
@@ -347,7 +340,7 @@ class TaskLease(Facade):
 
 
 class GroupTransport(Facade):
-    """Per-group FIFO over MongoDB (see the module docstring for the layout).
+    """Per-group FIFO over MongoDB (see `mongoq.groups.schema` for the layout).
 
     Guarantees: a group has at most one live holder (the claim is one atomic sorted
     ``find_one_and_update``); one message of a group at a time, the next only after the
@@ -443,6 +436,56 @@ class GroupTransport(Facade):
             "list[GroupLease]", self._call("claim_many", n, worker_id, min_priority=min_priority)
         )
 
+    def run(
+        self,
+        handler: Callable[[GroupLease], Any],
+        *,
+        worker_id: str | None = None,
+        concurrency: int = 1,
+        min_priority: int = 0,
+        stop_when_empty: bool = False,
+        poll_interval: float = 1.0,
+        retry_delay: float = 1.0,
+        batch_size: int = 1,
+        handle_signals: bool = False,
+    ) -> GroupRunSummary:
+        """Claim groups and process their heads with `handler` until stopped.
+
+        The lease is extended every ``visibility / 3`` while the handler runs. A clean return
+        acks; `PermanentError` dead-letters the head; any other exception nacks with
+        `retry_delay` and records the error; a cancellation nacks without an error. Orphaned
+        groups are readied every ``visibility`` (and when idle). `stop()` stops gracefully.
+
+        With `batch_size` > 1 each slot leases up to that many groups at once (`claim_many`),
+        runs their heads one after another under one renewal (`extend_many`), and acks the
+        successful ones together (`ack_many`): a few commands per batch instead of four per
+        message. A worker that crashes mid-batch costs every head of the batch a delivery:
+        size `max_deliveries` with that in mind.
+        """
+        return cast(
+            "GroupRunSummary",
+            self._call(
+                "run",
+                in_worker_thread(handler),
+                worker_id=worker_id,
+                concurrency=concurrency,
+                min_priority=min_priority,
+                stop_when_empty=stop_when_empty,
+                poll_interval=poll_interval,
+                retry_delay=retry_delay,
+                batch_size=batch_size,
+                handle_signals=handle_signals,
+            ),
+        )
+
+    def ack(self, lease: GroupLease) -> bool:
+        """Remove the head and release the group (round-robin: behind the groups waiting), or
+        drop the group if the head was its last message and nothing was published since.
+
+        False, and nothing changed, when the head is no longer this lease's (taken over).
+        """
+        return cast("bool", self._call("ack", lease))
+
     def ack_many(self, leases: Sequence[GroupLease]) -> list[bool]:
         """`ack` for many leases in a fixed number of commands; returns, per lease, whether its
         ack took effect (False, and nothing changed, for a lease no longer held).
@@ -452,14 +495,6 @@ class GroupTransport(Facade):
         and releases the others: five commands for any number of leases.
         """
         return cast("list[bool]", self._call("ack_many", leases))
-
-    def ack(self, lease: GroupLease) -> bool:
-        """Remove the head and release the group (round-robin: behind the groups waiting), or
-        drop the group if the head was its last message and nothing was published since.
-
-        False, and nothing changed, when the head is no longer this lease's (taken over).
-        """
-        return cast("bool", self._call("ack", lease))
 
     def nack(
         self, lease: GroupLease, delay: float = 0, *, error: BaseException | str | None = None
@@ -526,48 +561,6 @@ class GroupTransport(Facade):
         """
         return cast("GroupStats", self._call("stats"))
 
-    def run(
-        self,
-        handler: Callable[[GroupLease], Any],
-        *,
-        worker_id: str | None = None,
-        concurrency: int = 1,
-        min_priority: int = 0,
-        stop_when_empty: bool = False,
-        poll_interval: float = 1.0,
-        retry_delay: float = 1.0,
-        batch_size: int = 1,
-        handle_signals: bool = False,
-    ) -> GroupRunSummary:
-        """Claim groups and process their heads with `handler` until stopped.
-
-        The lease is extended every ``visibility / 3`` while the handler runs. A clean return
-        acks; `PermanentError` dead-letters the head; any other exception nacks with
-        `retry_delay` and records the error; a cancellation nacks without an error. Orphaned
-        groups are readied every ``visibility`` (and when idle). `stop()` stops gracefully.
-
-        With `batch_size` > 1 each slot leases up to that many groups at once (`claim_many`),
-        runs their heads one after another under one renewal (`extend_many`), and acks the
-        successful ones together (`ack_many`): a few commands per batch instead of four per
-        message. A worker that crashes mid-batch costs every head of the batch a delivery:
-        size `max_deliveries` with that in mind.
-        """
-        return cast(
-            "GroupRunSummary",
-            self._call(
-                "run",
-                in_worker_thread(handler),
-                worker_id=worker_id,
-                concurrency=concurrency,
-                min_priority=min_priority,
-                stop_when_empty=stop_when_empty,
-                poll_interval=poll_interval,
-                retry_delay=retry_delay,
-                batch_size=batch_size,
-                handle_signals=handle_signals,
-            ),
-        )
-
     def stop(self) -> None:
         """Ask every `run` loop of this instance to stop gracefully: they claim nothing more,
         let in-flight work finish, and return.
@@ -582,7 +575,7 @@ class Outbox(Facade):
     `subscriptions` maps an event type to the names of the handlers that receive it (``"*"``
     for every type); deliveries are created from the publisher's subscriptions, so every
     process that publishes needs the same map. Workers claim deliveries by leasing lanes for
-    `lease` seconds (`OutboxDispatcher` does all of it). See the module docstring for the
+    `lease` seconds (`OutboxDispatcher` does all of it). See `mongoq.outbox.schema` for the
     layout and `mongoq.outbox` for the guarantees.
     """
 
@@ -746,9 +739,15 @@ class Outbox(Facade):
             ),
         )
 
-    def statistics(self) -> OutboxStatistics:
+    def stats(self) -> OutboxStatistics:
         """Counts per status, how many deliveries run now, the oldest due time of the
         unfinished ones, and how many lanes are held; a fixed number of commands.
+        """
+        return cast("OutboxStatistics", self._call("stats"))
+
+    def statistics(self) -> OutboxStatistics:
+        """An alias of `stats`, the name this call had before the three primitives shared one
+        vocabulary; the same result, the same commands.
         """
         return cast("OutboxStatistics", self._call("statistics"))
 

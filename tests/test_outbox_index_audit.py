@@ -1,5 +1,5 @@
 """Index audit of the outbox: every query `AsyncOutbox` issues is served by an index `setup()`
-declares (see `mongoq.outbox.store`'s module docstring, which pairs them).
+declares (see `mongoq.outbox.schema`, which pairs them).
 
 The workload drives the whole store API (publish, replays, claims with and without handlers,
 lane takeovers, per-key blocking, parking and unparking, every settle, the operator calls,

@@ -27,7 +27,7 @@ from pymongo.errors import AutoReconnect, NetworkTimeout, PyMongoError
 from mongoq import _driver
 from mongoq.errors import InvalidInput
 from mongoq.outbox import AsyncOutbox, Event, PublishResult, lane_of
-from mongoq.outbox import store as store_module
+from mongoq.outbox import schema as schema_module
 from mongoq.testing import CommandCounter, FaultInjector, ManualClock, instrument
 from tests.conftest import EMBEDDED, SERVERS
 from tests.helpers import nth, utc
@@ -131,9 +131,9 @@ async def test_setup_twice_seeds_256_lanes_and_the_indexes_and_leaves_held_lanes
 
 
 def documented_indexes() -> dict[str, dict[str, list[str]]]:
-    """collection -> index name -> key fields, as the store's module docstring lists them
+    """collection -> index name -> key fields, as the schema's module docstring lists them
     (bullets such as ``- deliveries ``claim`` ``(lane_id, due_at)`` partial ...``)."""
-    doc = store_module.__doc__ or ""
+    doc = schema_module.__doc__ or ""
     section = doc.split("Indexes (created by `setup`)", 1)[1].split("\n\n", 2)[1]
     found: dict[str, dict[str, list[str]]] = {}
     for bullet in re.split(r"^- ", section, flags=re.MULTILINE)[1:]:

@@ -1,18 +1,20 @@
-"""`AsyncGroupTransport` (seed 000): per-group FIFO messages, one consumer per group. The
-layout of its collections is in `mongoq.groups.transport`'s docstring."""
+"""`AsyncGroupTransport` (seed 000): per-group FIFO messages, one consumer per group. The layout
+of its collections, their indexes, and every filter and update are in `mongoq.groups.schema`."""
 
-from mongoq.groups.transport import (
-    AsyncGroupTransport,
+from mongoq.groups.models import (
     DeadLetter,
+    GroupId,
     GroupLease,
     GroupRunSummary,
     GroupStats,
     NewMessage,
 )
+from mongoq.groups.transport import AsyncGroupTransport
 
 __all__ = [
     "AsyncGroupTransport",
     "DeadLetter",
+    "GroupId",
     "GroupLease",
     "GroupRunSummary",
     "GroupStats",

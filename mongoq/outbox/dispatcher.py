@@ -22,8 +22,8 @@ from mongoq import _driver
 from mongoq._validation import check_int, check_seconds
 from mongoq._validation import check_worker_id as _check_owner
 from mongoq.errors import InvalidInput, LeaseLost, PermanentError
-from mongoq.outbox.models import Delivery, DispatchSummary, Event
-from mongoq.outbox.store import AsyncOutbox, _check_handler
+from mongoq.outbox.models import Delivery, DispatchSummary, Event, check_handler
+from mongoq.outbox.store import AsyncOutbox
 from mongoq.runtime.loop import (
     default_worker_id,
     mongoq_errors_unwrapped,
@@ -99,7 +99,7 @@ class OutboxDispatcher:
         if not isinstance(handlers, Mapping) or not handlers:
             raise InvalidInput("handlers", "must map at least one handler name to a coroutine")
         for name, handler in handlers.items():
-            _check_handler("handlers", name)
+            check_handler("handlers", name)
             if not callable(handler):
                 raise InvalidInput(f"handlers[{name!r}]", "must be callable")
         if backoff is not None and not callable(backoff):

@@ -20,12 +20,13 @@ One more document, ``{_id: "requeues", value}``, counts `AsyncOutbox.requeue` ca
 that saw it move while it ran checks its keyed picks again.
 
 Every write here is a conditional update of one lane by ``_id`` (no secondary index: the
-collection is read whole, 256 documents, once per claim).
+collection is read whole, 256 documents, once per claim); the filters and updates are in
+`mongoq.outbox.schema`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -34,9 +35,11 @@ from pymongo import UpdateMany, UpdateOne
 
 from mongoq import _driver
 from mongoq.clock import stored_instant
+from mongoq.outbox import schema
 from mongoq.outbox.models import LANES
+from mongoq.outbox.schema import REQUEUES
 
-__all__ = ["Entry", "Lane", "charge_lost", "read_lanes", "seed_lanes"]
+__all__ = ["REQUEUES", "Entry", "Lane", "charge_lost", "read_lanes", "seed_lanes"]
 
 #: A lane nobody ever held: its lease expired long ago.
 NEVER = datetime(1970, 1, 1, tzinfo=UTC)
@@ -54,6 +57,11 @@ class Entry:
     @classmethod
     def from_document(cls, doc: Mapping[str, Any]) -> Entry:
         return cls(doc["d"], int(doc.get("g", 0)), doc.get("h", ""), doc.get("k"))
+
+    @property
+    def claim(self) -> tuple[Any, int]:
+        """(delivery _id, generation): the claim this entry lists."""
+        return self.delivery, self.generation
 
     def document(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"d": self.delivery, "g": self.generation, "h": self.handler}
@@ -98,12 +106,12 @@ class Lane:
 
     def fence(self, owner: str, instance: str) -> dict[str, Any]:
         """The filter of a write by this lane's holder: it still holds the lane it read."""
-        return {"_id": self.id, "epoch": self.epoch, "owner": owner, "instance": instance}
+        return schema.lane_held(self.id, self.epoch, owner, instance)
 
     def take_filter(self) -> dict[str, Any]:
         """The filter of a takeover: the lane is exactly as read (judged free then); any write
         in between (a renewal, a hand-back, another take) moves ``rev`` on and the take fails."""
-        return {"_id": self.id, "rev": self.rev}
+        return schema.lane_as_read(self.id, self.rev)
 
 
 def lane_document(lane_id: int) -> dict[str, Any]:
@@ -123,27 +131,19 @@ async def seed_lanes(db: Any, collection: Any) -> None:
     """Create the lane documents that do not exist yet (idempotent, safe to race)."""
     ops = [
         _driver.update_by_id(
-            db, {"_id": lane_id}, {"$setOnInsert": lane_document(lane_id)}, upsert=True
+            db, schema.lane_by_id(lane_id), schema.lane_seeding(lane_document(lane_id)), upsert=True
         )
         for lane_id in range(LANES)
     ]
     await collection.bulk_write(ops, ordered=False)
 
 
-REQUEUES = "requeues"
-
-
 async def read_lanes(collection: Any) -> tuple[list[Lane], int]:
     """Every lane, and the requeue counter."""
-    docs = await _driver.find_list(collection, {})
+    docs = await _driver.find_list(collection, schema.lanes_all())
     lanes = [Lane.from_document(doc) for doc in docs if isinstance(doc["_id"], int)]
     requeues = next((int(d.get("value", 0)) for d in docs if d["_id"] == REQUEUES), 0)
     return lanes, requeues
-
-
-def generation_filter(entries: Iterable[Entry]) -> dict[str, Any]:
-    """The deliveries of `entries` that still have the generation they were listed with."""
-    return _driver.owned_by([(e.delivery, e.generation) for e in entries], "claims")
 
 
 async def charge_lost(
@@ -159,13 +159,10 @@ async def charge_lost(
     entries = [entry for lane, _ in taken for entry in lane.lost]
     if entries:
         await deliveries.update_many(
-            {**generation_filter(entries), "due_at": {"$exists": True}},
-            {"$inc": {"attempts": 1, "claims": 1}, "$set": {"updated_at": now}},
+            schema.delivery_claimed(e.claim for e in entries), schema.delivery_charging(now)
         )
     clear: list[UpdateOne | UpdateMany] = [
-        _driver.update_by_id(
-            db, {"_id": lane.id, "epoch": epoch}, {"$set": {"lost": []}, "$inc": {"rev": 1}}
-        )
+        _driver.update_by_id(db, schema.lane_at_epoch(lane.id, epoch), schema.lane_clearing_lost())
         for lane, epoch in taken
         if lane.lost
     ]

@@ -1,7 +1,8 @@
 """The outbox's values: events as the publisher writes them, deliveries as a claim hands them
 out, and the result types of the operator calls; plus the two pure functions the storage layout
 rests on, `lane_of` (which of the 256 lanes a key lives in) and `normalize` (the JSON form in
-which payloads and headers are stored). Owns no collections.
+which payloads and headers are stored); `check_handler` validates handler names. Owns no
+collections (their layout: `mongoq.outbox.schema`).
 """
 
 from __future__ import annotations
@@ -75,6 +76,14 @@ def normalize(field_name: str, value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [normalize(f"{field_name}[{index}]", item) for index, item in enumerate(value)]
     raise InvalidInput(field_name, f"is not JSON-like: {type(value).__name__}")
+
+
+def check_handler(field_name: str, value: Any) -> str:
+    """`value` if it can name a handler (or a subscribed event type): a non-empty string of at
+    most 256 characters without NUL; `InvalidInput` naming the field otherwise."""
+    if not isinstance(value, str) or not value or len(value) > 256 or "\x00" in value:
+        raise InvalidInput(field_name, "must be a non-empty string of at most 256 characters")
+    return value
 
 
 def _optional_text(field_name: str, value: Any) -> str | None:

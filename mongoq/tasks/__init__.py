@@ -1,18 +1,18 @@
 """`AsyncTaskQueue` (seed 001): a task *is* a state document, claimed atomically, leased,
-retried. The layout of its collection is in `mongoq.tasks.queue`'s docstring."""
+retried. Its values are in `mongoq.tasks.models`, the layout of its collection and every query
+it sends in `mongoq.tasks.schema`, the algorithm in `mongoq.tasks.queue`."""
 
-from mongoq.tasks.queue import (
-    AsyncTaskQueue,
+from mongoq.tasks.models import (
     NewTask,
     PutManyResult,
     PutOutcome,
     ReclaimResult,
     RunSummary,
     Task,
-    TaskLease,
     TaskQueueStats,
     TaskStatus,
 )
+from mongoq.tasks.queue import AsyncTaskQueue, TaskLease
 
 __all__ = [
     "AsyncTaskQueue",

@@ -1,51 +1,7 @@
-"""`AsyncTaskQueue`: a task *is* a state document, claimed by one atomic `find_one_and_update`.
-
-Collection ``{name}``, one document per task::
-
-    {_id: task_id, payload, revision, priority,
-     status: "pending" | "processing" | "done" | "failed" | "tombstone",
-     attempts,          # claims so far, counted at claim; capped by max_attempts
-     lease_until,       # processing: the lease's end; pending: "not before" (when it is due)
-     worker_id, lease_token,   # the holder while processing (token is unique per claim);
-                               # on a done task, the claim that completed it
-     error,             # last error text, the last 2,000 characters
-     result, created_at, updated_at}
-
-Queries and the indexes that serve them:
-
-- claim: ``{lease_until <= now, $or: [{status: pending},
-  {status: processing, lease_until < now, attempts < max}]}`` sorted by
-  ``priority desc, lease_until asc`` -> ``claim`` index ``{priority: -1, lease_until: 1}``,
-  hinted. Only pending and processing tasks carry a ``lease_until`` (it is null in every other
-  state), so the index range "lease_until <= now" holds exactly the claimable tasks, already in
-  sort order: the first key examined is the answer (exhausted expired leases, skipped by the
-  filter, are buried by reclaim_expired);
-- reclaim_expired: ``{status: processing, lease_until < now, attempts >= / < max}``, stats'
-  counts per status, due and expired counts, oldest due pending -> ``status_lease`` index
-  ``{status: 1, lease_until: 1}``;
-- settle / heartbeat / get / requeue / remove: by ``_id``;
-- tombstones are deleted by the *partial* TTL index ``tombstone_ttl`` on ``updated_at``
-  (``partialFilterExpression: {status: "tombstone"}``; a bare TTL index would empty the queue).
-  The embedded backend cannot honour the partial filter and gets no TTL index (see `_driver`).
-
-Differences from the seed, and why:
-- Time comes from the injected `Clock` (see `mongoq.clock`), not ``$$NOW``.
-- A pending task always carries its due time in ``lease_until`` (put time + delay) instead of
-  null, so the seed's first two claim branches are one, "oldest due first" is exact (a retry
-  whose backoff passed is not starved by a stream of fresh puts), and the claim is one index
-  range instead of an ``$or`` whose branches the server would plan apart and then sort.
-- ``attempts < max_attempts`` guards only the take-over of an expired lease. Every path that
-  makes a task pending leaves it with attempts to spare (``release_for_retry`` fails an
-  exhausted task), so a pending task is always claimable: no state that nothing leaves.
-- Settles are fenced on a per-claim ``lease_token`` besides ``worker_id``: the slots of one
-  worker share a worker id, and the same worker may re-claim a task it lost.
-- Revision race: a `put` with a new revision of a task being processed replaces its payload,
-  resets its attempts and leaves it with its holder; the holder's settle, filtered on the
-  revision it claimed, then finds a mismatch and returns the task to pending with fresh
-  attempts (never ``done`` for the old revision) and reports ``False``. If the holder crashes
-  instead, the new revision is taken over with fresh attempts.
-- The end of a `leased` block by cancellation counts as an attempt (released with backoff), like
-  a crash: a task that always times out ends ``failed`` instead of looping.
+"""`AsyncTaskQueue`: a task *is* a state document, claimed by one atomic `find_one_and_update`,
+leased, retried; and `TaskLease`, the holder's side of a claimed task. The queue owns one
+collection, ``{name}``, one document per task: its layout, its indexes and every filter and
+update sent here are in `mongoq.tasks.schema`.
 """
 
 from __future__ import annotations
@@ -53,26 +9,22 @@ from __future__ import annotations
 import logging
 import random
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import anyio
-import bson
 from pymongo import ReturnDocument
 
 from mongoq import _driver
 from mongoq._validation import (
     MAX_BATCH,
-    MAX_DOCUMENT_BYTES,
-    MAX_PAYLOAD_BYTES,
     check_batch,
     check_id,
     check_int,
     check_name,
-    check_payload,
     check_seconds,
 )
 from mongoq.clock import Clock, ServerClock, stored_instant
@@ -80,6 +32,22 @@ from mongoq.errors import InvalidInput, LeaseLost, PermanentError
 from mongoq.runtime.candidates import take_candidates
 from mongoq.runtime.keepalive import KeepAlive
 from mongoq.runtime.loop import WorkerHost, WorkerLoop, error_text
+from mongoq.tasks import schema
+from mongoq.tasks.models import (
+    STATUSES,
+    NewTask,
+    PutManyResult,
+    PutOutcome,
+    ReclaimResult,
+    RunSummary,
+    Task,
+    TaskId,
+    TaskQueueStats,
+    TaskStatus,
+    check_new_task,
+    check_new_tasks,
+    check_result,
+)
 
 __all__ = [
     "AsyncTaskQueue",
@@ -89,6 +57,7 @@ __all__ = [
     "ReclaimResult",
     "RunSummary",
     "Task",
+    "TaskId",
     "TaskLease",
     "TaskQueueStats",
     "TaskStatus",
@@ -96,155 +65,14 @@ __all__ = [
 
 log = logging.getLogger("mongoq.tasks")
 
-TaskStatus = Literal["pending", "processing", "done", "failed", "tombstone"]
-PENDING: TaskStatus = "pending"
-PROCESSING: TaskStatus = "processing"
-DONE: TaskStatus = "done"
-FAILED: TaskStatus = "failed"
-TOMBSTONE: TaskStatus = "tombstone"
-STATUSES: tuple[TaskStatus, ...] = (PENDING, PROCESSING, DONE, FAILED, TOMBSTONE)
-
-PutOutcome = Literal["inserted", "updated", "unchanged"]
-
-CLAIM_INDEX = "claim"
-CLAIM_ORDER = [("priority", -1), ("lease_until", 1)]
 NOT_AN_ATTEMPT_DELAY = 5.0
-TaskId = str | int
 
 
-#: A result this small always fits: a put leaves the task document this much room (the
-#: payload limit), well above the bookkeeping fields and a 2,000-character error.
-_RESULT_ALWAYS_FITS = 32 * 1024
-
-
-def check_result(field: str, task: Task, result: Any) -> None:
-    """`result` is storable on `task`'s document: BSON-encodable, and the document with it stays
-    within the server's 16 MiB (a server refuses the completion otherwise: code 17419)."""
-    size = check_payload(field, result)
-    if size <= _RESULT_ALWAYS_FITS:
-        return
-    stored = len(bson.encode(task.document(result)))
-    if stored > MAX_DOCUMENT_BYTES:
-        raise InvalidInput(
-            field,
-            f"encodes to {size} bytes; with the task's payload the document would take {stored} "
-            f"bytes, over the server's limit of {MAX_DOCUMENT_BYTES} (16 MiB): store large "
-            "results elsewhere (GridFS, object storage) and return a reference",
-        )
-
-
-@dataclass(frozen=True)
-class Task:
-    """A snapshot of a task document; `claim` returns one with the lease fields set.
-
-    `error` is the last error recorded for the task; it is kept (for reference) when the task is
-    retried, requeued or completed later.
-    """
-
-    id: TaskId
-    payload: Any
-    status: TaskStatus
-    attempts: int
-    priority: int = 0
-    revision: str | int | None = None
-    lease_until: datetime | None = None
-    worker_id: str | None = None
-    lease_token: str | None = None
-    error: str | None = None
-    result: Any = None
-    created_at: datetime | None = None
-    updated_at: datetime | None = None
-
-    @classmethod
-    def from_document(cls, doc: Mapping[str, Any]) -> Task:
-        return cls(
-            id=doc["_id"],
-            payload=doc.get("payload"),
-            status=doc["status"],
-            attempts=int(doc.get("attempts", 0)),
-            priority=int(doc.get("priority", 0)),
-            revision=doc.get("revision"),
-            lease_until=stored_instant(doc.get("lease_until")),
-            worker_id=doc.get("worker_id"),
-            lease_token=doc.get("lease_token"),
-            error=doc.get("error"),
-            result=doc.get("result"),
-            created_at=stored_instant(doc.get("created_at")),
-            updated_at=stored_instant(doc.get("updated_at")),
-        )
-
-    def document(self, result: Any = None) -> dict[str, Any]:
-        """The stored form of this task with `result` (what a completion leaves)."""
-        return {
-            "_id": self.id,
-            "payload": self.payload,
-            "revision": self.revision,
-            "priority": self.priority,
-            "status": DONE,
-            "attempts": self.attempts,
-            "lease_until": self.lease_until,
-            "worker_id": self.worker_id,
-            "lease_token": self.lease_token,
-            "error": self.error,
-            "result": result,
-            "created_at": self.created_at,
-            "updated_at": self.updated_at,
-        }
-
-
-@dataclass(frozen=True)
-class NewTask:
-    """One task for `AsyncTaskQueue.put_many`; the fields mean what `put`'s arguments mean."""
-
-    task_id: TaskId
-    payload: Any = None
-    revision: str | int | None = None
-    priority: int = 0
-    delay: float = 0.0
-
-
-@dataclass(frozen=True)
-class PutManyResult:
-    inserted: int
-    updated: int
-    unchanged: int
-
-
-@dataclass(frozen=True)
-class ReclaimResult:
-    """What `reclaim_expired` did: tasks buried (attempts used up) and requeued."""
-
-    failed: int
-    requeued: int
-
-
-@dataclass(frozen=True)
-class TaskQueueStats:
-    """Counts per status, plus the signals an operator watches.
-
-    `due` of the pending tasks are claimable now; `expired` processing tasks have a lease that
-    ran out (their worker is gone or stuck); `oldest_due_age` is how long the oldest claimable
-    task has waited, in seconds (None when none is due): the "queue is stuck" signal.
-    """
-
-    counts: dict[str, int]
-    due: int
-    expired: int
-    oldest_due_age: float | None
-
-
-@dataclass
-class RunSummary:
-    """What a `run` loop did, by outcome."""
-
-    claimed: int = 0
-    completed: int = 0
-    retried: int = 0
-    failed: int = 0
-    released: int = 0
-    lost: int = 0
-    #: settles whose reply was lost: the task is settled or its lease will expire
-    unknown: int = 0
+def _fence(task: Task) -> dict[str, Any]:
+    """`task`'s fence (`schema.task_held`); refuses anything `claim` did not return."""
+    if not isinstance(task, Task) or task.lease_token is None or task.worker_id is None:
+        raise InvalidInput("task", "must be a Task returned by claim()")
+    return schema.task_held(task)
 
 
 @dataclass(eq=False)
@@ -299,6 +127,33 @@ class TaskLease:
         held = await self.queue.heartbeat(self.task)
         return None if self.settled else held
 
+    async def _settle_on_exit(self, exc: BaseException | None) -> None:
+        """What the exit of the block does when it left the task unsettled (see `leased`)."""
+        if self.settled:
+            return
+        lost = LeaseLost(
+            f"task {self.task.id!r} is no longer held (taken over, removed, or re-put with a new "
+            "revision); the block's outcome was not recorded"
+        )
+        if self.lost:
+            self.outcome = "lost"
+            if exc is None:
+                raise lost
+            return
+        if exc is None:
+            if not await self.queue.complete(self.task):
+                raise lost
+            return
+        try:
+            if isinstance(exc, PermanentError):
+                await self.queue.fail(self.task, exc)
+            else:  # any other exception, cancellation included: counted, retried with backoff
+                await self.queue.release_for_retry(self.task, exc)
+        except _driver.DRIVER_ERRORS as settle_error:
+            # The block's own exception is what the caller needs to see; the lease expiring
+            # makes the task claimable again.
+            log.warning("could not release %r after %r: %s", self.task.id, exc, settle_error)
+
     async def __aenter__(self) -> TaskLease:
         interval = self.queue.lease_ttl / 3
         expires = self.task.lease_until or self.queue.clock.now()
@@ -319,13 +174,13 @@ class TaskLease:
         finally:
             with anyio.CancelScope(shield=True):
                 try:
-                    await self.queue._settle_on_exit(self, exc)
+                    await self._settle_on_exit(exc)
                 finally:
                     self.queue._leases.pop(self.task.lease_token or "", None)
 
 
 class AsyncTaskQueue(WorkerHost):
-    """A durable task queue in one MongoDB collection (see the module docstring for its layout).
+    """A durable task queue in one MongoDB collection (its layout: `mongoq.tasks.schema`).
 
     Guarantees: a task has at most one live holder (claims are one atomic command; every settle
     is fenced on the claim's token); a holder that lost its task changes nothing and is told
@@ -363,79 +218,25 @@ class AsyncTaskQueue(WorkerHost):
 
     async def ensure_indexes(self) -> None:
         """Create the indexes every query needs; idempotent."""
-        await self.collection.create_index([("priority", -1), ("lease_until", 1)], name=CLAIM_INDEX)
-        await self.collection.create_index([("status", 1), ("lease_until", 1)], name="status_lease")
-        await _driver.create_partial_ttl_index(
-            self.db,
-            self.collection,
-            "updated_at",
-            name="tombstone_ttl",
-            expire_after=self.tombstone_ttl,
-            partial={"status": TOMBSTONE},
-        )
+        for index in schema.INDEXES:
+            if not index.ttl:
+                await self.collection.create_index(list(index.keys), name=index.name)
+                continue
+            assert index.partial is not None
+            await _driver.create_partial_ttl_index(
+                self.db,
+                self.collection,
+                index.keys[0][0],
+                name=index.name,
+                expire_after=self.tombstone_ttl,
+                partial=index.partial,
+            )
 
     async def _now(self) -> datetime:
         await self.clock.refresh()
         return self.clock.now()
 
     # ---------------------------------------------------------------------------- producer
-
-    def _put_update(self, spec: NewTask, now: datetime) -> list[dict[str, Any]]:
-        """The pipeline of an idempotent put (see `put`). User values go through ``$literal``:
-        a string such as ``"$x"`` would otherwise read a field."""
-        # Fields are read through $ifNull: comparisons with a missing field differ between
-        # the server and the embedded backend; with null they agree.
-        status = {"$ifNull": ["$status", None]}
-        is_new = {"$eq": [status, None]}
-        if spec.revision is None:
-            fresh: Any = is_new
-        else:
-            stored_revision = {"$ifNull": ["$revision", None]}
-            fresh = {"$or": [is_new, {"$ne": [stored_revision, {"$literal": spec.revision}]}]}
-        reset = {"$and": [fresh, {"$ne": [status, PROCESSING]}]}
-
-        def when(condition: Any, new: Any, current: str) -> dict[str, Any]:
-            return {"$cond": [condition, new, f"${current}"]}
-
-        due = now + timedelta(seconds=spec.delay)
-        return [
-            {
-                "$set": {
-                    "payload": when(fresh, {"$literal": spec.payload}, "payload"),
-                    "revision": when(fresh, {"$literal": spec.revision}, "revision"),
-                    "priority": when(fresh, spec.priority, "priority"),
-                    "status": when(reset, PENDING, "status"),
-                    # Fresh attempts for a new revision even while it is processing: should
-                    # the holder crash, the takeover runs the new revision with all its tries.
-                    "attempts": when(fresh, 0, "attempts"),
-                    "lease_until": when(reset, due, "lease_until"),
-                    "worker_id": when(reset, None, "worker_id"),
-                    "lease_token": when(reset, None, "lease_token"),
-                    "error": when(reset, None, "error"),
-                    "result": when(reset, None, "result"),
-                    "created_at": {"$ifNull": ["$created_at", now]},
-                    "updated_at": when(fresh, now, "updated_at"),
-                }
-            }
-        ]
-
-    @staticmethod
-    def _check_new_task(spec: NewTask, prefix: str = "") -> NewTask:
-        task_id = check_id(f"{prefix}task_id", spec.task_id)
-        size = check_payload(f"{prefix}payload", spec.payload)
-        if spec.revision is not None:
-            if isinstance(spec.revision, bool) or not isinstance(spec.revision, str | int):
-                raise InvalidInput(f"{prefix}revision", "must be a string, an int or None")
-            size += check_payload(f"{prefix}revision", spec.revision)
-            if size > MAX_PAYLOAD_BYTES:
-                raise InvalidInput(
-                    f"{prefix}revision",
-                    f"payload and revision encode to {size} bytes together; the limit is "
-                    f"{MAX_PAYLOAD_BYTES}",
-                )
-        check_int(f"{prefix}priority", spec.priority, low=-(2**31), high=2**31 - 1)
-        delay = check_seconds(f"{prefix}delay", spec.delay)
-        return NewTask(task_id, spec.payload, spec.revision, spec.priority, delay)
 
     async def put(
         self,
@@ -458,10 +259,10 @@ class AsyncTaskQueue(WorkerHost):
         Higher `priority` is claimed first. Returns ``"inserted"``, ``"updated"`` or
         ``"unchanged"``.
         """
-        spec = self._check_new_task(NewTask(task_id, payload, revision, priority, delay))
+        spec = check_new_task(NewTask(task_id, payload, revision, priority, delay))
         now = await self._now()
         result = await self.collection.update_one(
-            {"_id": spec.task_id}, self._put_update(spec, now), upsert=True
+            schema.task_by_id(spec.task_id), schema.task_putting(spec, now), upsert=True
         )
         if result.upserted_id is not None:
             return "inserted"
@@ -469,33 +270,21 @@ class AsyncTaskQueue(WorkerHost):
 
     async def put_many(self, tasks: Iterable[NewTask]) -> PutManyResult:
         """`put` for many tasks in one round trip (one unordered bulk write)."""
-        specs = list(tasks)
-        checked: list[NewTask] = []
-        seen: dict[TaskId, int] = {}
-        for index, spec in enumerate(specs):
-            if not isinstance(spec, NewTask):
-                raise InvalidInput(
-                    f"tasks[{index}]", f"must be a NewTask, got {type(spec).__name__}"
-                )
-            spec = self._check_new_task(spec, f"tasks[{index}].")
-            if spec.task_id in seen:
-                raise InvalidInput(
-                    f"tasks[{index}].task_id", f"repeats tasks[{seen[spec.task_id]}].task_id"
-                )
-            seen[spec.task_id] = index
-            checked.append(spec)
+        checked = check_new_tasks("tasks", tasks)
         if not checked:
             return PutManyResult(0, 0, 0)
         now = await self._now()
         ops = [
             _driver.update_by_id(
-                self.db, {"_id": spec.task_id}, self._put_update(spec, now), upsert=True
+                self.db,
+                schema.task_by_id(spec.task_id),
+                schema.task_putting(spec, now),
+                upsert=True,
             )
             for spec in checked
         ]
         result = await self.collection.bulk_write(ops, ordered=False)
-        inserted = result.upserted_count
-        updated = result.modified_count
+        inserted, updated = result.upserted_count, result.modified_count
         return PutManyResult(inserted, updated, len(checked) - inserted - updated)
 
     # ---------------------------------------------------------------------------- consumer
@@ -510,12 +299,12 @@ class AsyncTaskQueue(WorkerHost):
         """
         worker = self._worker(worker_id)
         now = await self._now()
-        with _driver.index_required(self.collection, CLAIM_INDEX):
+        with _driver.index_required(self.collection, schema.CLAIM_INDEX):
             doc = await self.collection.find_one_and_update(
-                self._claimable(now),
-                self._claiming(worker, uuid.uuid4().hex, now),
-                sort=CLAIM_ORDER,
-                hint=CLAIM_INDEX,
+                schema.task_claimable(now, self.max_attempts),
+                schema.task_claiming(worker, uuid.uuid4().hex, now, self.lease_ttl),
+                sort=schema.CLAIM_ORDER,
+                hint=schema.CLAIM_INDEX,
                 return_document=ReturnDocument.AFTER,
             )
         if doc is None:
@@ -523,31 +312,6 @@ class AsyncTaskQueue(WorkerHost):
         task = Task.from_document(doc)
         log.debug("claimed %r (attempt %d) for %s", task.id, task.attempts, worker)
         return task
-
-    def _claimable(self, now: datetime) -> dict[str, Any]:
-        return {
-            "lease_until": {"$lte": now},
-            "$or": [
-                {"status": PENDING},
-                {
-                    "status": PROCESSING,
-                    "lease_until": {"$lt": now},  # a lease ending at `now` still holds
-                    "attempts": {"$lt": self.max_attempts},
-                },
-            ],
-        }
-
-    def _claiming(self, worker: str, token: str, now: datetime) -> dict[str, Any]:
-        return {
-            "$set": {
-                "status": PROCESSING,
-                "worker_id": worker,
-                "lease_token": token,
-                "lease_until": now + timedelta(seconds=self.lease_ttl),
-                "updated_at": now,
-            },
-            "$inc": {"attempts": 1},
-        }
 
     async def claim_many(self, n: int, worker_id: str | None = None) -> list[Task]:
         """Claim up to `n` due tasks in three commands, in claim order.
@@ -565,15 +329,15 @@ class AsyncTaskQueue(WorkerHost):
         token = uuid.uuid4().hex
         ids = await take_candidates(
             self.collection,
-            self._claimable(now),
-            self._claiming(worker, token, now),
-            sort=CLAIM_ORDER,
+            schema.task_claimable(now, self.max_attempts),
+            schema.task_claiming(worker, token, now, self.lease_ttl),
+            sort=schema.CLAIM_ORDER,
             n=n,
-            hint=CLAIM_INDEX,
+            hint=schema.CLAIM_INDEX,
         )
         if not ids:
             return []
-        docs = await _driver.find_list(self.collection, {"_id": {"$in": ids}, "lease_token": token})
+        docs = await _driver.find_list(self.collection, schema.tasks_claimed(ids, token))
         order = {task_id: index for index, task_id in enumerate(ids)}
         tasks = sorted((Task.from_document(doc) for doc in docs), key=lambda t: order[t.id])
         log.debug("claimed %d task(s) for %s", len(tasks), worker)
@@ -591,7 +355,7 @@ class AsyncTaskQueue(WorkerHost):
         if len(values) != len(tasks):
             raise InvalidInput("results", "must have one result per task")
         for index, (task, result) in enumerate(zip(tasks, values, strict=True)):
-            self._fence(task)
+            _fence(task)
             check_result(f"results[{index}]", task, result)
         if not tasks:
             return []
@@ -599,9 +363,7 @@ class AsyncTaskQueue(WorkerHost):
         outcome = await self.collection.bulk_write(
             [
                 _driver.update_by_id(
-                    self.db,
-                    {**self._fence(task), "revision": task.revision},
-                    self._done(result, now),
+                    self.db, schema.task_held_at_revision(task), schema.task_completing(result, now)
                 )
                 for task, result in zip(tasks, values, strict=True)
             ],
@@ -611,16 +373,14 @@ class AsyncTaskQueue(WorkerHost):
         if outcome.matched_count != len(tasks):
             settled = await _driver.find_list(
                 self.collection,
-                {"_id": {"$in": [task.id for task in tasks]}, "status": DONE},
+                schema.tasks_done([task.id for task in tasks]),
                 projection={"lease_token": 1},
             )
             by = {(doc["_id"], doc.get("lease_token")) for doc in settled}
             done = [(task.id, task.lease_token) in by for task in tasks]
             # As in `_settle`: a task still held whose revision changed needs a fresh run.
             requeue = [
-                _driver.update_by_id(
-                    self.db, self._fence(task), {"$set": self._pending(now, now, 0)}
-                )
+                _driver.update_by_id(self.db, schema.task_held(task), schema.task_requeuing(now))
                 for task, ok in zip(tasks, done, strict=True)
                 if not ok
             ]
@@ -637,18 +397,13 @@ class AsyncTaskQueue(WorkerHost):
         held, to tell which); returns, per task, whether it is still held."""
         tasks = check_batch("tasks", tasks)
         for task in tasks:
-            self._fence(task)
+            _fence(task)
         if not tasks:
             return []
-        # The token names the claim, and with it the worker: one `$in` per claim.
-        held_by = {
-            "status": PROCESSING,
-            **_driver.owned_by([(task.id, task.lease_token) for task in tasks], "lease_token"),
-        }
+        held_by = schema.tasks_held(tasks)
         now = await self._now()
         extended = await self.collection.update_many(
-            held_by,
-            {"$set": {"lease_until": now + timedelta(seconds=self.lease_ttl), "updated_at": now}},
+            held_by, schema.task_extending(now, self.lease_ttl)
         )
         if extended.matched_count == len(tasks):
             return [True] * len(tasks)
@@ -656,23 +411,12 @@ class AsyncTaskQueue(WorkerHost):
         still = {(doc["_id"], doc.get("lease_token")) for doc in held}
         return [(task.id, task.lease_token) in still for task in tasks]
 
-    @staticmethod
-    def _fence(task: Task) -> dict[str, Any]:
-        if not isinstance(task, Task) or task.lease_token is None or task.worker_id is None:
-            raise InvalidInput("task", "must be a Task returned by claim()")
-        return {
-            "_id": task.id,
-            "status": PROCESSING,
-            "worker_id": task.worker_id,
-            "lease_token": task.lease_token,
-        }
-
     async def _settle(self, task: Task, outcome: str, update: Any, now: datetime) -> bool:
         """Apply a holder's final write, fenced on its lease and the revision it claimed."""
-        fence = self._fence(task)
+        fence = _fence(task)
         lease = self._leases.get(task.lease_token or "")
         try:
-            result = await self.collection.update_one({**fence, "revision": task.revision}, update)
+            result = await self.collection.update_one(schema.task_held_at_revision(task), update)
         except _driver.DRIVER_ERRORS as error:
             if _driver.too_large(error):  # refused, nothing written: a fact, not an unknown
                 raise InvalidInput("result", f"the server refused the document: {error}") from error
@@ -686,7 +430,7 @@ class AsyncTaskQueue(WorkerHost):
         if not took_effect:
             # Either the lease is gone (then this matches nothing either) or a put changed the
             # revision under the holder: that work is stale, the new revision needs a fresh run.
-            requeued = await self.collection.update_one(fence, {"$set": self._pending(now, now, 0)})
+            requeued = await self.collection.update_one(fence, schema.task_requeuing(now))
             if requeued.matched_count:
                 log.info("task %r changed revision while processing; requeued", task.id)
             else:
@@ -695,42 +439,19 @@ class AsyncTaskQueue(WorkerHost):
             lease.outcome = outcome if took_effect else "lost"
         return took_effect
 
-    @staticmethod
-    def _pending(now: datetime, due: datetime, attempts: int | None) -> dict[str, Any]:
-        """The fields of a pending task due at `due`, with `attempts` reset unless None."""
-        fields: dict[str, Any] = {
-            "status": PENDING,
-            "lease_until": due,
-            "worker_id": None,
-            "lease_token": None,
-            "updated_at": now,
-        }
-        if attempts is not None:
-            fields["attempts"] = attempts
-        return fields
-
     async def heartbeat(self, task: Task) -> bool:
         """Extend the lease by `lease_ttl` from now; False when the task is no longer held."""
-        fence = self._fence(task)
+        fence = _fence(task)
         now = await self._now()
-        result = await self.collection.update_one(
-            fence,
-            {"$set": {"lease_until": now + timedelta(seconds=self.lease_ttl), "updated_at": now}},
-        )
+        result = await self.collection.update_one(fence, schema.task_extending(now, self.lease_ttl))
         return bool(result.matched_count == 1)
 
     async def complete(self, task: Task, result: Any = None) -> bool:
         """Mark the task ``done`` with `result`; False (and no change) if no longer held."""
-        self._fence(task)
+        _fence(task)
         check_result("result", task, result)
         now = await self._now()
-        return await self._settle(task, "completed", self._done(result, now), now)
-
-    @staticmethod
-    def _done(result: Any, now: datetime) -> dict[str, Any]:
-        # The token stays: it tells which claim completed the task (see `complete_many`), and
-        # every settle requires ``processing``, so it fences nothing any more.
-        return {"$set": {"status": DONE, "result": result, "lease_until": None, "updated_at": now}}
+        return await self._settle(task, "completed", schema.task_completing(result, now), now)
 
     def backoff(self, attempts: int) -> float:
         """Seconds before retry number `attempts`: ``min(base * 2^(attempts-1), cap)`` times a
@@ -744,13 +465,13 @@ class AsyncTaskQueue(WorkerHost):
         A task whose attempts are used up is failed instead: no task is left pending and
         unclaimable. False (and no change) if no longer held.
         """
-        self._fence(task)
+        _fence(task)
         if task.attempts >= self.max_attempts:
             return await self.fail(task, error)
         now = await self._now()
         due = now + timedelta(seconds=self.backoff(task.attempts))
-        fields = self._pending(now, due, None) | {"error": error_text(error)}
-        return await self._settle(task, "retried", {"$set": fields}, now)
+        update = schema.task_retrying(now, due, error_text(error))
+        return await self._settle(task, "retried", update, now)
 
     async def release_not_an_attempt(self, task: Task, delay: float | None = None) -> bool:
         """Return the task to pending without counting this claim as an attempt.
@@ -758,28 +479,17 @@ class AsyncTaskQueue(WorkerHost):
         For work that stopped through no fault of the task (a shutdown, a revision race). It is
         due again after `delay` seconds (default 5: not in a hot loop). False if no longer held.
         """
-        self._fence(task)
+        _fence(task)
         wait = NOT_AN_ATTEMPT_DELAY if delay is None else check_seconds("delay", delay)
         now = await self._now()
-        fields = self._pending(now, now + timedelta(seconds=wait), None)
-        # Never below 0: a revision reset may have zeroed the count since this claim.
-        fields["attempts"] = {"$max": [{"$subtract": ["$attempts", 1]}, 0]}
-        return await self._settle(task, "released", [{"$set": fields}], now)
+        update = schema.task_releasing(now, now + timedelta(seconds=wait))
+        return await self._settle(task, "released", update, now)
 
     async def fail(self, task: Task, error: BaseException | str | None = None) -> bool:
         """Mark the task ``failed`` (terminal until an operator `requeue`s it)."""
-        self._fence(task)
+        _fence(task)
         now = await self._now()
-        update = {
-            "$set": {
-                "status": FAILED,
-                "error": error_text(error),
-                "lease_until": None,
-                "lease_token": None,
-                "updated_at": now,
-            }
-        }
-        return await self._settle(task, "failed", update, now)
+        return await self._settle(task, "failed", schema.task_failing(now, error_text(error)), now)
 
     def leased(self, task: Task) -> TaskLease:
         """``async with queue.leased(task) as lease:`` holds `task` while the block runs.
@@ -792,37 +502,11 @@ class AsyncTaskQueue(WorkerHost):
         `release_for_retry` (which fails the task once its attempts are used up). The exception
         propagates.
         """
-        self._fence(task)
+        _fence(task)
         assert task.lease_token is not None
         lease = TaskLease(self, task)
         self._leases[task.lease_token] = lease
         return lease
-
-    async def _settle_on_exit(self, lease: TaskLease, exc: BaseException | None) -> None:
-        if lease.settled:
-            return
-        lost = LeaseLost(
-            f"task {lease.task.id!r} is no longer held (taken over, removed, or re-put with a new "
-            "revision); the block's outcome was not recorded"
-        )
-        if lease.lost:
-            lease.outcome = "lost"
-            if exc is None:
-                raise lost
-            return
-        if exc is None:
-            if not await self.complete(lease.task):
-                raise lost
-            return
-        try:
-            if isinstance(exc, PermanentError):
-                await self.fail(lease.task, exc)
-            else:  # any other exception, cancellation included: counted, retried with backoff
-                await self.release_for_retry(lease.task, exc)
-        except _driver.DRIVER_ERRORS as settle_error:
-            # The block's own exception is what the caller needs to see; the lease expiring
-            # makes the task claimable again.
-            log.warning("could not release %r after %r: %s", lease.task.id, exc, settle_error)
 
     # ---------------------------------------------------------------------------- operator
 
@@ -835,22 +519,11 @@ class AsyncTaskQueue(WorkerHost):
         statistics honest when no worker is claiming.
         """
         now = await self._now()
-        expired = {"status": PROCESSING, "lease_until": {"$lt": now}}
         buried = await self.collection.update_many(
-            {**expired, "attempts": {"$gte": self.max_attempts}},
-            {
-                "$set": {
-                    "status": FAILED,
-                    "error": "lease expired on the last attempt (worker crashed or stalled)",
-                    "lease_until": None,
-                    "lease_token": None,
-                    "updated_at": now,
-                }
-            },
+            schema.task_expired_exhausted(now, self.max_attempts), schema.task_burying(now)
         )
         requeued = await self.collection.update_many(
-            {**expired, "attempts": {"$lt": self.max_attempts}},
-            {"$set": self._pending(now, now, None)},
+            schema.task_expired_retryable(now, self.max_attempts), schema.task_reclaiming(now)
         )
         if buried.modified_count or requeued.modified_count:
             log.info("reclaimed expired leases: %d failed, %d requeued",
@@ -859,15 +532,14 @@ class AsyncTaskQueue(WorkerHost):
 
     async def get(self, task_id: TaskId) -> Task | None:
         """The task's current document, or None."""
-        doc = await self.collection.find_one({"_id": check_id("task_id", task_id)})
+        doc = await self.collection.find_one(schema.task_by_id(check_id("task_id", task_id)))
         return None if doc is None else Task.from_document(doc)
 
     async def requeue(self, task_id: TaskId) -> bool:
         """Operator: put a ``failed`` task back to pending with fresh attempts."""
         now = await self._now()
         result = await self.collection.update_one(
-            {"_id": check_id("task_id", task_id), "status": FAILED},
-            {"$set": self._pending(now, now, 0)},
+            schema.task_failed(check_id("task_id", task_id)), schema.task_requeuing(now)
         )
         return bool(result.matched_count == 1)
 
@@ -876,34 +548,23 @@ class AsyncTaskQueue(WorkerHost):
         deletes it after `tombstone_ttl`. A put with a new revision revives it."""
         now = await self._now()
         result = await self.collection.update_one(
-            {"_id": check_id("task_id", task_id), "status": {"$ne": TOMBSTONE}},
-            {
-                "$set": {
-                    "status": TOMBSTONE,
-                    "lease_until": None,
-                    "lease_token": None,
-                    "updated_at": now,
-                }
-            },
+            schema.task_removable(check_id("task_id", task_id)), schema.task_removing(now)
         )
         return bool(result.matched_count == 1)
 
     async def stats(self) -> TaskQueueStats:
         """Counts per status, due, expired and the oldest due age (eight indexed commands)."""
         now = await self._now()
+        count = self.collection.count_documents
         counts: dict[str, int] = {
-            status: await self.collection.count_documents({"status": status}) for status in STATUSES
+            status: await count(schema.task_in_status(status)) for status in STATUSES
         }
-        due = await self.collection.count_documents(
-            {"status": PENDING, "lease_until": {"$lte": now}}
-        )
-        expired = await self.collection.count_documents(
-            {"status": PROCESSING, "lease_until": {"$lt": now}}
-        )
+        due = await count(schema.task_due(now))
+        expired = await count(schema.task_expired(now))
         oldest = await _driver.find_list(
             self.collection,
-            {"status": PENDING, "lease_until": {"$lte": now}},
-            sort=[("lease_until", 1)],
+            schema.task_due(now),
+            sort=schema.DUE_ORDER,
             limit=1,
             projection={"lease_until": 1},
         )

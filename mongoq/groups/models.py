@@ -1,0 +1,131 @@
+"""The group transport's public dataclasses and constants, and the checks of what a caller hands
+in: what `AsyncGroupTransport` takes and gives back. No I/O; the documents are in
+`mongoq.groups.schema`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from mongoq._validation import check_id, check_int, check_payload
+from mongoq.errors import InvalidInput
+
+__all__ = [
+    "ALL_PRIORITIES",
+    "NEVER_CLAIMED",
+    "PRIORITIES",
+    "DeadLetter",
+    "GroupId",
+    "GroupLease",
+    "GroupRunSummary",
+    "GroupStats",
+    "NewMessage",
+    "check_lease",
+    "check_priority",
+    "checked_message",
+    "checked_messages",
+]
+
+GroupId = str | int
+#: `available_at` of a group nobody has claimed yet: sorts before every real instant.
+NEVER_CLAIMED = datetime(1970, 1, 1, tzinfo=UTC)
+#: The lowest and the highest priority.
+PRIORITIES = (0, 4)
+ALL_PRIORITIES = range(PRIORITIES[0], PRIORITIES[1] + 1)
+
+
+@dataclass(frozen=True)
+class NewMessage:
+    """One message for `AsyncGroupTransport.publish_many`."""
+
+    group_id: GroupId
+    event: Any
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class GroupLease:
+    """A claimed group and its head message. `event` is what the publisher passed (as BSON
+    round-trips it: tuples come back as lists, datetimes as naive UTC to the millisecond)."""
+
+    seq: int
+    group_id: GroupId
+    event: Any
+    token: str
+    worker_id: str
+    deliveries: int
+    priority: int
+    lease_until: datetime
+    #: the group's publish count when claimed, and whether this head was its last message:
+    #: what lets `ack` drop a drained group safely
+    group_version: int | None = field(default=None, repr=False)
+    was_last: bool = field(default=False, repr=False)
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    seq: int
+    group_id: GroupId
+    event: Any
+    priority: int
+    deliveries: int
+    error: str | None
+    published_at: datetime | None
+    dead_at: datetime | None
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """Groups by state, messages waiting, dead letters, and the age in seconds of the oldest
+    message not yet acked (None when there is none): the "something is stuck" signal."""
+
+    ready: int
+    in_flight: int
+    parked: int
+    messages: int
+    dead: int
+    oldest_message_age: float | None
+
+
+@dataclass
+class GroupRunSummary:
+    claimed: int = 0
+    acked: int = 0
+    retried: int = 0
+    dead: int = 0
+    #: leases given back unused (a stopped batch), their delivery not counted
+    released: int = 0
+    lost: int = 0
+    #: settles that raised a driver error: applied or not, the lease expiry recovers the group
+    unknown: int = 0
+
+
+def check_priority(name: str, priority: int) -> int:
+    return check_int(name, priority, low=PRIORITIES[0], high=PRIORITIES[1])
+
+
+def checked_message(message: NewMessage, prefix: str = "") -> NewMessage:
+    """`message` with its group id as checked (the fields named after `prefix` in errors)."""
+    group_id = check_id(f"{prefix}group_id", message.group_id)
+    check_payload(f"{prefix}event", message.event)
+    check_priority(f"{prefix}priority", message.priority)
+    return NewMessage(group_id, message.event, message.priority)
+
+
+def checked_messages(messages: Iterable[NewMessage]) -> list[NewMessage]:
+    """The messages of a `publish_many`, each checked (errors name ``messages[i]``)."""
+    checked: list[NewMessage] = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, NewMessage):
+            raise InvalidInput(
+                f"messages[{index}]", f"must be a NewMessage, got {type(message).__name__}"
+            )
+        checked.append(checked_message(message, f"messages[{index}]."))
+    return checked
+
+
+def check_lease(lease: GroupLease) -> None:
+    if not isinstance(lease, GroupLease):
+        raise InvalidInput("lease", "must be a GroupLease returned by claim()")

@@ -1,0 +1,134 @@
+"""The group transport's operator calls, mixed into `AsyncGroupTransport`: the dead letters and
+their redrive, the recovery of orphaned groups, and the stats. They read and write the
+transport's collections (see `mongoq.groups.schema`) through its filters; they own none.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+from typing import Any, Protocol
+
+from mongoq import _driver
+from mongoq._validation import check_id, check_int, check_seconds
+from mongoq.clock import stored_instant
+from mongoq.groups import schema
+from mongoq.groups.models import PRIORITIES, DeadLetter, GroupId, GroupStats, NewMessage
+
+__all__ = ["GroupOperators"]
+
+log = logging.getLogger("mongoq.groups")
+
+
+class _Transport(Protocol):
+    """What the operator calls use of the transport they are mixed into."""
+
+    db: Any
+    messages: Any
+    locks: Any
+    dead: Any
+    visibility: float
+    _recovered_until: datetime | None
+
+    async def _now(self) -> datetime: ...
+
+    async def publish_many(self, messages: Iterable[NewMessage]) -> list[int]: ...
+
+
+class GroupOperators:
+    """`dead_letters`, `redrive`, `recover_orphans` and `stats` of `AsyncGroupTransport`."""
+
+    #: where the previous `recover_orphans` window ended (set by the transport's constructor)
+    _recovered_until: datetime | None
+
+    async def dead_letters(
+        self: _Transport, *, group_id: GroupId | None = None, limit: int = 100
+    ) -> list[DeadLetter]:
+        """Dead letters, oldest first, optionally of one group."""
+        check_int("limit", limit, low=1)
+        group = None if group_id is None else check_id("group_id", group_id)
+        docs = await _driver.find_list(
+            self.dead, schema.dead_letters_selected(None, group), sort=schema.SEQ_ORDER, limit=limit
+        )
+        return [schema.dead_letter_from(doc) for doc in docs]
+
+    async def redrive(
+        self: _Transport, seqs: Iterable[int] | None = None, *, group_id: GroupId | None = None,
+        limit: int = 1000,
+    ) -> int:  # fmt: skip
+        """Publish dead letters again, at the tail of their groups, and remove them from the
+        dead letters; returns how many. Select by `seqs`, or by `group_id`, or the oldest
+        `limit`. A redrive interrupted midway may publish a message twice (at least once)."""
+        check_int("limit", limit, low=1)
+        wanted = None
+        if seqs is not None:
+            wanted = [check_int(f"seqs[{i}]", seq, low=1) for i, seq in enumerate(seqs)]
+        group = None if group_id is None else check_id("group_id", group_id)
+        docs = await _driver.find_list(
+            self.dead,
+            schema.dead_letters_selected(wanted, group),
+            sort=schema.SEQ_ORDER,
+            limit=limit,
+        )
+        if not docs:
+            return 0
+        await self.publish_many(schema.message_from_dead(doc) for doc in docs)
+        await self.dead.delete_many(
+            schema.dead_letters_selected([doc["_id"] for doc in docs], None)
+        )
+        log.info("redrove %d dead letter(s)", len(docs))
+        return len(docs)
+
+    async def recover_orphans(self: _Transport, *, older_than: float | None = None) -> int:
+        """Ready the groups of messages whose publisher died before readying the group.
+
+        Looks at messages older than `older_than` seconds (default: `visibility`) whose group
+        has no lock document; returns how many groups it readied. One aggregation and, if any,
+        one bulk upsert. After its first run, a transport looks only at the messages published
+        since the previous run (less a margin of `visibility`), through the ``published`` index.
+        """
+        seconds = self.visibility if older_than is None else check_seconds("older_than", older_than)
+        now = await self._now()
+        cutoff = now - timedelta(seconds=seconds)
+        since = None
+        if self._recovered_until is not None:
+            since = self._recovered_until - timedelta(seconds=self.visibility)
+        orphans = await _driver.aggregate_list(
+            self.messages, schema.orphan_groups(cutoff, since, self.locks.name)
+        )
+        self._recovered_until = cutoff
+        if not orphans:
+            return 0
+        await self.locks.bulk_write(
+            [
+                _driver.update_by_id(
+                    self.db, schema.lock_of(doc["_id"]), schema.orphan_readying(doc), upsert=True
+                )
+                for doc in orphans
+            ],
+            ordered=False,
+        )
+        log.warning("readied %d orphaned group(s)", len(orphans))
+        return len(orphans)
+
+    async def stats(self: _Transport) -> GroupStats:
+        """Groups ready / in flight / parked, messages, dead letters, oldest message age
+        (six commands; the message and dead-letter totals come from collection metadata)."""
+        now = await self._now()
+        ready = await self.locks.count_documents(schema.lock_due(PRIORITIES[0], now))
+        waiting = await self.locks.count_documents(schema.lock_waiting(now))
+        parked = await self.locks.count_documents(schema.lock_parked(now))
+        in_flight = waiting - parked
+        messages = await self.messages.estimated_document_count()
+        dead = await self.dead.estimated_document_count()
+        oldest = await _driver.find_list(
+            self.messages,
+            schema.messages_all(),
+            sort=schema.SEQ_ORDER,
+            limit=1,
+            projection={"published_at": 1},
+        )
+        published = stored_instant(oldest[0].get("published_at")) if oldest else None
+        age = (now - published).total_seconds() if published is not None else None
+        return GroupStats(ready, in_flight, parked, messages, dead, age)

@@ -1,0 +1,464 @@
+"""The group transport's storage: its four collections' documents, their indexes (`INDEXES`),
+and every filter and update `AsyncGroupTransport` sends, as named functions, each beside the
+index that serves it. No I/O.
+
+Collections (names start with ``{prefix}_``):
+
+- ``messages``: one document per message, ``{_id: seq, group_id, event, priority,
+  published_at, deliveries, token, stamp_until, last_error, dead}``; ``seq`` is a global
+  monotonic number, so a group's head is its smallest stored ``_id`` (a concurrent publisher's
+  smaller ``seq`` may be stored after a larger one was delivered: publishes that overlap have
+  no order). ``token`` / ``stamp_until`` are the lease that holds the head and until when;
+  ``deliveries`` counts the deliveries; ``dead`` (``{error, at}``) marks a head on its way to
+  the dead letters.
+- ``locks``: one document per active group, the ready-index and the lease in one,
+  ``{_id: group_id, available_at, token, priority, version, last_seq, parked}``.
+  ``available_at`` is when the group is next claimable: the epoch for a group never claimed,
+  ``now`` after an ack or an immediate nack (round-robin: behind never-claimed groups and groups
+  already waiting), ``now + visibility`` while in flight, ``now + delay`` while parked.
+  ``priority`` (0-4) is fixed by the first publish. ``version`` counts the publishes that readied
+  the group and ``last_seq`` is the largest seq they readied: together they fence the drop of a
+  drained group.
+- ``counters``: ``{_id: "seq", value}``, the sequence allocator (``$inc n``).
+- ``dead``: dead letters, ``{_id: seq, group_id, event, priority, published_at, deliveries,
+  error, dead_at}``.
+
+Queries by ``_id`` (the settles, the sequence allocator) need no declared index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from mongoq import _driver
+from mongoq.clock import stored_instant
+from mongoq.groups.models import (
+    ALL_PRIORITIES,
+    NEVER_CLAIMED,
+    DeadLetter,
+    GroupId,
+    GroupLease,
+    NewMessage,
+)
+
+MESSAGES, LOCKS, COUNTERS, DEAD = "messages", "locks", "counters", "dead"
+#: ``_id`` of the sequence allocator's document in ``counters``.
+SEQ_COUNTER = "seq"
+Filter = dict[str, Any]
+Update = dict[str, Any]
+Sort = list[tuple[str, int]]
+
+
+@dataclass(frozen=True)
+class IndexSpec:
+    """One declared index: its collection (the name after ``{prefix}_``), name, keys, options."""
+
+    collection: str
+    name: str
+    keys: tuple[tuple[str, int], ...]
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------- publish
+
+
+def seq_counter() -> Filter:
+    """The sequence allocator (``find_one_and_update``, upserted); by ``_id``."""
+    return {"_id": SEQ_COUNTER}
+
+
+def seq_reserving(count: int) -> Update:
+    """publish's allocation (on `seq_counter`): the counter after it holds the last seq."""
+    return {"$inc": {"value": count}}
+
+
+def message_document(seq: int, message: NewMessage, now: datetime) -> dict[str, Any]:
+    """publish / publish_many's insert: a message not yet delivered."""
+    return {
+        "_id": seq,
+        "group_id": message.group_id,
+        "event": message.event,
+        "priority": message.priority,
+        "published_at": now,
+        "deliveries": 0,
+        "token": None,
+        "stamp_until": None,
+        "last_error": None,
+        "dead": None,
+    }
+
+
+def lock_of(group_id: GroupId) -> Filter:
+    """A group's lock, for the ready upsert of publish and `recover_orphans`; by ``_id``."""
+    return {"_id": group_id}
+
+
+def lock_readying(priority: int, last_seq: int) -> Update:
+    """publish's and `recover_orphans`' ready upsert (on `lock_of`, by ``_id``)."""
+    # Only a new group is readied: an in-flight or parked group's available_at is never pulled
+    # back, and the first publish fixes the priority. ``version`` / ``last_seq`` record the
+    # publish, so that a concurrent drop of the group (`lock_drained`, `lock_found_empty`) fails.
+    return {
+        "$setOnInsert": {
+            "available_at": NEVER_CLAIMED,
+            "token": None,
+            "priority": priority,
+            "parked": False,
+        },
+        "$inc": {"version": 1},
+        "$max": {"last_seq": last_seq},
+    }
+
+
+# ------------------------------------------------------------------------------------ claim
+
+#: Serves the claims (hinted) and the ready / waiting counts of `stats`: the ``$in`` over the
+#: priorities makes at most five index ranges merged in ``available_at`` order, so a claim's
+#: floor never scans lower groups.
+CLAIM = IndexSpec(LOCKS, "claim", (("priority", 1), ("available_at", 1)))
+#: Longest-waiting first: round-robin among the due groups.
+CLAIM_ORDER: Sort = [("available_at", 1)]
+
+
+def lock_due(floor: int, now: datetime, refused: Sequence[GroupId] = ()) -> Filter:
+    """Groups due at or above priority `floor`: claim, claim_many, `stats`' ready; `CLAIM`."""
+    due: Filter = {
+        "priority": {"$in": [p for p in ALL_PRIORITIES if p >= floor]},
+        "available_at": {"$lte": now},
+    }
+    if refused:
+        due["_id"] = {"$nin": list(refused)}
+    return due
+
+
+def lock_leasing(token: str, lease_until: datetime) -> Update:
+    """The claim's lease on a due group (it is no longer due until `lease_until`); `CLAIM`."""
+    return {"$set": {"token": token, "available_at": lease_until, "parked": False}}
+
+
+def locks_leased(group_ids: Sequence[GroupId], token: str) -> Filter:
+    """claim_many's read-back of the candidates its lease took; by ``_id``."""
+    return {"_id": {"$in": list(group_ids)}, "token": token}
+
+
+def lock_waiting(now: datetime) -> Filter:
+    """`stats`: groups not claimable yet (in flight or parked); `CLAIM`."""
+    return {"priority": {"$in": list(ALL_PRIORITIES)}, "available_at": {"$gt": now}}
+
+
+def lease_from(
+    lock: Mapping[str, Any],
+    head: Mapping[str, Any],
+    token: str,
+    worker: str,
+    lease_until: datetime,
+    deliveries: int,
+) -> GroupLease:
+    """claim / claim_many: the lease for a lock it leased and the head it stamped (no query)."""
+    return GroupLease(
+        seq=head["_id"],
+        group_id=lock["_id"],
+        event=head.get("event"),
+        token=token,
+        worker_id=worker,
+        deliveries=deliveries,
+        priority=int(lock.get("priority", 0)),
+        lease_until=lease_until,
+        group_version=lock.get("version"),
+        was_last=head["_id"] == lock.get("last_seq"),
+    )
+
+
+#: Serves `stats`' parked count.
+PARKED = IndexSpec(LOCKS, "parked", (("parked", 1), ("available_at", 1)))
+
+
+def lock_parked(now: datetime) -> Filter:
+    """`stats`: groups a nack parked that are still waiting; `PARKED`."""
+    return {"parked": True, "available_at": {"$gt": now}}
+
+
+# ------------------------------------------------------------------------------------ heads
+
+#: Serves a group's head (hinted: the claim's stamp and claim_many's heads) and the "anything
+#: left in these groups?" reads of ack / ack_many.
+GROUP_HEAD = IndexSpec(MESSAGES, "group_head", (("group_id", 1), ("_id", 1)))
+#: Oldest first: a group's head is its smallest ``seq``; also `stats`' oldest message.
+SEQ_ORDER: Sort = [("_id", 1)]
+
+
+def messages_of(group_id: GroupId) -> Filter:
+    """A group's messages: claim's head (`SEQ_ORDER`), ack's "anything left?"; `GROUP_HEAD`."""
+    return {"group_id": group_id}
+
+
+def messages_of_groups(group_ids: Collection[GroupId]) -> Filter:
+    """ack_many's "which of these groups have messages left?" (``distinct``); `GROUP_HEAD`."""
+    return {"group_id": {"$in": list(group_ids)}}
+
+
+def head_stamping(token: str, now: datetime, lease_until: datetime) -> list[Update]:
+    """claim's stamp on the head `messages_of` finds (a pipeline update); `GROUP_HEAD`."""
+    # Only a head no live lease holds takes `token` and counts the delivery: a claimer that
+    # stalled past its lock lease cannot take the head from the group's new holder (it reads
+    # back the other token).
+    free = {
+        "$or": [
+            {"$eq": [{"$ifNull": ["$token", None]}, None]},
+            {"$lte": [{"$ifNull": ["$stamp_until", NEVER_CLAIMED]}, now]},
+        ]
+    }
+    return [
+        {
+            "$set": {
+                "token": {"$cond": [free, {"$literal": token}, "$token"]},
+                "stamp_until": {"$cond": [free, lease_until, "$stamp_until"]},
+                "deliveries": {
+                    "$cond": [free, {"$add": [{"$ifNull": ["$deliveries", 0]}, 1]}, "$deliveries"]
+                },
+            }
+        }
+    ]
+
+
+def heads_of(group_ids: Collection[GroupId]) -> list[dict[str, Any]]:
+    """claim_many's heads, a row ``{_id: group_id, head}`` per group; `GROUP_HEAD`."""
+    # Hinted, the $sort + $group $first is a DISTINCT_SCAN: one key per group, not its backlog.
+    return [
+        {"$match": {"group_id": {"$in": list(group_ids)}}},
+        {"$sort": {"group_id": 1, "_id": 1}},
+        {"$group": {"_id": "$group_id", "head": {"$first": "$$ROOT"}}},
+    ]
+
+
+def head_is_free(head: Mapping[str, Any], now: datetime) -> bool:
+    """claim_many: whether `heads_free` would take `head` as read (no query)."""
+    return head.get("dead") is None and (
+        head.get("token") is None
+        or (stored_instant(head.get("stamp_until")) or NEVER_CLAIMED) <= now
+    )
+
+
+def heads_free(seqs: Sequence[int], now: datetime) -> Filter:
+    """claim_many's stamp of the heads it read, `head_stamping`'s fence; by ``_id``."""
+    return {
+        "_id": {"$in": list(seqs)},
+        "dead": None,
+        "$or": [{"token": None}, {"stamp_until": {"$lte": now}}],
+    }
+
+
+def heads_stamping(token: str, lease_until: datetime) -> Update:
+    """claim_many's stamp (on `heads_free`, by ``_id``): token, its end, one more delivery."""
+    return {"$set": {"token": token, "stamp_until": lease_until}, "$inc": {"deliveries": 1}}
+
+
+def heads_stamped(seqs: Sequence[int], token: str) -> Filter:
+    """claim_many, when its stamp raced: which of `seqs` carry its token; by ``_id``."""
+    return {"_id": {"$in": list(seqs)}, "token": token}
+
+
+# ---------------------------------------------------------------------------------- settles
+# By ``_id``: each fenced on the lease's token (a holder that lost the group changes nothing).
+
+
+def message_held(seq: int, token: str) -> Filter:
+    """A head still stamped by the lease: ack's delete, nack/extend/unclaim; by ``_id``."""
+    return {"_id": seq, "token": token}
+
+
+def messages_held(pairs: Sequence[tuple[int, str]]) -> Filter:
+    """Heads ``(seq, token)`` still stamped by their leases: ack_many, extend_many; ``_id``."""
+    return _driver.owned_by(pairs)
+
+
+def messages_by_seq(seqs: Sequence[int]) -> Filter:
+    """ack_many, when its delete raced: which of these heads are still there; by ``_id``."""
+    return {"_id": {"$in": list(seqs)}}
+
+
+def lock_held(group_id: GroupId, token: str) -> Filter:
+    """A group still leased under `token`: release, nack's park, extend; by ``_id``."""
+    return {"_id": group_id, "token": token}
+
+
+def locks_held(pairs: Sequence[tuple[GroupId, str]]) -> Filter:
+    """Groups ``(group_id, token)`` still leased: ack_many's release, extend_many; ``_id``."""
+    return _driver.owned_by(pairs)
+
+
+def lock_releasing(now: datetime) -> Update:
+    """release (on `lock_held` / `locks_held`): claimable now, behind those waiting."""
+    return {"$set": {"available_at": now, "token": None, "parked": False}}
+
+
+def lock_parking(until: datetime) -> Update:
+    """nack with a delay (on `lock_held`): the group waits, its holder keeps the token."""
+    return {"$set": {"available_at": until, "parked": True}}
+
+
+def lock_extending(until: datetime) -> Update:
+    """extend / extend_many (on `lock_held` / `locks_held`): leased until `until`."""
+    return {"$set": {"available_at": until, "parked": False}}
+
+
+def lock_drained(group_id: GroupId, token: str, version: int | None, last_seq: int) -> Filter:
+    """ack / ack_many's drop of a group whose last message was acked; by ``_id``."""
+    # Fails if the lease was lost or anything was published since the claim (``version``,
+    # ``last_seq``): the drop then strands no message.
+    return {"_id": group_id, "token": token, "version": version, "last_seq": last_seq}
+
+
+def lock_found_empty(group_id: GroupId, token: str, version: int | None) -> Filter:
+    """claim's drop of a group it found empty (the drop-if-empty fence); by ``_id``."""
+    # Fails if a publish counted itself (``version``) since the claim read the lock.
+    return {"_id": group_id, "token": token, "version": version}
+
+
+def head_nacking(parked_until: datetime | None, error: str | None) -> Update:
+    """nack's head (on `message_held`): stamp kept while parked, else cleared; the error."""
+    # The error is kept on the message: a dead letter carries the last one.
+    head: dict[str, Any] = (
+        {"stamp_until": parked_until}
+        if parked_until is not None
+        else {"token": None, "stamp_until": None}
+    )
+    if error is not None:
+        head["last_error"] = error
+    return {"$set": head}
+
+
+def head_extending(until: datetime) -> Update:
+    """extend / extend_many (on `message_held` / `messages_held`): the stamp's new end."""
+    return {"$set": {"stamp_until": until}}
+
+
+def head_unstamping() -> Update:
+    """unclaim (on `message_held`): stamp cleared, the delivery it counted taken back."""
+    return {"$set": {"token": None, "stamp_until": None}, "$inc": {"deliveries": -1}}
+
+
+# ----------------------------------------------------------------------------- dead letters
+
+
+def burial_error(head: Mapping[str, Any], max_deliveries: int) -> str:
+    """The error a head buried after `max_deliveries` carries: its last one (no query)."""
+    return head.get("last_error") or f"not acked after {max_deliveries} deliveries"
+
+
+def head_buriable(seq: int, token: str) -> Filter:
+    """A burial's mark, on a head this token holds and not marked yet; by ``_id``."""
+    return {"_id": seq, "token": token, "dead": None}
+
+
+def head_marking_dead(error: str, now: datetime) -> Update:
+    """A burial's mark (on `head_buriable`): its commit point; whoever finds it finishes it."""
+    return {"$set": {"dead": {"error": error, "at": now}}}
+
+
+def dead_letter_of(seq: int) -> Filter:
+    """A burial's copy to the dead letters (a ``replace_one`` upsert: idempotent); by ``_id``."""
+    return {"_id": seq}
+
+
+def dead_letter_document(head: Mapping[str, Any]) -> dict[str, Any]:
+    """A burial's copy (replacing `dead_letter_of`): the dead letter of a marked head."""
+    mark = head["dead"]
+    return {
+        "group_id": head["group_id"],
+        "event": head.get("event"),
+        "priority": head.get("priority", 0),
+        "published_at": head.get("published_at"),
+        "deliveries": head.get("deliveries", 0),
+        "error": mark.get("error"),
+        "dead_at": mark.get("at"),
+    }
+
+
+def head_marked_dead(seq: int) -> Filter:
+    """A burial's delete of the head, once copied; by ``_id``."""
+    return {"_id": seq, "dead": {"$ne": None}}
+
+
+#: Serves the dead letters of a group, oldest first.
+DEAD_GROUP = IndexSpec(DEAD, "group", (("group_id", 1), ("_id", 1)))
+
+
+def dead_letters_selected(seqs: Sequence[int] | None, group_id: GroupId | None) -> Filter:
+    """dead_letters / redrive's selection, redrive's delete; ``_id`` or `DEAD_GROUP`."""
+    # Sorted by `SEQ_ORDER`: by ``_id`` when `seqs` are given, else one group's (`DEAD_GROUP`)
+    # or all in the ``_id`` order.
+    query: Filter = {}
+    if seqs is not None:
+        query["_id"] = {"$in": list(seqs)}
+    if group_id is not None:
+        query["group_id"] = group_id
+    return query
+
+
+def dead_letter_from(doc: Mapping[str, Any]) -> DeadLetter:
+    """dead_letters: the `DeadLetter` of a document `dead_letters_selected` found."""
+    return DeadLetter(
+        seq=doc["_id"],
+        group_id=doc["group_id"],
+        event=doc.get("event"),
+        priority=int(doc.get("priority", 0)),
+        deliveries=int(doc.get("deliveries", 0)),
+        error=doc.get("error"),
+        published_at=stored_instant(doc.get("published_at")),
+        dead_at=stored_instant(doc.get("dead_at")),
+    )
+
+
+def message_from_dead(doc: Mapping[str, Any]) -> NewMessage:
+    """redrive: what it publishes again for a dead letter `dead_letters_selected` found."""
+    return NewMessage(doc["group_id"], doc.get("event"), int(doc.get("priority", 0)))
+
+
+# ---------------------------------------------------------------------------------- orphans
+
+#: Serves `recover_orphans`' sliding window.
+PUBLISHED = IndexSpec(MESSAGES, "published", (("published_at", 1),))
+
+
+def orphan_groups(before: datetime, since: datetime | None, locks: str) -> list[dict[str, Any]]:
+    """`recover_orphans`' aggregation: `PUBLISHED`, then the locks' ``_id`` ($lookup)."""
+    # The groups of the messages published in ``[since, before)`` that have no lock, with their
+    # first priority and last seq.
+    window: dict[str, Any] = {"$lt": before}
+    if since is not None:
+        window["$gte"] = since
+    return [
+        {"$match": {"published_at": window}},
+        {"$sort": {"_id": 1}},
+        {
+            "$group": {
+                "_id": "$group_id",
+                "priority": {"$first": "$priority"},
+                "last_seq": {"$last": "$_id"},
+            }
+        },
+        {"$lookup": {"from": locks, "localField": "_id", "foreignField": "_id", "as": "lock"}},
+        {"$match": {"lock": {"$size": 0}}},
+    ]
+
+
+def orphan_readying(orphan: Mapping[str, Any]) -> Update:
+    """`recover_orphans`' upsert (on `lock_of`): `lock_readying` for a row of `orphan_groups`."""
+    return lock_readying(int(orphan.get("priority") or 0), int(orphan.get("last_seq") or 0))
+
+
+# ------------------------------------------------------------------------------------ stats
+# Besides `lock_due` (ready), `lock_waiting` and `lock_parked`; the totals come from metadata.
+
+
+def messages_all() -> Filter:
+    """`stats`' oldest message: every message, sorted by `SEQ_ORDER` (the ``_id`` index)."""
+    return {}
+
+
+#: Every declared index, in the order `AsyncGroupTransport.ensure_indexes` creates them.
+INDEXES: tuple[IndexSpec, ...] = (CLAIM, PARKED, GROUP_HEAD, PUBLISHED, DEAD_GROUP)

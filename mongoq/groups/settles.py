@@ -1,0 +1,275 @@
+"""The lease holder's calls of `AsyncGroupTransport`, mixed into it: ack, nack, extend (one lease
+or many) and dead-letter, and the fenced writes the claims share with them (release a group,
+drop an empty one, bury a head). Every one is fenced on the lease's token: a holder that lost
+its group changes nothing. They use the transport's collections (see `mongoq.groups.schema`)
+and own none.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from pymongo import DeleteOne, ReturnDocument
+
+from mongoq import _driver
+from mongoq._validation import check_batch, check_seconds
+from mongoq.clock import Clock
+from mongoq.groups import schema
+from mongoq.groups.models import GroupId, GroupLease, check_lease
+from mongoq.runtime.loop import error_text
+
+__all__ = ["GroupSettles"]
+
+log = logging.getLogger("mongoq.groups")
+
+
+class GroupSettles:
+    """`ack`, `ack_many`, `nack`, `extend`, `extend_many` and `dead_letter` of
+    `AsyncGroupTransport`, and the fenced helpers its claims use."""
+
+    # set by the transport's constructor
+    clock: Clock
+    visibility: float
+    messages: Any
+    locks: Any
+    dead: Any
+
+    async def _now(self) -> datetime:
+        await self.clock.refresh()
+        return self.clock.now()
+
+    async def ack(self, lease: GroupLease) -> bool:
+        """Remove the head and release the group (round-robin: behind the groups waiting), or
+        drop the group if the head was its last message and nothing was published since.
+
+        False, and nothing changed, when the head is no longer this lease's (taken over).
+        """
+        check_lease(lease)
+        removed = await self.messages.delete_one(schema.message_held(lease.seq, lease.token))
+        if not removed.deleted_count:
+            return False
+        now = await self._now()
+        # Drop a group whose last message this was. The read catches a message written by a
+        # publisher that died before readying the group (it would be orphaned by the drop, and
+        # older than the orphan sweep's window); a publish after it bumps the version.
+        if (
+            lease.was_last
+            and await self.messages.find_one(schema.messages_of(lease.group_id), {"_id": 1}) is None
+        ):
+            dropped = await self.locks.delete_one(
+                schema.lock_drained(lease.group_id, lease.token, lease.group_version, lease.seq)
+            )
+            if dropped.deleted_count:
+                return True
+        await self._release(lease.group_id, lease.token, now)
+        # Had the lock been taken over in between, its new holder stamps the head only after
+        # this lease's stamp expired; the ack landed first, and that holder gets the next.
+        return True
+
+    async def ack_many(self, leases: Sequence[GroupLease]) -> list[bool]:
+        """`ack` for many leases in a fixed number of commands; returns, per lease, whether its
+        ack took effect (False, and nothing changed, for a lease no longer held).
+
+        Reads which heads still carry their lease's token, deletes those, checks which of the
+        groups whose last message they were have nothing left, drops those (fenced like `ack`)
+        and releases the others: five commands for any number of leases.
+        """
+        leases = check_batch("leases", leases)
+        for lease in leases:
+            check_lease(lease)
+        if not leases:
+            return []
+        held = await _driver.find_list(
+            self.messages,
+            schema.messages_held([(lease.seq, lease.token) for lease in leases]),
+            projection={"token": 1},
+        )
+        ours: set[tuple[int, str]] = {(doc["_id"], doc["token"]) for doc in held}
+        acked = [lease for lease in leases if (lease.seq, lease.token) in ours]
+        if not acked:
+            return [False] * len(leases)
+
+        # Only this lease's holder can remove a head stamped with its token.
+        removed = await self.messages.delete_many(
+            schema.messages_held([(lease.seq, lease.token) for lease in acked])
+        )
+        if removed.deleted_count != len(acked):
+            # A lease expired between the read and the delete and its head was restamped: it is
+            # still there, under another token. If as many heads are gone as were deleted, the
+            # gone ones are ours; otherwise a new holder also acked one in that instant and
+            # which is which cannot be told: none of them is reported as acked by this call.
+            left = {
+                doc["_id"]
+                for doc in await _driver.find_list(
+                    self.messages,
+                    schema.messages_by_seq([lease.seq for lease in acked]),
+                    projection={"_id": 1},
+                )
+            }
+            gone = [lease for lease in acked if lease.seq not in left]
+            acked = gone if len(gone) == removed.deleted_count else []
+            ours = {(lease.seq, lease.token) for lease in acked}
+            if not acked:
+                return [False] * len(leases)
+        now = await self._now()
+        last = [lease for lease in acked if lease.was_last]
+        if last:
+            remaining = set(
+                await self.messages.distinct(
+                    "group_id", schema.messages_of_groups([lease.group_id for lease in last])
+                )
+            )
+            drops = [
+                DeleteOne(
+                    schema.lock_drained(lease.group_id, lease.token, lease.group_version, lease.seq)
+                )
+                for lease in last
+                if lease.group_id not in remaining
+            ]
+            if drops:
+                await self.locks.bulk_write(drops, ordered=False)
+        await self.locks.update_many(  # the dropped locks are gone: this releases the rest
+            schema.locks_held([(lease.group_id, lease.token) for lease in acked]),
+            schema.lock_releasing(now),
+        )
+        return [(lease.seq, lease.token) in ours for lease in leases]
+
+    async def nack(
+        self, lease: GroupLease, delay: float = 0, *, error: BaseException | str | None = None
+    ) -> bool:
+        """Give the head back. `delay` > 0 parks the group until then (keeping the token, so
+        the parked holder may still ack); 0 makes it claimable at once, behind the groups
+        already waiting. `error` is recorded on the message (a dead letter carries the last
+        one). False, and nothing changed, if no longer held."""
+        check_lease(lease)
+        wait = check_seconds("delay", delay)
+        now = await self._now()
+        until = now + timedelta(seconds=wait)
+        if wait > 0:
+            parked = await self.locks.update_one(
+                schema.lock_held(lease.group_id, lease.token), schema.lock_parking(until)
+            )
+            held = parked.matched_count == 1
+        else:
+            held = await self._release(lease.group_id, lease.token, now)
+        if not held:
+            return False  # not ours: touch nothing, not even the error
+        # Fenced on the head's token; a released head may be stamped by the next claimer.
+        await self.messages.update_one(
+            schema.message_held(lease.seq, lease.token),
+            schema.head_nacking(until if wait > 0 else None, error_text(error)),
+        )
+        return True
+
+    async def extend(self, lease: GroupLease, visibility: float | None = None) -> bool:
+        """Keep the group for `visibility` (default: the transport's) more seconds from now,
+        the head's stamp with it. False if no longer held."""
+        check_lease(lease)
+        seconds = self.visibility if visibility is None else check_seconds(
+            "visibility", visibility, positive=True
+        )  # fmt: skip
+        now = await self._now()
+        until = now + timedelta(seconds=seconds)
+        result = await self.locks.update_one(
+            schema.lock_held(lease.group_id, lease.token), schema.lock_extending(until)
+        )
+        if result.matched_count != 1:
+            return False
+        await self.messages.update_one(
+            schema.message_held(lease.seq, lease.token), schema.head_extending(until)
+        )
+        return True
+
+    async def extend_many(
+        self, leases: Sequence[GroupLease], visibility: float | None = None
+    ) -> list[bool]:
+        """`extend` for many leases: the locks, a read of which are still held, and the stamps
+        of those heads (three commands). Returns, per lease, whether it is still held."""
+        leases = check_batch("leases", leases)
+        for lease in leases:
+            check_lease(lease)
+        seconds = self.visibility if visibility is None else check_seconds(
+            "visibility", visibility, positive=True
+        )  # fmt: skip
+        if not leases:
+            return []
+        now = await self._now()
+        until = now + timedelta(seconds=seconds)
+        fences = schema.locks_held([(lease.group_id, lease.token) for lease in leases])
+        await self.locks.update_many(fences, schema.lock_extending(until))
+        held = {
+            (doc["_id"], doc["token"])
+            for doc in await _driver.find_list(self.locks, fences, projection={"token": 1})
+        }
+        mine = [lease for lease in leases if (lease.group_id, lease.token) in held]
+        if mine:  # as in `extend`: a head is restamped only under a lock still held
+            await self.messages.update_many(
+                schema.messages_held([(lease.seq, lease.token) for lease in mine]),
+                schema.head_extending(until),
+            )
+        return [(lease.group_id, lease.token) in held for lease in leases]
+
+    async def dead_letter(self, lease: GroupLease, error: BaseException | str | None) -> bool:
+        """Move the head to the dead letters now and release the group (a permanent failure).
+        False, and nothing changed, if no longer held."""
+        check_lease(lease)
+        now = await self._now()
+        if not await self._bury(lease.seq, lease.token, now, error_text(error) or ""):
+            return False
+        await self._release(lease.group_id, lease.token, now)
+        return True
+
+    async def _release(self, group_id: GroupId, token: str, now: datetime) -> bool:
+        """Give the group back, claimable now behind the groups already waiting (round-robin);
+        fenced on the lock's token."""
+        released = await self.locks.update_one(
+            schema.lock_held(group_id, token), schema.lock_releasing(now)
+        )
+        return bool(released.matched_count == 1)
+
+    async def _unclaim(self, lease: GroupLease) -> bool:
+        """Give back a lease whose head never reached the handler: the group is claimable at
+        once and the delivery the claim counted is taken back."""
+        if not await self._release(lease.group_id, lease.token, await self._now()):
+            return False
+        await self.messages.update_one(
+            schema.message_held(lease.seq, lease.token), schema.head_unstamping()
+        )
+        return True
+
+    async def _drop_if_empty(
+        self, group_id: GroupId, token: str, version: int | None, now: datetime
+    ) -> None:
+        dropped = await self.locks.delete_one(schema.lock_found_empty(group_id, token, version))
+        if dropped.deleted_count:
+            return
+        # A publish counted itself since this claim read the lock: its message was written
+        # before that, so the group is not empty. Give it back, claimable at once.
+        await self._release(group_id, token, now)
+
+    async def _bury(self, seq: int, token: str, now: datetime, error: str) -> bool:
+        """Move the head `seq` to the dead letters; False if `token` does not hold it.
+
+        The mark (fenced on the token) is the commit point; copying and deleting after it are
+        idempotent, and a claim that finds a marked head finishes them.
+        """
+        marked = await self.messages.find_one_and_update(
+            schema.head_buriable(seq, token),
+            schema.head_marking_dead(error, now),
+            return_document=ReturnDocument.AFTER,
+        )
+        if marked is None:
+            return False
+        await self._finish_burial(marked)
+        log.warning("message %d of group %r moved to the dead letters: %s",
+                    seq, marked["group_id"], error.splitlines()[-1] if error else "")  # fmt: skip
+        return True
+
+    async def _finish_burial(self, head: Mapping[str, Any]) -> None:
+        await self.dead.replace_one(
+            schema.dead_letter_of(head["_id"]), schema.dead_letter_document(head), upsert=True
+        )
+        await self.messages.delete_one(schema.head_marked_dead(head["_id"]))

@@ -1,0 +1,553 @@
+"""The outbox's claim: which due deliveries an owner gets, and the lane writes that record it.
+
+`Claimer` is the algorithm `AsyncOutbox.claim` runs, one object per `AsyncOutbox`: it takes
+over lanes left with deliveries listed (charging what ran there), moves unblocked parked keys
+back (unpark), reconciles what its held lanes list with what this instance handed out, scans the
+due deliveries of its lanes and the free ones (``claim`` index), looks up the heads of their
+keys (``ordering`` index), records the picks on their lanes (taking the free ones, handing back
+idle ones), and parks the blocked backlogs it saw. It writes the ``deliveries`` and ``lanes``
+collections (layout and every filter and update: `mongoq.outbox.schema`; the lanes:
+`mongoq.outbox.lanes`) and reads ``events``.
+
+Per-key order: a keyed delivery is claimed only when it is the lowest pending sequence of its
+handler and key and no delivery of them runs. All deliveries of a key share a lane and only the
+lane's holder claims from it, so what runs is what the holder's lanes list.
+
+What runs: an entry of a held lane whose delivery still has the listed generation and that this
+instance handed out and has not seen settled. The owner's next claim frees any other such entry
+(a claim whose reply was lost, a settle that failed) by moving its generation on, no attempt
+charged, so nothing stays listed as running with nobody running it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+import bson
+from pymongo import UpdateMany, UpdateOne
+
+from mongoq import _driver
+from mongoq._validation import MAX_BATCH
+from mongoq.clock import stored_instant
+from mongoq.errors import InvalidInput
+from mongoq.outbox import schema
+from mongoq.outbox.lanes import Entry, Lane, charge_lost, read_lanes
+from mongoq.outbox.models import Delivery, Event
+from mongoq.runtime.loop import error_text
+
+if TYPE_CHECKING:
+    from mongoq.outbox.store import AsyncOutbox
+
+__all__ = ["Claimer", "parse_token"]
+
+#: A claim queries at most this many lanes at once: the server merges at most 200 sorted
+#: index ranges, beyond which it would sort the whole due backlog.
+LANES_PER_QUERY = 128
+#: Waiting deliveries of one key a claim must see behind an unfinished head before parking them.
+PARK_THRESHOLD = 32
+#: Lanes left with deliveries listed that one claim takes over (and charges) at most.
+STALE_LANES_PER_CLAIM = 32
+#: Parked keys one claim looks at for a delivery to move back (keep simultaneously backlogged
+#: keys in the hundreds).
+UNPARK_KEYS_PER_CLAIM = 500
+
+
+def parse_token(delivery: Any, field: str = "delivery") -> tuple[bson.ObjectId, int, int, int]:
+    """(delivery _id, lane, epoch, claim generation) of a `Delivery`; a token this store cannot
+    have issued is `InvalidInput` before any database call."""
+    if not isinstance(delivery, Delivery):
+        raise InvalidInput(field, f"must be a Delivery, got {type(delivery).__name__}")
+    try:
+        doc_id = bson.ObjectId(delivery.id)
+        lane_text, epoch_text, claims_text = delivery.lease_token.split(":")
+        lane, epoch, claims = int(lane_text), int(epoch_text), int(claims_text)
+    except (bson.errors.InvalidId, TypeError, ValueError, AttributeError):
+        raise InvalidInput(f"{field}.lease_token", "is not a token this outbox issued") from None
+    if not 0 <= lane < 256 or epoch < 0 or claims < 0:
+        raise InvalidInput(f"{field}.lease_token", "is not a token this outbox issued")
+    return doc_id, lane, epoch, claims
+
+
+class Claimer:
+    """The claim algorithm of one `AsyncOutbox`, and what it remembers between claims: which
+    claims this instance handed out and has not seen settled (`issued`), one lock per owner
+    (claims of one owner on one instance run one after the other), and where unparking goes on.
+    """
+
+    def __init__(self, outbox: AsyncOutbox) -> None:
+        self.outbox = outbox
+        self.db = outbox.db
+        self.events = outbox.events
+        self.deliveries = outbox.deliveries
+        self.lanes = outbox.lanes
+        self.locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # owner -> {delivery _id: generation} of the claims this instance handed out and has
+        # not seen settled: what runs in the owner's lanes (see `_reconcile`).
+        self.issued: dict[str, dict[Any, int]] = defaultdict(dict)
+        # handler set of a claim -> the last parked key its unparking looked at
+        self.unpark_after: dict[tuple[str, ...] | None, tuple[str, str]] = {}
+
+    async def claim(self, owner: str, handlers: list[str] | None, limit: int) -> list[Delivery]:
+        """Claim up to `limit` due deliveries for `owner` (checked already; see
+        `AsyncOutbox.claim`), after the owner's claims in progress on this instance."""
+        async with self.locks[owner]:
+            return await self._claim(owner, handlers, limit)
+
+    def forget(self, deliveries: Iterable[Delivery]) -> None:
+        """Settled, or its outcome unknown: no longer counted as running by this instance; the
+        next claim frees it if it was not settled after all (see `_reconcile`)."""
+        for delivery in deliveries:
+            doc_id, _, _, claims = parse_token(delivery)
+            issued = self.issued[delivery.owner]
+            if issued.get(doc_id) == claims:  # a stale settle leaves a newer claim running
+                del issued[doc_id]
+
+    async def _claim(self, owner: str, handlers: list[str] | None, limit: int) -> list[Delivery]:
+        now = await self.outbox._now()
+        lanes, requeues = await read_lanes(self.lanes)
+        held = {lane.id: lane for lane in lanes if lane.held_by(owner, self.outbox.instance)}
+        free = {lane.id: lane for lane in lanes if lane.id not in held and lane.is_free(now)}
+        # A lane whose previous holder left deliveries listed (a crash, an expired lease, a
+        # graceful stop) is taken over before anything is read from it: what was running there
+        # is charged its lost attempt first, so the scan below sees current generations.
+        stale = [lane for lane in free.values() if lane.in_flight or lane.lost]
+        for lane in stale:  # those beyond this claim's share wait for a later claim
+            del free[lane.id]
+        if stale:
+            held.update(await self._take_over(owner, stale[:STALE_LANES_PER_CLAIM], now))
+        # A lost list on a lane this owner holds was left by a claim that failed between the
+        # takeover and the charge: charge it now.
+        unpaid = [(lane, lane.epoch) for lane in held.values() if lane.lost]
+        if unpaid:
+            await charge_lost(self.db, self.deliveries, self.lanes, unpaid, now)
+            for lane, _ in unpaid:
+                lane.lost = []
+        await self._unpark(handlers)
+        running = await self._reconcile(owner, held.values(), now)
+        running_keys = {(e.handler, e.key) for e in running if e.key is not None}
+        excluded = {e.delivery for e in running}
+
+        picks: list[dict[str, Any]] = []
+        waiting: dict[tuple[str, str], list[Any]] = defaultdict(list)
+        heads: dict[tuple[str, str], dict[str, Any] | None] = {}
+        taken_keys: set[tuple[str, str]] = set()
+        after: tuple[datetime, Any] | None = None
+        page = min(limit * 2 + PARK_THRESHOLD, MAX_BATCH)
+        lane_ids = sorted([*held, *free])
+
+        def blocked(hk: tuple[str, str]) -> bool:
+            return hk in running_keys or hk in taken_keys
+
+        def key_of(candidate: Mapping[str, Any]) -> tuple[str, str] | None:
+            key = candidate.get("key")
+            return None if key is None else (candidate["handler"], key)
+
+        def unknown(hk: tuple[str, str] | None) -> bool:
+            return hk is not None and hk not in heads and not blocked(hk)
+
+        while len(picks) < limit and lane_ids:
+            candidates = await self._scan(lane_ids, handlers, now, after, page)
+            position = 0
+            while position < len(candidates) and len(picks) < limit:
+                # Look up the heads of the next keys only as far as the picks still needed
+                # can reach, so a claim of one does not probe every key of a page.
+                wave: list[tuple[str, str]] = []
+                for candidate in candidates[position:]:
+                    hk = key_of(candidate)
+                    if hk is not None and unknown(hk) and hk not in wave:
+                        wave.append(hk)
+                        if len(wave) == limit - len(picks):
+                            break
+                heads.update(await self._heads(wave))
+                for candidate in candidates[position:]:
+                    hk = key_of(candidate)
+                    if unknown(hk):
+                        break  # beyond this wave
+                    position += 1
+                    after = (candidate["due_at"], candidate["_id"])
+                    if candidate["_id"] in excluded:
+                        continue
+                    if hk is not None:
+                        head = heads.get(hk)
+                        if blocked(hk) or head is None or head["_id"] != candidate["_id"]:
+                            waiting[hk].append(candidate["_id"])
+                            continue
+                        taken_keys.add(hk)
+                    picks.append(candidate)
+                    if len(picks) == limit:
+                        break
+            if len(candidates) < page:
+                break
+            page = min(page * 2, MAX_BATCH)  # a long blocked stretch: read further per query
+        deliveries = await self._record(owner, now, held, free, running, picks)
+        issued = self.issued[owner]
+        for delivery in deliveries:
+            issued[bson.ObjectId(delivery.id)] = parse_token(delivery)[3]
+        try:
+            if any(d.event.key is not None for d in deliveries):
+                deliveries = await self._recheck_after_requeue(owner, deliveries, requeues, now)
+            await self._park(waiting, heads, now)
+        except BaseException:
+            self.forget(deliveries)  # never handed out (an error, a cancellation): freed next
+            raise
+        return deliveries
+
+    async def _recheck_after_requeue(
+        self, owner: str, deliveries: list[Delivery], requeues: int, now: datetime
+    ) -> list[Delivery]:
+        """Give back the keyed picks a dead letter requeued during this claim now precedes.
+
+        `requeue` counts itself after making the delivery pending; a claim whose heads were
+        read before that write and recorded after it sees the count moved here, reads the
+        heads of its keyed picks again and gives back each that is no longer first (its claim
+        generation moves on, no attempt is charged). A requeue that counts itself only after
+        this claim returned is ordered after the claim, like one that came later.
+        """
+        counter = await _driver.find_list(self.lanes, schema.requeue_counter(), limit=1)
+        if not counter or int(counter[0].get("value", 0)) == requeues:
+            return deliveries
+        keys = {(d.handler, d.event.key) for d in deliveries if d.event.key is not None}
+        heads = await self._heads((h, k) for h, k in keys if k is not None)
+        overtaken = [
+            d
+            for d in deliveries
+            if d.event.key is not None
+            and (heads.get((d.handler, d.event.key)) or {}).get("_id") != bson.ObjectId(d.id)
+        ]
+        if not overtaken:
+            return deliveries
+        await self._free([self._lease_entry(d) for d in overtaken], now)
+        for delivery in overtaken:
+            self.issued[owner].pop(bson.ObjectId(delivery.id), None)
+        self.outbox.log.info(
+            "gave back %d pick(s) a requeued delivery now precedes", len(overtaken)
+        )
+        return [d for d in deliveries if d not in overtaken]
+
+    @staticmethod
+    def _lease_entry(delivery: Delivery) -> Entry:
+        doc_id, _, _, claims = parse_token(delivery)
+        return Entry(doc_id, claims, delivery.handler, delivery.event.key)
+
+    async def _take_over(self, owner: str, stale: list[Lane], now: datetime) -> dict[int, Lane]:
+        """Take `stale` lanes over and charge what their previous holders left running; returns
+        the lanes now held (a lane another claimer took first is left out)."""
+        lease_until = now + timedelta(seconds=self.outbox.lease)
+        ops = [
+            self._take(lane, owner, lease_until, [], lane.lost + lane.in_flight)
+            for lane in stale
+        ]  # fmt: skip
+        result = await self.lanes.bulk_write(ops, ordered=False)
+        expected: dict[int, tuple[int, list[Entry]]] = {
+            lane.id: (lane.epoch + 1, []) for lane in stale
+        }
+        taken = (
+            set(expected)
+            if result.matched_count == len(ops)
+            else await self._confirm(owner, expected)
+        )
+        adopted = {
+            lane.id: Lane(lane.id, owner, self.outbox.instance, lease_until, lane.epoch + 1,
+                          rev=lane.rev + 1, lost=lane.lost + lane.in_flight)
+            for lane in stale
+            if lane.id in taken
+        }  # fmt: skip
+        if adopted:
+            self.outbox.log.info("took over %d lane(s) left with deliveries listed", len(adopted))
+            await charge_lost(
+                self.db, self.deliveries, self.lanes,
+                [(lane, lane.epoch) for lane in adopted.values()], now,
+            )  # fmt: skip
+            for lane in adopted.values():
+                lane.lost = []
+        return adopted
+
+    async def _reconcile(self, owner: str, held: Iterable[Lane], now: datetime) -> list[Entry]:
+        """What runs in `held` lanes: entries whose delivery still exists at the listed
+        generation and that this instance handed out and has not seen settled.
+
+        Any other entry at its listed generation is a claim nobody will settle: its record
+        reached the lane but the claim failed before handing it out (a lost reply), or its
+        settle failed. Its generation moves on (no attempt charged), which frees it and its
+        key at once, and any late settle of that claim is refused.
+
+        Every listed entry is looked up, those this instance runs too: one whose settle went
+        through another `AsyncOutbox` object, or committed in the caller's transaction, is
+        gone from the collection, not from this instance's records. And `running` is decided
+        after the lookup, so a settle that failed while it ran is freed, not skipped."""
+        issued = self.issued[owner]
+        entries = [entry for lane in held for entry in lane.in_flight]
+        if not entries:
+            issued.clear()
+            return []
+        current = {
+            (doc["_id"], int(doc.get("claims", 0)))
+            for doc in await _driver.find_list(
+                self.deliveries,
+                schema.delivery_pending_by_ids([e.delivery for e in entries]),
+                projection={"claims": 1},
+            )
+        }
+        listed = [e for e in entries if (e.delivery, e.generation) in current]
+        running = [e for e in listed if issued.get(e.delivery) == e.generation]
+        orphaned = [e for e in listed if issued.get(e.delivery) != e.generation]
+        self.issued[owner] = {e.delivery: e.generation for e in running}
+        if orphaned:
+            self.outbox.log.info(
+                "freeing %d claim(s) that were never handed out or settled", len(orphaned)
+            )
+            await self._free(orphaned, now)
+        return running
+
+    async def _free(self, entries: list[Entry], now: datetime) -> None:
+        """End the claims `entries` list without an attempt: their generation moves on (each
+        only if still at the listed one), so they are claimable again and any late settle of
+        those claims is refused."""
+        await self.deliveries.update_many(
+            schema.delivery_claimed(e.claim for e in entries), schema.delivery_freeing(now)
+        )
+
+    async def _scan(
+        self,
+        lane_ids: Sequence[int],
+        handlers: list[str] | None,
+        now: datetime,
+        after: tuple[datetime, Any] | None,
+        page: int,
+    ) -> list[dict[str, Any]]:
+        """The next `page` due, ready deliveries of `lane_ids` in ``(due_at, _id)`` order."""
+        chunks = [
+            lane_ids[start : start + LANES_PER_QUERY]
+            for start in range(0, len(lane_ids), LANES_PER_QUERY)
+        ]
+        results = await asyncio.gather(
+            *(
+                _driver.find_list(
+                    self.deliveries,
+                    schema.delivery_due(chunk, now, handlers, after),
+                    sort=schema.DUE_ORDER,
+                    limit=page,
+                    projection=schema.CLAIM_PROJECTION,
+                    hint=schema.CLAIM_INDEX,
+                )
+                for chunk in chunks
+            )
+        )
+        merged = sorted(
+            (doc for docs in results for doc in docs),
+            key=lambda doc: (stored_instant(doc["due_at"]), doc["_id"]),
+        )
+        return merged[:page]
+
+    async def _heads(
+        self, keys: Iterable[tuple[str, str]]
+    ) -> dict[tuple[str, str], dict[str, Any] | None]:
+        """The lowest pending delivery of each handler and key (one indexed probe each, in
+        parallel): ``{_id, due_at, lane}``, or None when the key has nothing pending."""
+
+        async def head(hk: tuple[str, str]) -> tuple[tuple[str, str], dict[str, Any] | None]:
+            found = await _driver.find_list(
+                self.deliveries,
+                schema.delivery_head(*hk),
+                sort=schema.SEQUENCE_ORDER,
+                limit=1,
+                projection=schema.HEAD_PROJECTION,
+                hint=schema.ORDERING_INDEX,
+            )
+            return hk, found[0] if found else None
+
+        return dict(await asyncio.gather(*(head(hk) for hk in keys)))
+
+    async def _record(
+        self,
+        owner: str,
+        now: datetime,
+        held: dict[int, Lane],
+        free: dict[int, Lane],
+        running: list[Entry],
+        picks: list[dict[str, Any]],
+    ) -> list[Delivery]:
+        """Read the picks' events, then record the picks on their lanes (taking the free ones),
+        and hand back held lanes that yield nothing and run nothing. Returns the deliveries
+        whose lane write took effect."""
+        events = await self._events_of(picks, now)
+        picks = [p for p in picks if p["event_id"] in events]
+        by_lane: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        for pick in picks:
+            by_lane[pick["lane_id"]].append(pick)
+        running_by_lane: dict[Any, list[Entry]] = defaultdict(list)
+        running_ids = {e.delivery for e in running}
+        for lane in held.values():
+            running_by_lane[lane.id] = [e for e in lane.in_flight if e.delivery in running_ids]
+        lease_until = now + timedelta(seconds=self.outbox.lease)
+        instance = self.outbox.instance
+        ops: list[UpdateOne | UpdateMany] = []
+        expected: dict[int, tuple[int, list[Entry]]] = {}  # lane -> (epoch, entries) once written
+        for lane in held.values():
+            entries = running_by_lane[lane.id] + [self._entry(p) for p in by_lane[lane.id]]
+            if not entries:
+                fence = lane.fence(owner, instance)
+                ops.append(_driver.update_by_id(self.db, fence, schema.lane_handing_back(now, [])))
+            elif by_lane[lane.id] or len(entries) != len(lane.in_flight):
+                update = schema.lane_listing(entries, lease_until)
+                ops.append(_driver.update_by_id(self.db, lane.fence(owner, instance), update))
+                expected[lane.id] = (lane.epoch, entries)
+        for lane_id, lane_picks in by_lane.items():
+            if lane_id in held:
+                continue
+            # A free lane with nothing listed (stale ones were taken over above).
+            lane = free[lane_id]
+            entries = [self._entry(p) for p in lane_picks]
+            ops.append(self._take(lane, owner, lease_until, entries, []))
+            expected[lane_id] = (lane.epoch + 1, entries)
+        written = set(expected)
+        if ops:
+            result = await self.lanes.bulk_write(ops, ordered=False)
+            if result.matched_count != len(ops):
+                written = await self._confirm(owner, expected)
+        epochs = {lane_id: epoch for lane_id, (epoch, _) in expected.items()}
+        return [
+            self._delivery(pick, events[pick["event_id"]], owner, epochs[pick["lane_id"]])
+            for pick in picks
+            if pick["lane_id"] in written
+        ]
+
+    def _take(
+        self,
+        lane: Lane,
+        owner: str,
+        lease_until: datetime,
+        in_flight: list[Entry],
+        lost: list[Entry],
+    ) -> UpdateOne | UpdateMany:
+        """The write that takes `lane` over for `owner`, as read (see `Lane.take_filter`)."""
+        return _driver.update_by_id(
+            self.db,
+            lane.take_filter(),
+            schema.lane_takeover(owner, self.outbox.instance, lease_until, in_flight, lost),
+        )
+
+    async def _confirm(self, owner: str, expected: dict[int, tuple[int, list[Entry]]]) -> set[int]:
+        """Which of the lane writes took effect, read back after a bulk write matched fewer."""
+        docs = await _driver.find_list(self.lanes, schema.lanes_by_ids(expected))
+        confirmed = set()
+        for lane in map(Lane.from_document, docs):
+            epoch, entries = expected[lane.id]
+            mine = lane.held_by(owner, self.outbox.instance) and lane.epoch == epoch
+            listed = {(e.delivery, e.generation) for e in lane.in_flight}
+            if mine and all((e.delivery, e.generation) in listed for e in entries):
+                confirmed.add(lane.id)
+        return confirmed
+
+    @staticmethod
+    def _entry(pick: Mapping[str, Any]) -> Entry:
+        return Entry(pick["_id"], int(pick.get("claims", 0)), pick["handler"], pick.get("key"))
+
+    async def _events_of(
+        self, picks: list[dict[str, Any]], now: datetime
+    ) -> dict[str, Mapping[str, Any]]:
+        """The events of `picks`. A delivery whose event is gone (only possible when a purge
+        without transactions raced a replayed publish) can never run: it is buried."""
+        if not picks:
+            return {}
+        ids = list({p["event_id"] for p in picks})
+        docs = await _driver.find_list(self.events, schema.events_by_ids(ids))
+        events: dict[str, Mapping[str, Any]] = {doc["_id"]: doc for doc in docs}
+        orphans = [p for p in picks if p["event_id"] not in events]
+        if orphans:
+            self.outbox.log.error(
+                "%d delivery(ies) without their event; burying them", len(orphans)
+            )
+            await self.deliveries.update_many(
+                schema.delivery_at_generation(self._entry(p).claim for p in orphans),
+                schema.delivery_burying(error_text("its event is missing"), now, charge=False),
+            )
+        return events
+
+    def _delivery(
+        self, pick: Mapping[str, Any], event_doc: Mapping[str, Any], owner: str, epoch: int
+    ) -> Delivery:
+        event = Event(
+            id=event_doc["_id"],
+            type=event_doc["type"],
+            payload=event_doc.get("payload"),
+            key=event_doc.get("key"),
+            headers=event_doc.get("headers") or {},
+            correlation_id=event_doc.get("correlation_id"),
+            causation_id=event_doc.get("causation_id"),
+            created_at=stored_instant(event_doc.get("created_at")),
+        )
+        claims = int(pick.get("claims", 0))
+        return Delivery(
+            id=str(pick["_id"]),
+            event=event,
+            handler=pick["handler"],
+            attempt=int(pick.get("attempts", 0)) + 1,
+            lease_token=f"{pick['lane_id']}:{epoch}:{claims}",
+            owner=owner,
+            sequence=pick.get("sequence"),
+        )
+
+    async def _park(
+        self,
+        waiting: Mapping[tuple[str, str], list[Any]],
+        heads: Mapping[tuple[str, str], dict[str, Any] | None],
+        now: datetime,
+    ) -> None:
+        """Move blocked backlogs out of the claim index, so that later claims do not scan them:
+        the waiting deliveries of a key when there are `PARK_THRESHOLD` or more, or when its
+        head is not due yet (they cannot run before it anyway). Best effort: a failure is
+        logged, never fails the claim, and leaves them ready (scanned, but correct)."""
+        parked: list[Any] = []
+        for hk, ids in waiting.items():
+            head = heads.get(hk)
+            not_due = head is not None and (stored_instant(head.get("due_at")) or now) > now
+            if len(ids) >= PARK_THRESHOLD or not_due:
+                parked += ids
+        if not parked:
+            return
+        try:
+            result = await self.deliveries.update_many(
+                schema.delivery_parkable(parked), schema.delivery_parking()
+            )
+        except _driver.DRIVER_ERRORS as exc:
+            self.outbox.log.warning("parking %d blocked deliveries failed (%s)", len(parked), exc)
+            return
+        self.outbox.log.debug("parked %d blocked deliveries", result.modified_count)
+
+    async def _unpark(self, handlers: list[str] | None) -> None:
+        """Level-triggered: each parked key whose lowest pending delivery is parked (nothing
+        unfinished before it) gets that delivery back in the claim index. It looks at the
+        current state only, so a crash while parking, or a head finishing while its followers
+        were being parked, delays a key until the next claim but never strands it."""
+        cursor = None if handlers is None else tuple(sorted(handlers))
+        # Each claim goes on after the last key the previous one (for the same handlers) looked
+        # at, wrapping around, so every parked key is looked at however many there are. The
+        # aggregation is a distinct scan of the parked index on a server (one entry per key,
+        # however long its backlog).
+        groups = await _driver.aggregate_list(
+            self.deliveries,
+            schema.delivery_parked_keys(
+                handlers, self.unpark_after.get(cursor), UNPARK_KEYS_PER_CLAIM
+            ),
+            hint=schema.PARKED_INDEX,
+        )
+        pairs = [(str(g["_id"]["h"]), str(g["_id"]["k"])) for g in groups]
+        if len(pairs) == UNPARK_KEYS_PER_CLAIM:
+            self.unpark_after[cursor] = pairs[-1]
+        else:
+            self.unpark_after.pop(cursor, None)
+        if not pairs:
+            return
+        heads = await self._heads(pairs)
+        ready = [
+            h["_id"] for h in heads.values() if h is not None and h.get("lane") == schema.PARKED
+        ]
+        if ready:
+            await self.deliveries.update_many(
+                schema.delivery_unparkable(ready), schema.delivery_unparking()
+            )

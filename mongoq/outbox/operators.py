@@ -1,0 +1,268 @@
+"""The outbox's operator calls: `AsyncOutbox.requeue`, `list_deliveries`, `stats` and `purge`,
+run by `Operators`, one object per `AsyncOutbox`.
+
+They read every collection of the outbox and write ``deliveries`` (a requeue; purge of dead
+letters), ``events`` and ``completed_deliveries`` (purge), and the requeue counter in
+``lanes``; the layout and every filter and update are in `mongoq.outbox.schema`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from mongoq import _driver
+from mongoq._validation import MAX_BATCH, check_int
+from mongoq.clock import stored_instant
+from mongoq.errors import InvalidInput
+from mongoq.outbox import schema
+from mongoq.outbox.lanes import Lane, read_lanes
+from mongoq.outbox.models import DeliveryInfo, OutboxStatistics, PurgeResult, check_handler
+from mongoq.outbox.schema import (
+    COMPLETED,
+    DEAD,
+    PARKED,
+    PARKED_INDEX,
+    PENDING,
+    after_key,
+    with_ids,
+)
+
+if TYPE_CHECKING:
+    from mongoq.outbox.store import AsyncOutbox
+
+__all__ = ["Operators"]
+
+
+class Operators:
+    """The operator calls of one `AsyncOutbox` (see its methods of the same names)."""
+
+    def __init__(self, outbox: AsyncOutbox) -> None:
+        self.outbox = outbox
+        self.db = outbox.db
+        self.events, self.deliveries = outbox.events, outbox.deliveries
+        self.lanes, self.history = outbox.lanes, outbox.history
+
+    async def requeue(self, event_id: str, handler: str) -> bool:
+        """`AsyncOutbox.requeue`."""
+        if not isinstance(event_id, str) or not event_id:
+            raise InvalidInput("event_id", "must be a non-empty string")
+        check_handler("handler", handler)
+        now = await self.outbox._now()
+        # Counted before and after the delivery turns pending: a claim whose heads were read
+        # before that write and that records after it sees the count move either way (see
+        # `Claimer._recheck_after_requeue`), even if the second count never happens.
+        await self.lanes.update_one(
+            schema.requeue_counter(), schema.requeue_counting(), upsert=True
+        )
+        result = await self.deliveries.update_one(
+            schema.delivery_dead(event_id, handler), schema.delivery_requeuing(now)
+        )
+        if not result.modified_count:
+            # A requeue that stopped before counting itself is finished by calling it again.
+            unfinished = await self.deliveries.find_one(
+                schema.delivery_requeue_uncounted(event_id, handler), {"_id": 1}
+            )
+            if unfinished is None:
+                return False
+        # Counted after the delivery is pending: a claim in progress that sees the count move
+        # checks its keyed picks again (see `Claimer._recheck_after_requeue`); then the mark
+        # goes.
+        await self.lanes.update_one(
+            schema.requeue_counter(), schema.requeue_counting(), upsert=True
+        )
+        await self.deliveries.update_one(
+            schema.delivery_requeue_uncounted(event_id, handler), schema.delivery_requeue_counted()
+        )
+        return True
+
+    @staticmethod
+    def _live(lanes: Iterable[Lane], now: datetime) -> list[Lane]:
+        """The lanes held under a live lease."""
+        return [lane for lane in lanes if lane.owner is not None and lane.lease_until > now]
+
+    async def _running_ids(self, live: list[Lane]) -> set[Any]:
+        """The deliveries the `live` lanes run: listed, and still at the listed generation."""
+        entries = [e for lane in live for e in lane.in_flight]
+        if not entries:
+            return set()
+        docs = await _driver.find_list(
+            self.deliveries,
+            schema.delivery_claimed(e.claim for e in entries),
+            projection={"_id": 1},
+        )
+        return {doc["_id"] for doc in docs}
+
+    async def list_deliveries(
+        self, status: str | None, handler: str | None, event_type: str | None, limit: int
+    ) -> list[DeliveryInfo]:
+        """`AsyncOutbox.list_deliveries`."""
+        if status not in (None, PENDING, PARKED, DEAD, COMPLETED):
+            raise InvalidInput("status", "must be None, 'pending', 'parked', 'dead' or 'completed'")
+        if handler is not None:
+            check_handler("handler", handler)
+        if event_type is not None:
+            check_handler("event_type", event_type)
+        check_int("limit", limit, low=1, high=MAX_BATCH)
+        now = await self.outbox._now()
+        infos: list[DeliveryInfo] = []
+        if status != COMPLETED:
+            # Parked ones in key order (handler, key, sequence): the queue order.
+            hint = PARKED_INDEX if status == PARKED else None
+            docs = await _driver.find_list(
+                self.deliveries, schema.delivery_listed(status, handler, event_type),
+                sort=None if hint else [("_id", 1)], limit=limit, hint=hint,
+            )  # fmt: skip
+            live = self._live((await read_lanes(self.lanes))[0], now) if docs else []
+            running = await self._running_ids(live)
+            infos += [self._info(doc, doc["_id"] in running) for doc in docs]
+        history = self.outbox.completion_history
+        if history and status in (None, COMPLETED) and len(infos) < limit:
+            docs = await _driver.find_list(
+                self.history, schema.listed_by(handler, event_type), sort=[("_id", 1)],
+                limit=limit - len(infos),
+            )  # fmt: skip
+            infos += [self._info({**doc, "status": COMPLETED}, False) for doc in docs]
+        return infos
+
+    @staticmethod
+    def _info(doc: Mapping[str, Any], running: bool) -> DeliveryInfo:
+        status = doc.get("status", PENDING)
+        if status == PENDING and doc.get("lane") == PARKED:
+            status = PARKED
+        return DeliveryInfo(
+            id=str(doc["_id"]),
+            event_id=doc["event_id"],
+            event_type=doc.get("event_type", ""),
+            handler=doc["handler"],
+            status=status,
+            attempts=int(doc.get("attempts", 0)),
+            key=doc.get("key"),
+            sequence=doc.get("sequence"),
+            due_at=stored_instant(doc.get("due_at")),
+            last_error=doc.get("last_error"),
+            created_at=stored_instant(doc.get("created_at")),
+            updated_at=stored_instant(doc.get("updated_at") or doc.get("completed_at")),
+            running=running,
+        )
+
+    async def stats(self) -> OutboxStatistics:
+        """`AsyncOutbox.stats`."""
+        now = await self.outbox._now()
+        history = self.outbox.completion_history
+        with _driver.index_required(self.deliveries, PARKED_INDEX):
+            pending, parked, dead, completed, oldest, lanes = await asyncio.gather(
+                self.deliveries.count_documents(schema.delivery_in_status(PENDING)),
+                self.deliveries.count_documents(schema.delivery_parked(), hint=PARKED_INDEX),
+                self.deliveries.count_documents(schema.delivery_in_status(DEAD)),
+                self.history.estimated_document_count() if history else _zero(),
+                _driver.find_list(
+                    self.deliveries, schema.delivery_pending(), sort=[("due_at", 1)],
+                    limit=1, projection={"due_at": 1}, hint=schema.DUE_INDEX,
+                ),
+                read_lanes(self.lanes),
+            )  # fmt: skip
+        live = self._live(lanes[0], now)
+        running = len(await self._running_ids(live))
+        return OutboxStatistics(
+            pending=int(pending),
+            parked=int(parked),
+            running=running,
+            dead=int(dead),
+            completed=int(completed),
+            oldest_due_at=stored_instant(oldest[0]["due_at"]) if oldest else None,
+            lanes_held=len(live),
+        )
+
+    async def purge(
+        self, dead_before: datetime | None, completed_before: datetime | None
+    ) -> PurgeResult:
+        """`AsyncOutbox.purge`."""
+        for name, value in (("dead_before", dead_before), ("completed_before", completed_before)):
+            if value is not None and not isinstance(value, datetime):
+                raise InvalidInput(name, "must be None or a datetime")
+        if dead_before is None and completed_before is None:
+            return PurgeResult()
+        dead = records = 0
+        if dead_before is not None:
+            dead = await self._purge_batches(
+                self.deliveries, schema.delivery_dead_before(dead_before), "updated_at"
+            )
+        if completed_before is not None and self.outbox.completion_history:
+            records = await self._purge_batches(
+                self.history, schema.history_completed_before(completed_before), "completed_at"
+            )
+        events = await self._purge_events(dead_before, completed_before)
+        return PurgeResult(dead, records, events)
+
+    async def _purge_batches(self, collection: Any, query: dict[str, Any], field: str) -> int:
+        total = 0
+        while True:
+            docs = await _driver.find_list(
+                collection, query, sort=[(field, 1)], limit=self.outbox.purge_batch_size,
+                projection={"_id": 1},
+            )  # fmt: skip
+            if not docs:
+                return total
+            # The query again in the delete: a dead delivery requeued since the read stays.
+            result = await collection.delete_many(with_ids(query, [d["_id"] for d in docs]))
+            total += int(result.deleted_count)
+            if len(docs) < self.outbox.purge_batch_size:
+                return total
+
+    async def _purge_events(
+        self, dead_before: datetime | None, completed_before: datetime | None
+    ) -> int:
+        cutoffs = [c for c in (dead_before, completed_before) if c is not None]
+        queries: list[tuple[dict[str, Any], str]] = [
+            (schema.event_uncompleted_before(min(cutoffs)), "created_at")
+        ]
+        if completed_before is not None:
+            queries.append((schema.event_completed_before(completed_before), "completed_at"))
+        total = 0
+        for query, field in queries:
+            after: tuple[Any, Any] | None = None
+            while True:
+                page = dict(query) if after is None else {**query, **after_key(field, *after)}
+                docs = await _driver.find_list(
+                    self.events, page, sort=[(field, 1), ("_id", 1)],
+                    limit=self.outbox.purge_batch_size, projection={field: 1},
+                )  # fmt: skip
+                if not docs:
+                    break
+                after = (docs[-1][field], docs[-1]["_id"])
+                total += await self._delete_unreferenced(query, [d["_id"] for d in docs])
+                if len(docs) < self.outbox.purge_batch_size:
+                    break
+        return total
+
+    async def _delete_unreferenced(self, query: dict[str, Any], ids: list[Any]) -> int:
+        async def delete(session: Any) -> int:
+            referenced = set(
+                await self.deliveries.distinct(
+                    "event_id", schema.deliveries_of_events(ids), session=session
+                )
+            )
+            if self.outbox.completion_history:
+                referenced |= set(
+                    await self.history.distinct(
+                        "event_id", schema.deliveries_of_events(ids), session=session
+                    )
+                )
+            free = [i for i in ids if i not in referenced]
+            if not free:
+                return 0
+            result = await self.events.delete_many(with_ids(query, free), session=session)
+            return int(result.deleted_count)
+
+        if await _driver.supports_transactions(self.db):
+            # A publish adding a delivery to one of these events conflicts with the deletion,
+            # and one of the two retries: a delivery never loses its event.
+            return await _driver.run_in_transaction(self.db, delete)
+        return await delete(None)
+
+
+async def _zero() -> int:
+    return 0

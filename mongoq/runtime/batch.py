@@ -1,0 +1,195 @@
+"""One batch slot of a run loop: claim many, renew together, settle together.
+
+A primitive's ``run(batch_size=N)`` claims up to N items at once and hands the batch to
+`run_batch`, which runs their handlers one after another under one keep-alive, settles each
+failure as it happens, and settles the rest together at the end, shielded and bounded in time:
+what finished is completed in one call; the item cut short by a cancellation counts as an
+attempt; items never started are given back without counting one. The primitive supplies a
+`BatchHolder` (its renewals and settles, with their fencing) and names its outcomes; the slot
+never touches the database itself. Owns no collections.
+
+Invariants the slot keeps for every primitive:
+- an item a renewal found lost is never started, and never settled, by this slot;
+- before a handler starts, its lease is known to hold (confirmed by the last full renewal, or
+  renewed for that item alone);
+- every item ends counted exactly once: done, failed/retried, released, lost or unknown.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime, timedelta
+from functools import partial
+from typing import Any, Generic, Protocol, TypeVar
+
+import anyio
+
+from mongoq import _driver
+from mongoq.clock import Clock
+from mongoq.runtime.keepalive import KeepAlive
+
+__all__ = ["BatchHolder", "run_batch"]
+
+log = logging.getLogger("mongoq.worker")
+
+Item = TypeVar("Item")
+ItemContra = TypeVar("ItemContra", contravariant=True)
+
+
+class BatchHolder(Protocol[ItemContra]):
+    """What a primitive gives its batch slot. Settles return the outcome to count (``"lost"``
+    when the fence no longer matched); renewals return, per item, whether it is still held."""
+
+    #: the summary field of an item completed (``"completed"``, ``"acked"``)
+    done: str
+
+    def lease_end(self, item: ItemContra) -> datetime: ...
+
+    async def renew(self, items: Sequence[ItemContra]) -> list[bool]: ...
+
+    async def handle(self, item: ItemContra) -> Any:
+        """Run the user's handler; its return value is the item's result."""
+        ...
+
+    async def settle_failure(self, item: ItemContra, error: Exception) -> str: ...
+
+    async def complete(self, items: Sequence[ItemContra], results: Sequence[Any]) -> list[bool]: ...
+
+    async def settle_cut_short(self, item: ItemContra) -> str:
+        """The item whose handler a cancellation interrupted: an attempt that counts."""
+        ...
+
+    async def give_back(self, item: ItemContra) -> str:
+        """An item never handed to the handler: released without counting an attempt."""
+        ...
+
+
+class _Batch(Generic[Item]):
+    def __init__(
+        self,
+        holder: BatchHolder[Item],
+        items: list[Item],
+        *,
+        clock: Clock,
+        lease: float,
+        count: Callable[[str, int], None],
+        describe: Callable[[Item], Any],
+    ) -> None:
+        self.holder = holder
+        self.clock = clock
+        self.lease = lease
+        self.count = count
+        self.describe = describe
+        self.items = items
+        self.unsettled = list(items)  # held by this slot: renewals cover them
+        self.finished: list[tuple[Item, Any]] = []
+        self.confirmed = holder.lease_end(items[0])  # every item holds until then
+
+    async def renew(self) -> bool | None:
+        if not self.unsettled:
+            return None
+        renewing = list(self.unsettled)
+        held = await self.holder.renew(renewing)
+        for item, ok in zip(renewing, held, strict=True):
+            if not ok:  # taken over: never start (or settle) it here
+                self.unsettled.remove(item)
+                self.count("lost", 1)
+        if all(held):
+            self.confirmed = self.clock.now() + timedelta(seconds=self.lease)
+        return any(held)
+
+    async def still_held(self, item: Item) -> bool:
+        if item not in self.unsettled:
+            return False
+        if self.clock.now() < self.confirmed or (await self.holder.renew([item]))[0]:
+            return True
+        self.unsettled.remove(item)
+        self.count("lost", 1)
+        return False
+
+    async def settle(self, item: Item, call: Callable[[], Awaitable[str]]) -> None:
+        if item not in self.unsettled:  # a renewal found it lost (and counted it) meanwhile
+            return
+        self.unsettled.remove(item)
+        with anyio.CancelScope(shield=True):  # as the final settles
+            try:
+                outcome = await call()
+            except _driver.DRIVER_ERRORS:
+                outcome = "unknown"
+                log.warning(
+                    "settling %r failed; its lease will expire",
+                    self.describe(item),
+                    exc_info=True,
+                )
+        self.count(outcome, 1)
+
+    async def run(self) -> None:
+        interval = self.lease / 3
+        keepalive = KeepAlive(
+            clock=self.clock,
+            interval=interval,
+            renew=self.renew,
+            first_at=self.holder.lease_end(self.items[0]) - timedelta(seconds=2 * interval),
+            name=f"batch of {len(self.items)}",
+        )
+        current: Item | None = None
+        try:
+            async with keepalive:
+                for current in self.items:
+                    if not await self.still_held(current):
+                        continue  # taken over meanwhile: never run it twice at once
+                    try:
+                        result = await self.holder.handle(current)
+                    except Exception as exc:
+                        await self.settle(
+                            current, partial(self.holder.settle_failure, current, exc)
+                        )
+                    else:
+                        # Finished: a cancellation from here on still completes it.
+                        self.finished.append((current, result))
+                current = None
+        finally:
+            # Shielded, so a cancelled worker still settles what it holds; bounded, so a dead
+            # server cannot hold the shutdown longer than the lease would have lasted.
+            with anyio.move_on_after(self.lease, shield=True):
+                await self._settle_rest(current)
+
+    async def _settle_rest(self, current: Item | None) -> None:
+        try:
+            # Leave out what a renewal already found lost (and counted).
+            finished = [(item, result) for item, result in self.finished if item in self.unsettled]
+            if finished:
+                batch = [item for item, _ in finished]
+                done = await self.holder.complete(batch, [result for _, result in finished])
+                self.count(self.holder.done, sum(done))
+                self.count("lost", len(done) - sum(done))
+                for item in batch:
+                    self.unsettled.remove(item)
+            for item in list(self.unsettled):
+                if item is current:
+                    await self.settle(item, partial(self.holder.settle_cut_short, item))
+                else:
+                    await self.settle(item, partial(self.holder.give_back, item))
+        except _driver.DRIVER_ERRORS:
+            self.count("unknown", len(self.unsettled))
+            log.warning(
+                "settling a batch failed; %d lease(s) will expire",
+                len(self.unsettled),
+                exc_info=True,
+            )
+
+
+async def run_batch(
+    holder: BatchHolder[Item],
+    items: list[Item],
+    *,
+    clock: Clock,
+    lease: float,
+    count: Callable[[str, int], None],
+    describe: Callable[[Item], Any] = repr,
+) -> None:
+    """Process one claimed batch with `holder` (see the module docstring); `lease` is the lease
+    length in seconds (renewals every third of it), `count(outcome, n)` adds to the summary."""
+    if items:
+        await _Batch(holder, items, clock=clock, lease=lease, count=count, describe=describe).run()

@@ -1,0 +1,230 @@
+"""The task queue's values: a task as a snapshot of its document (`Task`), a task as a producer
+writes it (`NewTask`), the result types of the producer, operator and worker calls, the
+statuses; and the validation of what goes into a task document (`check_new_task`,
+`check_new_tasks`, `check_result`). Owns no collections; the layout of the one the queue owns
+is in `mongoq.tasks.schema`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+import bson
+
+from mongoq._validation import (
+    MAX_DOCUMENT_BYTES,
+    MAX_PAYLOAD_BYTES,
+    check_id,
+    check_int,
+    check_payload,
+    check_seconds,
+)
+from mongoq.clock import stored_instant
+from mongoq.errors import InvalidInput
+
+__all__ = [
+    "DONE",
+    "FAILED",
+    "PENDING",
+    "PROCESSING",
+    "STATUSES",
+    "TOMBSTONE",
+    "NewTask",
+    "PutManyResult",
+    "PutOutcome",
+    "ReclaimResult",
+    "RunSummary",
+    "Task",
+    "TaskId",
+    "TaskQueueStats",
+    "TaskStatus",
+    "check_new_task",
+    "check_new_tasks",
+    "check_result",
+]
+
+TaskStatus = Literal["pending", "processing", "done", "failed", "tombstone"]
+PENDING: TaskStatus = "pending"
+PROCESSING: TaskStatus = "processing"
+DONE: TaskStatus = "done"
+FAILED: TaskStatus = "failed"
+TOMBSTONE: TaskStatus = "tombstone"
+STATUSES: tuple[TaskStatus, ...] = (PENDING, PROCESSING, DONE, FAILED, TOMBSTONE)
+
+PutOutcome = Literal["inserted", "updated", "unchanged"]
+
+TaskId = str | int
+
+
+@dataclass(frozen=True)
+class Task:
+    """A snapshot of a task document; `claim` returns one with the lease fields set.
+
+    `error` is the last error recorded for the task; it is kept (for reference) when the task is
+    retried, requeued or completed later.
+    """
+
+    id: TaskId
+    payload: Any
+    status: TaskStatus
+    attempts: int
+    priority: int = 0
+    revision: str | int | None = None
+    lease_until: datetime | None = None
+    worker_id: str | None = None
+    lease_token: str | None = None
+    error: str | None = None
+    result: Any = None
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+
+    @classmethod
+    def from_document(cls, doc: Mapping[str, Any]) -> Task:
+        return cls(
+            id=doc["_id"],
+            payload=doc.get("payload"),
+            status=doc["status"],
+            attempts=int(doc.get("attempts", 0)),
+            priority=int(doc.get("priority", 0)),
+            revision=doc.get("revision"),
+            lease_until=stored_instant(doc.get("lease_until")),
+            worker_id=doc.get("worker_id"),
+            lease_token=doc.get("lease_token"),
+            error=doc.get("error"),
+            result=doc.get("result"),
+            created_at=stored_instant(doc.get("created_at")),
+            updated_at=stored_instant(doc.get("updated_at")),
+        )
+
+    def document(self, result: Any = None) -> dict[str, Any]:
+        """The stored form of this task with `result` (what a completion leaves)."""
+        return {
+            "_id": self.id,
+            "payload": self.payload,
+            "revision": self.revision,
+            "priority": self.priority,
+            "status": DONE,
+            "attempts": self.attempts,
+            "lease_until": self.lease_until,
+            "worker_id": self.worker_id,
+            "lease_token": self.lease_token,
+            "error": self.error,
+            "result": result,
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+        }
+
+
+#: A result this small always fits: a put leaves the task document this much room (the
+#: payload limit), well above the bookkeeping fields and a 2,000-character error.
+_RESULT_ALWAYS_FITS = 32 * 1024
+
+
+def check_result(field: str, task: Task, result: Any) -> None:
+    """`result` is storable on `task`'s document: BSON-encodable, and the document with it stays
+    within the server's 16 MiB (a server refuses the completion otherwise: code 17419)."""
+    size = check_payload(field, result)
+    if size <= _RESULT_ALWAYS_FITS:
+        return
+    stored = len(bson.encode(task.document(result)))
+    if stored > MAX_DOCUMENT_BYTES:
+        raise InvalidInput(
+            field,
+            f"encodes to {size} bytes; with the task's payload the document would take {stored} "
+            f"bytes, over the server's limit of {MAX_DOCUMENT_BYTES} (16 MiB): store large "
+            "results elsewhere (GridFS, object storage) and return a reference",
+        )
+
+
+@dataclass(frozen=True)
+class NewTask:
+    """One task for `AsyncTaskQueue.put_many`; the fields mean what `put`'s arguments mean."""
+
+    task_id: TaskId
+    payload: Any = None
+    revision: str | int | None = None
+    priority: int = 0
+    delay: float = 0.0
+
+
+def check_new_task(spec: NewTask, prefix: str = "") -> NewTask:
+    """`spec` checked (its fields named with `prefix`), with its delay as a float."""
+    task_id = check_id(f"{prefix}task_id", spec.task_id)
+    size = check_payload(f"{prefix}payload", spec.payload)
+    if spec.revision is not None:
+        if isinstance(spec.revision, bool) or not isinstance(spec.revision, str | int):
+            raise InvalidInput(f"{prefix}revision", "must be a string, an int or None")
+        size += check_payload(f"{prefix}revision", spec.revision)
+        if size > MAX_PAYLOAD_BYTES:
+            raise InvalidInput(
+                f"{prefix}revision",
+                f"payload and revision encode to {size} bytes together; the limit is "
+                f"{MAX_PAYLOAD_BYTES}",
+            )
+    check_int(f"{prefix}priority", spec.priority, low=-(2**31), high=2**31 - 1)
+    delay = check_seconds(f"{prefix}delay", spec.delay)
+    return NewTask(task_id, spec.payload, spec.revision, spec.priority, delay)
+
+
+def check_new_tasks(field: str, tasks: Iterable[NewTask]) -> list[NewTask]:
+    """`tasks` checked as `check_new_task` does, each a `NewTask`, no id twice."""
+    checked: list[NewTask] = []
+    seen: dict[TaskId, int] = {}
+    for index, spec in enumerate(list(tasks)):
+        if not isinstance(spec, NewTask):
+            raise InvalidInput(f"{field}[{index}]", f"must be a NewTask, got {type(spec).__name__}")
+        spec = check_new_task(spec, f"{field}[{index}].")
+        if spec.task_id in seen:
+            raise InvalidInput(
+                f"{field}[{index}].task_id", f"repeats {field}[{seen[spec.task_id]}].task_id"
+            )
+        seen[spec.task_id] = index
+        checked.append(spec)
+    return checked
+
+
+@dataclass(frozen=True)
+class PutManyResult:
+    inserted: int
+    updated: int
+    unchanged: int
+
+
+@dataclass(frozen=True)
+class ReclaimResult:
+    """What `reclaim_expired` did: tasks buried (attempts used up) and requeued."""
+
+    failed: int
+    requeued: int
+
+
+@dataclass(frozen=True)
+class TaskQueueStats:
+    """Counts per status, plus the signals an operator watches.
+
+    `due` of the pending tasks are claimable now; `expired` processing tasks have a lease that
+    ran out (their worker is gone or stuck); `oldest_due_age` is how long the oldest claimable
+    task has waited, in seconds (None when none is due): the "queue is stuck" signal.
+    """
+
+    counts: dict[str, int]
+    due: int
+    expired: int
+    oldest_due_age: float | None
+
+
+@dataclass
+class RunSummary:
+    """What a `run` loop did, by outcome."""
+
+    claimed: int = 0
+    completed: int = 0
+    retried: int = 0
+    failed: int = 0
+    released: int = 0
+    lost: int = 0
+    #: settles whose reply was lost: the task is settled or its lease will expire
+    unknown: int = 0

@@ -1,0 +1,365 @@
+"""The task queue's storage: the layout of its collection, its indexes, and every filter and
+update `AsyncTaskQueue` sends, each a named function beside the index that serves it. No I/O.
+
+Collection ``{name}``, one document per task::
+
+    {_id: task_id, payload, revision, priority,
+     status: "pending" | "processing" | "done" | "failed" | "tombstone",
+     attempts,          # claims so far, counted at claim; capped by max_attempts
+     lease_until,       # processing: the lease's end; pending: "not before" (when it is due)
+     worker_id, lease_token,   # the holder while processing (token is unique per claim);
+                               # on a done task, the claim that completed it
+     error,             # last error text, the last 2,000 characters
+     result, created_at, updated_at}
+
+Invariants the queries rest on:
+
+- Only pending and processing tasks carry a ``lease_until`` (it is null in every other state),
+  and a pending task always carries its due time there: the claim is one range of the ``claim``
+  index, already in claim order, whose first key examined is the answer.
+- Every path that makes a task pending leaves it with attempts to spare (a retry of an
+  exhausted task fails it instead), so a pending task is always claimable; ``attempts < max``
+  guards only the take-over of an expired lease. Exhausted expired leases, which the claim
+  skips, are buried by `reclaim_expired`.
+- Every holder's write is fenced on ``status: processing``, ``worker_id`` and the claim's
+  ``lease_token`` (the slots of one worker share a worker id, and a worker may re-claim a task
+  it lost), and a settle on the ``revision`` it claimed too: a put of a new revision under a
+  holder makes the holder's settle miss, and the task is then requeued for the new revision.
+- Tombstones are deleted by the *partial* TTL index ``tombstone_ttl`` (a bare TTL index on
+  ``updated_at`` would empty the queue); the embedded backend cannot honour the partial filter
+  and gets no TTL index (see `_driver.create_partial_ttl_index`).
+
+Every time is the injected clock's (`mongoq.clock`), passed in as ``now``, never ``$$NOW``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from types import MappingProxyType
+from typing import Any
+
+from mongoq import _driver
+from mongoq.tasks.models import (
+    DONE,
+    FAILED,
+    PENDING,
+    PROCESSING,
+    TOMBSTONE,
+    NewTask,
+    Task,
+    TaskId,
+    TaskStatus,
+)
+
+__all__ = [
+    "CLAIM",
+    "CLAIM_INDEX",
+    "CLAIM_ORDER",
+    "DUE_ORDER",
+    "EXPIRED_ON_LAST_ATTEMPT",
+    "INDEXES",
+    "STATUS_LEASE",
+    "TOMBSTONE_TTL",
+    "IndexSpec",
+    "task_burying",
+    "task_by_id",
+    "task_claimable",
+    "task_claiming",
+    "task_completing",
+    "task_due",
+    "task_expired",
+    "task_expired_exhausted",
+    "task_expired_retryable",
+    "task_extending",
+    "task_failed",
+    "task_failing",
+    "task_held",
+    "task_held_at_revision",
+    "task_in_status",
+    "task_pending_fields",
+    "task_putting",
+    "task_reclaiming",
+    "task_releasing",
+    "task_removable",
+    "task_removing",
+    "task_requeuing",
+    "task_retrying",
+    "tasks_claimed",
+    "tasks_done",
+    "tasks_held",
+]
+
+Keys = tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class IndexSpec:
+    """One index of the collection, as `AsyncTaskQueue.ensure_indexes` creates it."""
+
+    name: str
+    keys: Keys
+    #: the index holds only the documents this filter matches
+    partial: Mapping[str, Any] | None = None
+    #: a TTL index on its one key, expiring after the queue's `tombstone_ttl`; created through
+    #: `_driver.create_partial_ttl_index`, which skips it where the backend cannot honour
+    #: `partial` (the embedded one)
+    ttl: bool = False
+
+
+# ------------------------------------------------------------------------- the claim index
+
+CLAIM_INDEX = "claim"
+CLAIM = IndexSpec(CLAIM_INDEX, (("priority", -1), ("lease_until", 1)))
+#: Highest priority first, then the task due longest.
+CLAIM_ORDER = list(CLAIM.keys)
+
+
+def task_claimable(now: datetime, max_attempts: int) -> dict[str, Any]:
+    """The due tasks: `claim`, `claim_many` (sorted by `CLAIM_ORDER`, hinted to ``claim``)."""
+    return {
+        "lease_until": {"$lte": now},
+        "$or": [
+            {"status": PENDING},
+            {
+                "status": PROCESSING,
+                "lease_until": {"$lt": now},  # a lease ending at `now` still holds
+                "attempts": {"$lt": max_attempts},
+            },
+        ],
+    }
+
+
+def task_claiming(worker: str, token: str, now: datetime, lease_ttl: float) -> dict[str, Any]:
+    """The claim of a `task_claimable` task by `worker`'s claim `token`; counts an attempt."""
+    return {
+        "$set": {
+            "status": PROCESSING,
+            "worker_id": worker,
+            "lease_token": token,
+            "lease_until": now + timedelta(seconds=lease_ttl),
+            "updated_at": now,
+        },
+        "$inc": {"attempts": 1},
+    }
+
+
+# ------------------------------------------------------------------- the status_lease index
+
+STATUS_LEASE = IndexSpec("status_lease", (("status", 1), ("lease_until", 1)))
+#: The task due longest first.
+DUE_ORDER = [("lease_until", 1)]
+EXPIRED_ON_LAST_ATTEMPT = "lease expired on the last attempt (worker crashed or stalled)"
+
+
+def task_in_status(status: TaskStatus) -> dict[str, Any]:
+    """The tasks in `status`: `stats`' counts (``status_lease``)."""
+    return {"status": status}
+
+
+def task_due(now: datetime) -> dict[str, Any]:
+    """The pending tasks due at `now`: `stats`' due count and oldest due (``status_lease``)."""
+    return {"status": PENDING, "lease_until": {"$lte": now}}
+
+
+def task_expired(now: datetime) -> dict[str, Any]:
+    """The tasks whose lease ran out: `stats`' expired count (``status_lease``)."""
+    return {"status": PROCESSING, "lease_until": {"$lt": now}}
+
+
+def task_expired_exhausted(now: datetime, max_attempts: int) -> dict[str, Any]:
+    """Expired on their last attempt: `reclaim_expired` buries them (``status_lease``)."""
+    return {**task_expired(now), "attempts": {"$gte": max_attempts}}
+
+
+def task_expired_retryable(now: datetime, max_attempts: int) -> dict[str, Any]:
+    """Expired with attempts to spare: `reclaim_expired` requeues them (``status_lease``)."""
+    return {**task_expired(now), "attempts": {"$lt": max_attempts}}
+
+
+def task_burying(now: datetime) -> dict[str, Any]:
+    """`reclaim_expired`'s end of a `task_expired_exhausted` task: failed."""
+    return task_failing(now, EXPIRED_ON_LAST_ATTEMPT)
+
+
+def task_reclaiming(now: datetime) -> dict[str, Any]:
+    """`reclaim_expired`'s return of a `task_expired_retryable` task: due now, attempts kept."""
+    return {"$set": task_pending_fields(now, now, None)}
+
+
+# ------------------------------------------------------------------ the tombstone_ttl index
+
+TOMBSTONE_TTL = IndexSpec(
+    "tombstone_ttl",
+    (("updated_at", 1),),
+    partial=MappingProxyType({"status": TOMBSTONE}),
+    ttl=True,
+)
+
+
+def task_removable(task_id: TaskId) -> dict[str, Any]:
+    """The task unless already a tombstone: `remove` (``_id``)."""
+    return {"_id": task_id, "status": {"$ne": TOMBSTONE}}
+
+
+def task_removing(now: datetime) -> dict[str, Any]:
+    """`remove`: a tombstone, never claimed again, which ``tombstone_ttl`` deletes in time."""
+    return {
+        "$set": {
+            "status": TOMBSTONE,
+            "lease_until": None,
+            "lease_token": None,
+            "updated_at": now,
+        }
+    }
+
+
+INDEXES: tuple[IndexSpec, ...] = (CLAIM, STATUS_LEASE, TOMBSTONE_TTL)
+
+# ------------------------------------------------------------------ by _id (always indexed)
+
+
+def task_by_id(task_id: TaskId) -> dict[str, Any]:
+    """One task: `put`, `put_many`, `get`."""
+    return {"_id": task_id}
+
+
+def task_putting(spec: NewTask, now: datetime) -> list[dict[str, Any]]:
+    """The pipeline of an idempotent put (see `AsyncTaskQueue.put`), upserted on `task_by_id`.
+    User values go through ``$literal``: a string such as ``"$x"`` would otherwise read a
+    field."""
+    # Fields are read through $ifNull: comparisons with a missing field differ between
+    # the server and the embedded backend; with null they agree.
+    status = {"$ifNull": ["$status", None]}
+    is_new = {"$eq": [status, None]}
+    if spec.revision is None:
+        fresh: Any = is_new
+    else:
+        stored_revision = {"$ifNull": ["$revision", None]}
+        fresh = {"$or": [is_new, {"$ne": [stored_revision, {"$literal": spec.revision}]}]}
+    reset = {"$and": [fresh, {"$ne": [status, PROCESSING]}]}
+
+    def when(condition: Any, new: Any, current: str) -> dict[str, Any]:
+        return {"$cond": [condition, new, f"${current}"]}
+
+    due = now + timedelta(seconds=spec.delay)
+    return [
+        {
+            "$set": {
+                "payload": when(fresh, {"$literal": spec.payload}, "payload"),
+                "revision": when(fresh, {"$literal": spec.revision}, "revision"),
+                "priority": when(fresh, spec.priority, "priority"),
+                "status": when(reset, PENDING, "status"),
+                # Fresh attempts for a new revision even while it is processing: should
+                # the holder crash, the takeover runs the new revision with all its tries.
+                "attempts": when(fresh, 0, "attempts"),
+                "lease_until": when(reset, due, "lease_until"),
+                "worker_id": when(reset, None, "worker_id"),
+                "lease_token": when(reset, None, "lease_token"),
+                "error": when(reset, None, "error"),
+                "result": when(reset, None, "result"),
+                "created_at": {"$ifNull": ["$created_at", now]},
+                "updated_at": when(fresh, now, "updated_at"),
+            }
+        }
+    ]
+
+
+def tasks_claimed(ids: Sequence[TaskId], token: str) -> dict[str, Any]:
+    """Which of the candidates `ids` the claim `token` took: `claim_many`'s read back."""
+    return {"_id": {"$in": list(ids)}, "lease_token": token}
+
+
+def task_held(task: Task) -> dict[str, Any]:
+    """The fence: `task` still held by the claim that returned it (`heartbeat`, the requeue of
+    a settle that missed)."""
+    return {
+        "_id": task.id,
+        "status": PROCESSING,
+        "worker_id": task.worker_id,
+        "lease_token": task.lease_token,
+    }
+
+
+def task_held_at_revision(task: Task) -> dict[str, Any]:
+    """`task_held`, and at the revision it claimed: every settle (`complete`, `complete_many`,
+    `release_for_retry`, `release_not_an_attempt`, `fail`)."""
+    return {**task_held(task), "revision": task.revision}
+
+
+def tasks_held(tasks: Sequence[Task]) -> dict[str, Any]:
+    """Those of `tasks` still held: `heartbeat_many`'s update and its read of which are."""
+    # The token names the claim, and with it the worker: one `$in` per claim.
+    return {
+        "status": PROCESSING,
+        **_driver.owned_by([(task.id, task.lease_token) for task in tasks], "lease_token"),
+    }
+
+
+def tasks_done(ids: Sequence[TaskId]) -> dict[str, Any]:
+    """Those of `ids` that are done: `complete_many`'s read of which it completed."""
+    return {"_id": {"$in": list(ids)}, "status": DONE}
+
+
+def task_failed(task_id: TaskId) -> dict[str, Any]:
+    """The task if failed: `requeue`."""
+    return {"_id": task_id, "status": FAILED}
+
+
+def task_pending_fields(now: datetime, due: datetime, attempts: int | None) -> dict[str, Any]:
+    """The fields of a pending task due at `due`, with `attempts` reset unless None."""
+    fields: dict[str, Any] = {
+        "status": PENDING,
+        "lease_until": due,
+        "worker_id": None,
+        "lease_token": None,
+        "updated_at": now,
+    }
+    if attempts is not None:
+        fields["attempts"] = attempts
+    return fields
+
+
+def task_requeuing(now: datetime) -> dict[str, Any]:
+    """Pending now with fresh attempts: `requeue` of a `task_failed` task; a `task_held` task
+    whose revision changed under its holder (after a settle that missed)."""
+    return {"$set": task_pending_fields(now, now, 0)}
+
+
+def task_extending(now: datetime, lease_ttl: float) -> dict[str, Any]:
+    """A renewed lease, `lease_ttl` from `now`: `heartbeat`, `heartbeat_many`."""
+    return {"$set": {"lease_until": now + timedelta(seconds=lease_ttl), "updated_at": now}}
+
+
+def task_completing(result: Any, now: datetime) -> dict[str, Any]:
+    """Done with `result`: `complete`, `complete_many`."""
+    # The token stays: it tells which claim completed the task (see `complete_many`), and
+    # every settle requires ``processing``, so it fences nothing any more.
+    return {"$set": {"status": DONE, "result": result, "lease_until": None, "updated_at": now}}
+
+
+def task_retrying(now: datetime, due: datetime, error: str | None) -> dict[str, Any]:
+    """Pending again at `due`, the attempt counted: `release_for_retry`."""
+    return {"$set": task_pending_fields(now, due, None) | {"error": error}}
+
+
+def task_releasing(now: datetime, due: datetime) -> list[dict[str, Any]]:
+    """Pending again at `due`, the attempt given back: `release_not_an_attempt`."""
+    fields = task_pending_fields(now, due, None)
+    # Never below 0: a revision reset may have zeroed the count since this claim.
+    fields["attempts"] = {"$max": [{"$subtract": ["$attempts", 1]}, 0]}
+    return [{"$set": fields}]
+
+
+def task_failing(now: datetime, error: str | None) -> dict[str, Any]:
+    """Failed with `error`, until an operator requeues it: `fail`, `reclaim_expired`."""
+    return {
+        "$set": {
+            "status": FAILED,
+            "error": error,
+            "lease_until": None,
+            "lease_token": None,
+            "updated_at": now,
+        }
+    }
