@@ -21,8 +21,8 @@ from pymongo import ReturnDocument
 from mongoq import _driver
 from mongoq._validation import MAX_BATCH, check_int, check_name, check_seconds
 from mongoq.clock import Clock, ServerClock
-from mongoq.errors import PermanentError
 from mongoq.groups import schema
+from mongoq.groups.batch import GroupBatch
 from mongoq.groups.models import (
     DeadLetter,
     GroupId,
@@ -36,8 +36,8 @@ from mongoq.groups.models import (
 )
 from mongoq.groups.operators import GroupOperators
 from mongoq.groups.settles import GroupSettles
+from mongoq.runtime.batch import run_batch
 from mongoq.runtime.candidates import take_candidates
-from mongoq.runtime.keepalive import KeepAlive
 from mongoq.runtime.loop import WorkerHost, WorkerLoop
 
 __all__ = [
@@ -389,105 +389,16 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
             summary.claimed += len(leases)
             return leases or None
 
-        async def extend(leases: list[GroupLease]) -> list[bool]:
-            if len(leases) == 1:
-                return [await self.extend(leases[0])]
-            return await self.extend_many(leases)
+        holder = GroupBatch(self, handler, retry)
 
-        async def ack(leases: list[GroupLease]) -> list[bool]:
-            return [await self.ack(leases[0])] if len(leases) == 1 else await self.ack_many(leases)
-
-        def count(outcome: str, n: int = 1) -> None:
+        def count(outcome: str, n: int) -> None:
             setattr(summary, outcome, getattr(summary, outcome) + n)
 
         async def process(leases: list[GroupLease]) -> None:
-            unsettled = list(leases)  # held by this slot: renewals cover them
-            handled: list[GroupLease] = []
-            confirmed = [leases[0].lease_until]  # every lease of the batch holds until then
-
-            async def renew() -> bool | None:
-                if not unsettled:
-                    return None
-                renewing = list(unsettled)
-                held = await extend(renewing)
-                for lease, ok in zip(renewing, held, strict=True):
-                    if not ok:  # taken over: never start (or settle) it here
-                        unsettled.remove(lease)
-                        count("lost")
-                if all(held):
-                    confirmed[0] = self.clock.now() + timedelta(seconds=self.visibility)
-                return any(held)
-
-            async def still_held(lease: GroupLease) -> bool:
-                if lease not in unsettled:
-                    return False
-                if self.clock.now() < confirmed[0] or (await extend([lease]))[0]:
-                    return True
-                unsettled.remove(lease)
-                count("lost")
-                return False
-
-            async def settle(lease: GroupLease, failure: Exception) -> None:
-                if lease not in unsettled:  # a renewal found it lost (and counted it) meanwhile
-                    return
-                unsettled.remove(lease)
-                with anyio.CancelScope(shield=True):  # as the final settles below
-                    try:
-                        if isinstance(failure, PermanentError):
-                            outcome = "dead" if await self.dead_letter(lease, failure) else "lost"
-                        else:
-                            held = await self.nack(lease, retry, error=failure)
-                            outcome = "retried" if held else "lost"
-                    except _driver.DRIVER_ERRORS:
-                        outcome = "unknown"
-                        log.warning("settling group %r failed; its lease will expire",
-                                    lease.group_id, exc_info=True)  # fmt: skip
-                count(outcome)
-
-            interval = self.visibility / 3
-            keepalive = KeepAlive(
-                clock=self.clock,
-                interval=interval,
-                renew=renew,
-                first_at=leases[0].lease_until - timedelta(seconds=2 * interval),
-                name=f"{len(leases)} group(s)",
-            )
-            current: GroupLease | None = None
-            try:
-                async with keepalive:
-                    for current in leases:
-                        if not await still_held(current):
-                            continue  # taken over meanwhile: never run it twice at once
-                        try:
-                            await handler(current)
-                        except Exception as exc:
-                            await settle(current, exc)
-                        else:
-                            handled.append(current)  # a cancellation after this still acks
-                    current = None
-            finally:
-                # Shielded, so a cancelled worker still settles what it holds; bounded, so a
-                # dead server cannot hold the shutdown longer than the lease would have lasted.
-                with anyio.move_on_after(self.visibility, shield=True):
-                    try:
-                        # Leave out what a renewal already found lost (and counted).
-                        handled = [lease for lease in handled if lease in unsettled]
-                        if handled:
-                            acked = await ack(handled)
-                            count("acked", sum(acked))
-                            count("lost", len(acked) - sum(acked))
-                            for lease in handled:
-                                unsettled.remove(lease)
-                        for lease in list(unsettled):
-                            unsettled.remove(lease)
-                            if lease is current:  # cut short: that delivery counts
-                                count("retried" if await self.nack(lease, retry) else "lost")
-                            else:  # never handed to the handler: not a delivery
-                                count("released" if await self._unclaim(lease) else "lost")
-                    except _driver.DRIVER_ERRORS:
-                        count("unknown", len(unsettled))
-                        log.warning("settling %d group(s) failed; their leases will expire",
-                                    len(unsettled), exc_info=True)  # fmt: skip
+            await run_batch(
+                holder, leases, clock=self.clock, lease=self.visibility, count=count,
+                describe=lambda lease: f"group {lease.group_id!r}", logger=log,
+            )  # fmt: skip
 
         loop: WorkerLoop[list[GroupLease]] = WorkerLoop(
             claim=claim,

@@ -48,6 +48,10 @@ class BatchHolder(Protocol[ItemContra]):
 
     async def renew(self, items: Sequence[ItemContra]) -> list[bool]: ...
 
+    async def renew_one(self, item: ItemContra) -> bool:
+        """Renew one item before its handler starts, when the last renewal is too old."""
+        ...
+
     async def handle(self, item: ItemContra) -> Any:
         """Run the user's handler; its return value is the item's result."""
         ...
@@ -74,8 +78,10 @@ class _Batch(Generic[Item]):
         clock: Clock,
         lease: float,
         count: Callable[[str, int], None],
-        describe: Callable[[Item], Any],
+        describe: Callable[[Item], str],
+        logger: logging.Logger,
     ) -> None:
+        self.log = logger
         self.holder = holder
         self.clock = clock
         self.lease = lease
@@ -102,7 +108,7 @@ class _Batch(Generic[Item]):
     async def still_held(self, item: Item) -> bool:
         if item not in self.unsettled:
             return False
-        if self.clock.now() < self.confirmed or (await self.holder.renew([item]))[0]:
+        if self.clock.now() < self.confirmed or await self.holder.renew_one(item):
             return True
         self.unsettled.remove(item)
         self.count("lost", 1)
@@ -117,8 +123,8 @@ class _Batch(Generic[Item]):
                 outcome = await call()
             except _driver.DRIVER_ERRORS:
                 outcome = "unknown"
-                log.warning(
-                    "settling %r failed; its lease will expire",
+                self.log.warning(
+                    "settling %s failed; its lease will expire",
                     self.describe(item),
                     exc_info=True,
                 )
@@ -173,7 +179,7 @@ class _Batch(Generic[Item]):
                     await self.settle(item, partial(self.holder.give_back, item))
         except _driver.DRIVER_ERRORS:
             self.count("unknown", len(self.unsettled))
-            log.warning(
+            self.log.warning(
                 "settling a batch failed; %d lease(s) will expire",
                 len(self.unsettled),
                 exc_info=True,
@@ -187,9 +193,14 @@ async def run_batch(
     clock: Clock,
     lease: float,
     count: Callable[[str, int], None],
-    describe: Callable[[Item], Any] = repr,
+    describe: Callable[[Item], str] = repr,
+    logger: logging.Logger = log,
 ) -> None:
     """Process one claimed batch with `holder` (see the module docstring); `lease` is the lease
-    length in seconds (renewals every third of it), `count(outcome, n)` adds to the summary."""
+    length in seconds (renewals every third of it), `count(outcome, n)` adds to the summary,
+    `describe(item)` names an item in the log lines written to `logger`."""
     if items:
-        await _Batch(holder, items, clock=clock, lease=lease, count=count, describe=describe).run()
+        batch = _Batch(
+            holder, items, clock=clock, lease=lease, count=count, describe=describe, logger=logger
+        )
+        await batch.run()

@@ -12,7 +12,6 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from functools import partial
 from typing import Any
 
 import anyio
@@ -29,10 +28,12 @@ from mongoq._validation import (
 )
 from mongoq.clock import Clock, ServerClock, stored_instant
 from mongoq.errors import InvalidInput, LeaseLost, PermanentError
+from mongoq.runtime.batch import run_batch
 from mongoq.runtime.candidates import take_candidates
 from mongoq.runtime.keepalive import KeepAlive
 from mongoq.runtime.loop import WorkerHost, WorkerLoop, error_text
 from mongoq.tasks import schema
+from mongoq.tasks.batch import TaskBatch
 from mongoq.tasks.models import (
     STATUSES,
     NewTask,
@@ -665,111 +666,15 @@ class AsyncTaskQueue(WorkerHost):
             summary.claimed += len(tasks)
             return tasks or None
 
+        holder = TaskBatch(self, handler)
+
+        def count(outcome: str, n: int) -> None:
+            setattr(summary, outcome, getattr(summary, outcome) + n)
+
         async def process(tasks: list[Task]) -> None:
-            unsettled = list(tasks)  # held by this batch: heartbeats cover them
-            finished: list[tuple[Task, Any]] = []
-
-            lost: set[str] = set()  # ids of the tasks a renewal found taken over
-            confirmed = [tasks[0].lease_until or self.clock.now()]  # held by all until then
-
-            async def renew() -> bool | None:
-                if not unsettled:
-                    return None
-                renewing = list(unsettled)
-                held = await self.heartbeat_many(renewing)
-                for task, ok in zip(renewing, held, strict=True):
-                    if not ok:
-                        lost.add(str(task.id))
-                        unsettled.remove(task)
-                        summary.lost += 1
-                if all(held):
-                    confirmed[0] = self.clock.now() + timedelta(seconds=self.lease_ttl)
-                return any(held)
-
-            async def still_held(task: Task) -> bool:
-                """Before a handler starts: not found lost, and the lease known to hold."""
-                if str(task.id) in lost:
-                    return False
-                if self.clock.now() < confirmed[0]:
-                    return True
-                if await self.heartbeat(task):
-                    return True
-                unsettled.remove(task)
-                summary.lost += 1
-                return False
-
-            async def settle(task: Task, outcome: str, call: Callable[[], Awaitable[bool]]) -> None:
-                if task not in unsettled:  # a renewal found it lost (and counted it) meanwhile
-                    return
-                unsettled.remove(task)
-                with anyio.CancelScope(shield=True):  # as the final settle below
-                    try:
-                        field = outcome if await call() else "lost"
-                    except _driver.DRIVER_ERRORS:
-                        field = "unknown"
-                        log.warning("settling %r failed; its lease will expire", task.id,
-                                    exc_info=True)  # fmt: skip
-                setattr(summary, field, getattr(summary, field) + 1)
-
-            interval = self.lease_ttl / 3
-            expires = tasks[0].lease_until or self.clock.now()
-            keepalive = KeepAlive(
-                clock=self.clock,
-                interval=interval,
-                renew=renew,
-                first_at=expires - timedelta(seconds=2 * interval),
-                name=f"batch of {len(tasks)} task(s)",
-            )
-            current: Task | None = None
-            try:
-                async with keepalive:
-                    for current in tasks:
-                        if not await still_held(current):
-                            continue  # taken over meanwhile: never start it twice
-                        try:
-                            result = await handler(current)
-                            check_result("result", current, result)
-                        except (PermanentError, InvalidInput) as exc:
-                            await settle(current, "failed", partial(self.fail, current, exc))
-                        except Exception as exc:
-                            # On its last attempt the release fails the task: count it so.
-                            last = current.attempts >= self.max_attempts
-                            outcome = "failed" if last else "retried"
-                            await settle(
-                                current, outcome, partial(self.release_for_retry, current, exc)
-                            )
-                        else:
-                            finished.append((current, result))
-                    current = None
-            finally:
-                # Shielded and bounded, as a single task's settle: complete what finished; a
-                # task cut short counts an attempt; the ones not started do not.
-                with anyio.move_on_after(self.lease_ttl, shield=True):
-                    try:
-                        # Leave out what a renewal already found lost (and counted).
-                        finished = [(task, r) for task, r in finished if task in unsettled]
-                        if finished:
-                            batch = [task for task, _ in finished]
-                            done = await self.complete_many(batch, [r for _, r in finished])
-                            summary.completed += sum(done)
-                            summary.lost += len(done) - sum(done)
-                            for task in batch:
-                                unsettled.remove(task)
-                        for task in list(unsettled):
-                            if task is current:
-                                last = task.attempts >= self.max_attempts
-                                await settle(
-                                    task, "failed" if last else "retried",
-                                    partial(self.release_for_retry, task),
-                                )  # fmt: skip
-                            else:
-                                await settle(
-                                    task, "released",
-                                    partial(self.release_not_an_attempt, task, delay=0),
-                                )  # fmt: skip
-                    except _driver.DRIVER_ERRORS:
-                        summary.unknown += len(unsettled)
-                        log.warning("settling a batch failed; its leases will expire",
-                                    exc_info=True)  # fmt: skip
+            await run_batch(
+                holder, tasks, clock=self.clock, lease=self.lease_ttl, count=count,
+                describe=lambda task: repr(task.id), logger=log,
+            )  # fmt: skip
 
         return claim, process

@@ -1,0 +1,64 @@
+"""The task queue's side of a batch slot (`mongoq.runtime.batch`): how a batch of claimed tasks
+is renewed, run and settled by ``AsyncTaskQueue.run(batch_size=N)``. Owns no collections; every
+write goes through the queue's fenced calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from mongoq.errors import InvalidInput, PermanentError
+from mongoq.tasks.models import Task, check_result
+
+if TYPE_CHECKING:
+    from mongoq.tasks.queue import AsyncTaskQueue
+
+__all__ = ["TaskBatch"]
+
+
+@dataclass(eq=False)
+class TaskBatch:
+    """`BatchHolder` for tasks: `heartbeat_many` renews, `complete_many` completes, a failure
+    fails (`PermanentError`, a result that cannot be stored) or releases for retry."""
+
+    queue: AsyncTaskQueue
+    handler: Callable[[Task], Awaitable[Any]]
+    done: str = "completed"
+
+    def lease_end(self, item: Task) -> datetime:
+        return item.lease_until or self.queue.clock.now()
+
+    async def renew(self, items: Sequence[Task]) -> list[bool]:
+        return await self.queue.heartbeat_many(items)
+
+    async def renew_one(self, item: Task) -> bool:
+        return await self.queue.heartbeat(item)
+
+    async def handle(self, item: Task) -> Any:
+        result = await self.handler(item)
+        check_result("result", item, result)
+        return result
+
+    async def settle_failure(self, item: Task, error: Exception) -> str:
+        if isinstance(error, PermanentError | InvalidInput):
+            return "failed" if await self.queue.fail(item, error) else "lost"
+        return await self._retry(item, error)
+
+    async def complete(self, items: Sequence[Task], results: Sequence[Any]) -> list[bool]:
+        return await self.queue.complete_many(items, results)
+
+    async def settle_cut_short(self, item: Task) -> str:
+        return await self._retry(item, None)
+
+    async def give_back(self, item: Task) -> str:
+        held = await self.queue.release_not_an_attempt(item, delay=0)
+        return "released" if held else "lost"
+
+    async def _retry(self, item: Task, error: Exception | None) -> str:
+        # On its last attempt the release fails the task: count it so.
+        last = item.attempts >= self.queue.max_attempts
+        held = await self.queue.release_for_retry(item, error)
+        return ("failed" if last else "retried") if held else "lost"
