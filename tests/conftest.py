@@ -20,7 +20,7 @@ import pytest
 import mongoq
 from mongoq import _driver
 from mongoq.testing import ManualClock, interleaving_database, memory_database
-from tests.txengine import transactional_database
+from tests.support.txengine import transactional_database
 
 TEST_URI = os.environ.get("MONGOQ_TEST_URI")
 REAL_SERVER_SKIP = "real-server lane: set MONGOQ_TEST_URI to a replica-set URI to run it"
@@ -81,7 +81,7 @@ async def _database(kind: str, test_id: str) -> AsyncIterator[Any]:
 
 
 # The outbox runs with and without transactions: "tx" is the test-only transactional engine
-# (tests/txengine.py, mongomock-ng), the embedded backend has none.
+# (tests/support/txengine.py, mongomock-ng), the embedded backend has none.
 @pytest.fixture(params=[*EMBEDDED, "tx", *SERVERS])
 async def odb(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
     """A fresh database on every backend the outbox supports, transactional or not."""

@@ -24,7 +24,7 @@ from mongoq import (
 )
 from mongoq.outbox import AsyncOutbox, DeliveryContext, Event, OutboxDispatcher
 from mongoq.testing import ManualClock
-from tests.helpers import read
+from tests.support.helpers import read
 
 NAMES_THE_FIX = r"has no index 'claim'.*ensure_indexes\(\).*setup\(\)"
 

@@ -19,7 +19,7 @@ from mongoq.testing import (
     all_interleavings,
     instrument,
 )
-from tests.helpers import new_queue, read, read_all, wait_for
+from tests.support.helpers import new_queue, read, read_all, wait_for
 
 LOG = "log"
 

@@ -12,7 +12,7 @@ import pytest
 
 from mongoq import AsyncTaskQueue, InvalidInput, NewTask, Task
 from mongoq.testing import CommandCounter, ManualClock, instrument
-from tests.helpers import (
+from tests.support.helpers import (
     QUEUE,
     SIXTEEN_MIB,
     claim_one,

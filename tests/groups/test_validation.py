@@ -12,8 +12,8 @@ import pytest
 
 from mongoq import AsyncGroupTransport, GroupLease, NewMessage
 from mongoq.testing import CommandCounter, ManualClock, instrument
-from tests.group_helpers import PREFIX, claim_one, new_transport, snapshot
-from tests.helpers import SIXTEEN_MIB, rejects
+from tests.support.group_helpers import PREFIX, claim_one, new_transport, snapshot
+from tests.support.helpers import SIXTEEN_MIB, rejects
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 
 from mongoq import AsyncTaskQueue, LeaseLost, PermanentError, ReclaimResult, Task, TaskLease
 from mongoq.testing import FaultInjector, ManualClock, instrument, settle
-from tests.helpers import LEASE_TTL, claim_one, encoded, later, new_queue, read, wait_for
+from tests.support.helpers import LEASE_TTL, claim_one, encoded, later, new_queue, read, wait_for
 
 HEARTBEAT = LEASE_TTL / 3
 

@@ -16,7 +16,7 @@ from pymongo.errors import OperationFailure
 
 from mongoq import InvalidInput, NewTask, Task
 from mongoq.testing import FaultInjector, ManualClock, instrument
-from tests.helpers import QUEUE, SIXTEEN_MIB, claim_one, new_queue, read
+from tests.support.helpers import QUEUE, SIXTEEN_MIB, claim_one, new_queue, read
 
 NINE_MIB = "x" * (9 * 1024 * 1024)
 

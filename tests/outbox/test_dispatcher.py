@@ -22,8 +22,8 @@ from mongoq import _driver
 from mongoq.errors import LeaseLost, PermanentError
 from mongoq.outbox import DeliveryContext, DispatchSummary, Event, OutboxDispatcher, lane_of
 from mongoq.testing import FaultInjector, ManualClock, instrument, settle
-from tests.helpers import rejects, utc
-from tests.outbox_helpers import deliveries, delivery_of, events, lanes, new_outbox
+from tests.support.helpers import rejects, utc
+from tests.support.outbox_helpers import deliveries, delivery_of, events, lanes, new_outbox
 
 LEASE = 30.0
 ONLY_H = {"t": ["h"]}

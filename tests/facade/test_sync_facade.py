@@ -1,9 +1,9 @@
 """The generated blocking facade, `mongoq_sync`.
 
-The shared scenarios (tests/scenarios.py) run through the async core and through the facade and
-must reach the same database states; the rest covers what only the facade has: the generator,
-blocking handlers in worker threads, use from many threads, the portal's edges (its own thread,
-Ctrl-C, fork).
+The shared scenarios (tests/support/scenarios.py) run through the async core and through the
+facade and must reach the same database states; the rest covers what only the facade has: the
+generator, blocking handlers in worker threads, use from many threads, the portal's edges (its
+own thread, Ctrl-C, fork).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from mongoq import AsyncGroupTransport, AsyncTaskQueue, MongoqError, TaskLease, 
 from mongoq._portal import Portal
 from mongoq.testing import ManualClock, settle
 from tests.conftest import TEST_URI
-from tests.scenarios import SCENARIOS, AsyncEnv, Env, SyncEnv
+from tests.support.scenarios import SCENARIOS, AsyncEnv, Env, SyncEnv
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -30,8 +30,8 @@ from mongoq.outbox import AsyncOutbox, Event, PublishResult, lane_of
 from mongoq.outbox import schema as schema_module
 from mongoq.testing import CommandCounter, FaultInjector, ManualClock, instrument
 from tests.conftest import EMBEDDED, SERVERS
-from tests.helpers import nth, utc
-from tests.outbox_helpers import (
+from tests.support.helpers import nth, utc
+from tests.support.outbox_helpers import (
     PREFIX,
     SUBSCRIPTIONS,
     deliveries,

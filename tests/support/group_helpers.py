@@ -1,6 +1,6 @@
 """Helpers shared by the group-transport tests.
 
-Backend-neutral like `tests.helpers`: reads go straight to the collections
+Backend-neutral like `tests.support.helpers`: reads go straight to the collections
 (``{prefix}_messages``, ``{prefix}_locks``, ``{prefix}_counters``, ``{prefix}_dead``), so the
 assertions see what is stored, with every datetime made UTC-aware.
 """
@@ -17,7 +17,7 @@ import bson
 
 from mongoq import AsyncGroupTransport, GroupLease, NewMessage, PermanentError
 from mongoq.testing import ManualClock, settle
-from tests.helpers import Actors, Trace, every_order, later, utc
+from tests.support.helpers import Actors, Trace, every_order, later, utc
 
 #: The visibility of the tests' transports: a lease lasts 30 s, run() renews it every 10 s.
 VISIBILITY = 30.0

@@ -7,7 +7,8 @@ purge) through ``instrument(db, counter)`` with ``counter.record = True``, on th
 backend and on the test-only transactional engine (which alone takes the transactional paths:
 publish in the caller's transaction, completion with a session, completion history written in
 the completion's own transaction, purge's transactional delete). Each recorded query is checked
-by the matcher of `tests.test_index_audit` against the declared indexes, partial ones included.
+by the matcher of `tests.support.test_index_audit` against the declared indexes, partial ones
+included.
 
 Shapes no declared index serves are listed with the reason: `BY_DESIGN` (the 256 lane
 documents) and `LIBRARY_PROBLEMS` (reported, awaiting a fix in the library: listed so that the
@@ -25,9 +26,9 @@ import pytest
 from mongoq import _driver
 from mongoq.outbox import AsyncOutbox, Delivery, Event
 from mongoq.testing import CommandCounter, ManualClock, Operation, instrument, memory_database
-from tests.outbox_helpers import key_in_lane, keys_in_distinct_lanes
-from tests.test_index_audit import NO_QUERY, QUERIES, ChainRecorder, audit, declared_indexes
-from tests.txengine import transactional_database
+from tests.support.outbox_helpers import key_in_lane, keys_in_distinct_lanes
+from tests.support.test_index_audit import NO_QUERY, QUERIES, ChainRecorder, audit, declared_indexes
+from tests.support.txengine import transactional_database
 
 PREFIX = "audit_ob_"
 EVENTS, DELIVERIES, SEQUENCES, LANES, HISTORY = (

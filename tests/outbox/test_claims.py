@@ -5,7 +5,7 @@ writes no delivery document. These tests read the lane and delivery documents ba
 step: who holds which lane until when, what it lists as running, what each settle wrote, that a
 stale token changes nothing (byte for byte), that a takeover charges a lost attempt exactly once,
 and that deliveries of one key and handler run one at a time in sequence order.
-Races between concurrent calls and injected faults are in tests/test_outbox_races.py.
+Races between concurrent calls and injected faults are in tests/outbox/test_races.py.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pytest
 from mongoq.outbox import AsyncOutbox, Delivery, Event, lane_of
 from mongoq.runtime.loop import error_text
 from mongoq.testing import CommandCounter, ManualClock, instrument
-from tests.helpers import rejects, utc
-from tests.outbox_helpers import (
+from tests.support.helpers import rejects, utc
+from tests.support.outbox_helpers import (
     PREFIX,
     SUBSCRIPTIONS,
     deliveries,

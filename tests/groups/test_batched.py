@@ -40,7 +40,7 @@ from mongoq.testing import (
     Operation,
     instrument,
 )
-from tests.group_helpers import (
+from tests.support.group_helpers import (
     EPOCH,
     PREFIX,
     PUBLISHES,
@@ -62,7 +62,7 @@ from tests.group_helpers import (
     race,
     snapshot,
 )
-from tests.helpers import Actors, Trace, later, nth, unexpected_errors, wait_for
+from tests.support.helpers import Actors, Trace, later, nth, unexpected_errors, wait_for
 
 
 def groups_of(leases: list[GroupLease]) -> list[Any]:

@@ -24,8 +24,8 @@ from mongoq.outbox import (
     PurgeResult,
 )
 from mongoq.testing import CommandCounter, ManualClock, instrument
-from tests.helpers import rejects, utc
-from tests.outbox_helpers import PREFIX, deliveries, events, new_outbox, order
+from tests.support.helpers import rejects, utc
+from tests.support.outbox_helpers import PREFIX, deliveries, events, new_outbox, order
 
 LEASE = 30.0
 ONLY_H = {"t": ["h"]}

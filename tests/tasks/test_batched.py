@@ -36,7 +36,7 @@ from mongoq.testing import (
     Operation,
     instrument,
 )
-from tests.helpers import (
+from tests.support.helpers import (
     LEASE_TTL,
     Actors,
     Bookkeeping,

@@ -17,7 +17,7 @@ from pymongo.errors import AutoReconnect
 
 from mongoq import AsyncGroupTransport, GroupLease, GroupRunSummary, NewMessage
 from mongoq.testing import FaultInjector, Interleaving, ManualClock, instrument
-from tests.group_helpers import (
+from tests.support.group_helpers import (
     EPOCH,
     PUBLISHES,
     VISIBILITY,
@@ -34,7 +34,7 @@ from tests.group_helpers import (
     race,
     snapshot,
 )
-from tests.helpers import Actors, Trace, later
+from tests.support.helpers import Actors, Trace, later
 
 
 def commands_of(trace: Trace, actor: str) -> list[str]:

@@ -18,7 +18,7 @@ import anyio.to_thread
 import mongoq_sync
 from mongoq import AsyncGroupTransport, AsyncTaskQueue, NewMessage, NewTask, PermanentError
 from mongoq.testing import ManualClock, settle
-from tests.helpers import utc
+from tests.support.helpers import utc
 
 LEASE = 30.0
 

@@ -16,8 +16,8 @@ import anyio.lowlevel
 
 from mongoq import GroupLease, NewMessage, NewTask, Task
 from mongoq.testing import ManualClock
-from tests.group_helpers import assert_empty, new_transport
-from tests.helpers import new_queue, read_all
+from tests.support.group_helpers import assert_empty, new_transport
+from tests.support.helpers import new_queue, read_all
 
 ITEMS = 400
 SLOTS = 8

@@ -32,8 +32,8 @@ from mongoq.outbox import (
     lane_of,
 )
 from mongoq.testing import FaultInjector, ManualClock, Operation, instrument
-from tests.helpers import nth, utc
-from tests.outbox_helpers import (
+from tests.support.helpers import nth, utc
+from tests.support.outbox_helpers import (
     PREFIX,
     SUBSCRIPTIONS,
     deliveries,

@@ -17,7 +17,7 @@ from pymongo.errors import AutoReconnect, NetworkTimeout
 
 from mongoq import AsyncGroupTransport, GroupLease, GroupRunSummary, NewMessage
 from mongoq.testing import FaultInjector, ManualClock, Operation, instrument, settle
-from tests.group_helpers import (
+from tests.support.group_helpers import (
     EPOCH,
     VISIBILITY,
     assert_empty,
@@ -39,7 +39,7 @@ from tests.group_helpers import (
     new_transport,
     snapshot,
 )
-from tests.helpers import later, wait_for
+from tests.support.helpers import later, wait_for
 
 
 @pytest.fixture

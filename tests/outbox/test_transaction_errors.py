@@ -4,7 +4,7 @@ On a server, any write error inside a multi-document transaction (a duplicate ke
 aborts the transaction, even if the client catches it: the commit then fails with
 NoSuchTransaction, labelled TransientTransactionError, so ``with_transaction`` runs the callback
 again, which meets the same duplicate: a loop until the driver's 120 s limit. The test engine
-(tests/txengine.py) behaves the same way, giving up after a few attempts.
+(tests/support/txengine.py) behaves the same way, giving up after a few attempts.
 
 The completion history was written with an insert whose duplicate keys were ignored. Each test
 here plants the history record of a delivery before completing it (as a completion whose outcome
@@ -30,8 +30,8 @@ from mongoq.outbox import (
     OutboxDispatcher,
 )
 from mongoq.testing import ManualClock
-from tests.helpers import utc
-from tests.outbox_helpers import PREFIX, deliveries, events, new_outbox
+from tests.support.helpers import utc
+from tests.support.outbox_helpers import PREFIX, deliveries, events, new_outbox
 
 ONLY_H = {"t": ["h"]}
 

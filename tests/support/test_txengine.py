@@ -1,4 +1,5 @@
-"""The test-only transactional engine (tests/txengine.py): PyMongo-async shaped, rolls back."""
+"""The test-only transactional engine (tests/support/txengine.py): PyMongo-async shaped, rolls
+back."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pymongo.errors import (
 )
 
 from mongoq import _driver
-from tests.txengine import TxDatabase, TxSession, transactional_database
+from tests.support.txengine import TxDatabase, TxSession, transactional_database
 
 
 class Boom(Exception):

@@ -1,6 +1,6 @@
 """AsyncGroupTransport: publish, claim, ack/nack/extend, round-robin, priority floor, stats.
 
-Every test reads the stored documents (`tests.group_helpers`) besides the return values.
+Every test reads the stored documents (`tests.support.group_helpers`) besides the return values.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from mongoq import AsyncGroupTransport, GroupRunSummary, GroupStats, InvalidInput, NewMessage
 from mongoq.testing import CommandCounter, FaultInjector, ManualClock, instrument
-from tests.group_helpers import (
+from tests.support.group_helpers import (
     EPOCH,
     PREFIX,
     VISIBILITY,
@@ -31,7 +31,7 @@ from tests.group_helpers import (
     new_transport,
     snapshot,
 )
-from tests.helpers import later
+from tests.support.helpers import later
 
 
 @pytest.fixture

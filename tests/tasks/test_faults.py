@@ -17,7 +17,7 @@ from pymongo.errors import AutoReconnect, NetworkTimeout
 
 from mongoq import AsyncTaskQueue, NewTask, ReclaimResult, RunSummary, Task
 from mongoq.testing import FaultInjector, ManualClock, instrument
-from tests.helpers import (
+from tests.support.helpers import (
     LEASE_TTL,
     Actors,
     Bookkeeping,

@@ -8,7 +8,7 @@ import pytest
 
 from mongoq import AsyncTaskQueue, NewTask, PutManyResult, ReclaimResult, Task, _driver
 from mongoq.testing import CommandCounter, ManualClock, instrument
-from tests.helpers import LEASE_TTL, claim_one, encoded, later, new_queue, read, read_all
+from tests.support.helpers import LEASE_TTL, claim_one, encoded, later, new_queue, read, read_all
 
 
 @pytest.fixture

@@ -32,8 +32,8 @@ from mongoq.testing import (
     all_interleavings,
     instrument,
 )
-from tests.helpers import Actors, Trace, every_order, nth
-from tests.outbox_helpers import (
+from tests.support.helpers import Actors, Trace, every_order, nth
+from tests.support.outbox_helpers import (
     PREFIX,
     SUBSCRIPTIONS,
     deliveries,
