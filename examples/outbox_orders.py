@@ -17,6 +17,9 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from pymongo import ReadPreference
+from pymongo.write_concern import WriteConcern
+
 import mongoq
 from mongoq import _driver
 from mongoq.outbox import AsyncOutbox, DeliveryContext, Event, OutboxDispatcher
@@ -28,7 +31,13 @@ async def in_transaction(db: Any, work: Callable[[Any], Awaitable[None]]) -> Non
     """Run `work(session)` in a transaction where the database has them, else without."""
     if await _driver.supports_transactions(db):
         async with db.client.start_session() as session:
-            await session.with_transaction(work)
+            # Primary reads and majority writes whatever the client's defaults (a transaction
+            # with secondary reads is refused; one with w=1 can be rolled back by a failover).
+            await session.with_transaction(
+                work,
+                read_preference=ReadPreference.PRIMARY,
+                write_concern=WriteConcern(w="majority"),
+            )
     else:
         await work(None)
 

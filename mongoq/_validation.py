@@ -59,8 +59,12 @@ def check_name(field: str, value: Any) -> str:
 
 
 def check_worker_id(field: str, value: Any) -> str:
+    """A worker's name, stored on what it holds: bounded like an id, so a document's
+    bookkeeping fields stay far below the room a payload leaves them."""
     if not isinstance(value, str) or not value.strip():
         raise InvalidInput(field, "must be a non-empty string")
+    if len(value) > MAX_ID_LENGTH:
+        raise InvalidInput(field, f"must be at most {MAX_ID_LENGTH} characters")
     return value
 
 

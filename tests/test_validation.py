@@ -219,7 +219,15 @@ async def test_put_many_names_the_first_of_two_duplicates(db: Any, queue: AsyncT
 
 # ------------------------------------------------------------------------- consumer calls
 
-BAD_WORKER_IDS = {"empty": "", "blank": "   ", "int": 7, "dict": {"$gt": ""}, "zero": 0}
+BAD_WORKER_IDS = {
+    "empty": "",
+    "blank": "   ",
+    "int": 7,
+    "dict": {"$gt": ""},
+    "zero": 0,
+    # Stored on every task it holds: unbounded, it could take a document past 16 MiB.
+    "too long": "w" * 1025,
+}
 
 
 @pytest.mark.parametrize("worker_id", list(BAD_WORKER_IDS.values()), ids=list(BAD_WORKER_IDS))

@@ -16,7 +16,9 @@ from datetime import date, datetime
 from decimal import Decimal
 from typing import Any
 
-from mongoq._validation import check_field_name, check_payload
+import bson
+
+from mongoq._validation import MAX_PAYLOAD_BYTES, check_field_name, check_payload
 from mongoq.errors import InvalidInput
 
 __all__ = [
@@ -135,8 +137,18 @@ class Event:
             raise InvalidInput(f"{field_name}.headers", "must be a mapping")
         payload = normalize(f"{field_name}.payload", self.payload)
         headers = normalize(f"{field_name}.headers", self.headers)
-        check_payload(f"{field_name}.payload", payload)
-        check_payload(f"{field_name}.headers", headers, limit=64 * 1024)
+        size = check_payload(f"{field_name}.payload", payload)
+        size += check_payload(f"{field_name}.headers", headers, limit=64 * 1024)
+        texts = [self.id, self.type, key, correlation_id, causation_id]
+        size += len(bson.encode({"t": [text for text in texts if text is not None]}))
+        if size > MAX_PAYLOAD_BYTES:
+            # The stored event carries all of it, plus its handler list: past this a server
+            # refuses the document (17420) and a transactional publish aborts the caller's.
+            raise InvalidInput(
+                field_name,
+                f"payload, headers, id, type and keys encode to {size} bytes together; the "
+                f"limit is {MAX_PAYLOAD_BYTES}",
+            )
         return Event(
             id=self.id,
             type=self.type,

@@ -42,6 +42,8 @@ async def take_candidates(
     """Mark up to `n` due documents with `update` (which must make them no longer `due`);
     returns the candidate ids of the round that took some, in claim order (the caller reads
     back which of them its update took), or ``[]`` when nothing is due."""
+    if "_id" in due:  # the candidates' `$in` would replace it and take every due document
+        raise ValueError("take_candidates: `due` must not filter on _id")
     for lost in range(MAX_ROUNDS):
         # After a lost round the other losers read the same next candidates: each reads a
         # wider window and tries a random `n` of it (in claim order), so that they split the

@@ -25,6 +25,7 @@ import pytest
 from pymongo.errors import AutoReconnect, NetworkTimeout, PyMongoError
 
 from mongoq import _driver
+from mongoq._validation import MAX_PAYLOAD_BYTES
 from mongoq.errors import InvalidInput
 from mongoq.outbox import AsyncOutbox, Event, PublishResult, lane_of
 from mongoq.outbox import schema as schema_module
@@ -665,19 +666,21 @@ async def test_sequences_follow_commit_order_across_conflicting_transactions(
     outbox = await new_outbox(txdb, clock)
     await publish_in_transaction(txdb, outbox, order(0, "k"))  # the counter exists
     first, second = await open_session(txdb), await open_session(txdb)
+    # Transactions started with primary reads and majority writes, as docs/deployment.md asks:
+    # a client whose default is secondary reads would have them refused otherwise.
     try:
-        await done(first.start_transaction())
+        await done(first.start_transaction(**_driver.transaction_options()))
         await outbox.publish(order(1, "k"), session=first)
-        await done(second.start_transaction())
+        await done(second.start_transaction(**_driver.transaction_options()))
         with pytest.raises(PyMongoError) as conflict:
             await outbox.publish(order(2, "k"), session=second)
         assert conflict.value.has_error_label("TransientTransactionError")
         await second.abort_transaction()
         await first.abort_transaction()  # the first one's business logic failed: it retries
-        await done(second.start_transaction())
+        await done(second.start_transaction(**_driver.transaction_options()))
         await outbox.publish(order(2, "k"), session=second)
         await second.commit_transaction()
-        await done(first.start_transaction())
+        await done(first.start_transaction(**_driver.transaction_options()))
         await outbox.publish(order(1, "k"), session=first)
         await first.commit_transaction()
     finally:
@@ -689,3 +692,19 @@ async def test_sequences_follow_commit_order_across_conflicting_transactions(
         ("e1", "mail"): 3, ("e1", "stats"): 3,
     }  # fmt: skip
     assert await sequence_counters(txdb) == {"k": 3}
+
+
+async def test_an_event_that_would_pass_16_mib_as_a_whole_is_refused_before_any_write(
+    odb: Any, clock: ManualClock
+) -> None:
+    """Payload and headers each under their own limit, but the event document with its id,
+    type and key over the server's 16 MiB: refused with `InvalidInput` (a server would refuse
+    the upsert with 17420, inside a caller's transaction aborting it)."""
+    outbox = await new_outbox(odb, clock)
+    payload = "x" * (MAX_PAYLOAD_BYTES - 64)
+    headers = {"h": "y" * (60 * 1024)}
+    big = Event(id="e1", type="order.placed", payload=payload, headers=headers, key="k" * 1024)
+    with pytest.raises(InvalidInput, match=r"^events\[0\]: payload, headers, id, type and keys"):
+        await outbox.publish([big], session=None)
+    assert await odb[f"{PREFIX}events"].count_documents({}) == 0
+    assert await odb[f"{PREFIX}deliveries"].count_documents({}) == 0
