@@ -17,6 +17,11 @@ Differences absorbed here:
 - mongomock's TTL emulation ignores ``partialFilterExpression`` (it would delete every document
   older than the TTL, pending work included), so partial TTL indexes are not created there: the
   embedded backend keeps tombstones until the process ends.
+What a deployment decides, also here: the topology (``hello``, once per client: standalone,
+replica set, sharded) and so whether there are transactions; the concerns every mongoq
+collection handle pins (majority writes and reads, the primary) and the options of the
+transactions mongoq starts; the server's refusals mongoq turns into its own errors (a hint to
+a missing index -> `IndexesMissing`; a document over 16 MiB, see `too_large`).
 Owns no collections.
 """
 
