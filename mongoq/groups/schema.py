@@ -29,11 +29,11 @@ Queries by ``_id`` (the settles, the sequence allocator) need no declared index.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from mongoq import _driver
+from mongoq._indexes import IndexSpec
 from mongoq.clock import stored_instant
 from mongoq.groups.models import (
     ALL_PRIORITIES,
@@ -50,16 +50,6 @@ SEQ_COUNTER = "seq"
 Filter = dict[str, Any]
 Update = dict[str, Any]
 Sort = list[tuple[str, int]]
-
-
-@dataclass(frozen=True)
-class IndexSpec:
-    """One declared index: its collection (the name after ``{prefix}_``), name, keys, options."""
-
-    collection: str
-    name: str
-    keys: tuple[tuple[str, int], ...]
-    options: Mapping[str, Any] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------- publish
@@ -118,7 +108,7 @@ def lock_readying(priority: int, last_seq: int) -> Update:
 #: Serves the claims (hinted) and the ready / waiting counts of `stats`: the ``$in`` over the
 #: priorities makes at most five index ranges merged in ``available_at`` order, so a claim's
 #: floor never scans lower groups.
-CLAIM = IndexSpec(LOCKS, "claim", (("priority", 1), ("available_at", 1)))
+CLAIM = IndexSpec("claim", (("priority", 1), ("available_at", 1)))
 #: Longest-waiting first: round-robin among the due groups.
 CLAIM_ORDER: Sort = [("available_at", 1)]
 
@@ -173,7 +163,7 @@ def lease_from(
 
 
 #: Serves `stats`' parked count.
-PARKED = IndexSpec(LOCKS, "parked", (("parked", 1), ("available_at", 1)))
+PARKED = IndexSpec("parked", (("parked", 1), ("available_at", 1)))
 
 
 def lock_parked(now: datetime) -> Filter:
@@ -185,7 +175,7 @@ def lock_parked(now: datetime) -> Filter:
 
 #: Serves a group's head (hinted: the claim's stamp and claim_many's heads) and the "anything
 #: left in these groups?" reads of ack / ack_many.
-GROUP_HEAD = IndexSpec(MESSAGES, "group_head", (("group_id", 1), ("_id", 1)))
+GROUP_HEAD = IndexSpec("group_head", (("group_id", 1), ("_id", 1)))
 #: Oldest first: a group's head is its smallest ``seq``; also `stats`' oldest message.
 SEQ_ORDER: Sort = [("_id", 1)]
 
@@ -384,7 +374,7 @@ def head_marked_dead(seq: int) -> Filter:
 
 
 #: Serves the dead letters of a group, oldest first.
-DEAD_GROUP = IndexSpec(DEAD, "group", (("group_id", 1), ("_id", 1)))
+DEAD_GROUP = IndexSpec("group", (("group_id", 1), ("_id", 1)))
 
 
 def dead_letters_selected(seqs: Sequence[int] | None, group_id: GroupId | None) -> Filter:
@@ -421,7 +411,7 @@ def message_from_dead(doc: Mapping[str, Any]) -> NewMessage:
 # ---------------------------------------------------------------------------------- orphans
 
 #: Serves `recover_orphans`' sliding window.
-PUBLISHED = IndexSpec(MESSAGES, "published", (("published_at", 1),))
+PUBLISHED = IndexSpec("published", (("published_at", 1),))
 
 
 def orphan_groups(before: datetime, since: datetime | None, locks: str) -> list[dict[str, Any]]:
@@ -461,4 +451,9 @@ def messages_all() -> Filter:
 
 
 #: Every declared index, in the order `AsyncGroupTransport.ensure_indexes` creates them.
-INDEXES: tuple[IndexSpec, ...] = (CLAIM, PARKED, GROUP_HEAD, PUBLISHED, DEAD_GROUP)
+#: Per collection (the name after ``{prefix}_``), in creation order.
+INDEXES: dict[str, tuple[IndexSpec, ...]] = {
+    LOCKS: (CLAIM, PARKED),
+    MESSAGES: (GROUP_HEAD, PUBLISHED),
+    DEAD: (DEAD_GROUP,),
+}

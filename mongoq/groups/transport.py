@@ -19,6 +19,7 @@ import anyio
 from pymongo import ReturnDocument
 
 from mongoq import _driver
+from mongoq._indexes import create_indexes
 from mongoq._validation import MAX_BATCH, check_int, check_name, check_seconds
 from mongoq.clock import Clock, ServerClock
 from mongoq.groups import schema
@@ -103,10 +104,8 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
             schema.LOCKS: self.locks,
             schema.DEAD: self.dead,
         }
-        for index in schema.INDEXES:
-            await collections[index.collection].create_index(
-                list(index.keys), name=index.name, **index.options
-            )
+        for name, indexes in schema.INDEXES.items():
+            await create_indexes(self.db, collections[name], indexes)
 
     # ---------------------------------------------------------------------------- publish
 

@@ -44,13 +44,13 @@ claim, and every write to a lane names its ``_id``. Every time is the injected c
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import bson
 
 from mongoq import _driver
+from mongoq._indexes import IndexSpec
 from mongoq.outbox.models import Delivery, Event
 
 if TYPE_CHECKING:
@@ -83,29 +83,8 @@ COMPLETED = "completed"
 #: ``_id`` of the requeue counter, the one lanes document that is not a lane.
 REQUEUES = "requeues"
 
-Keys = tuple[tuple[str, int], ...]
 #: A claim of a delivery: (its ``_id``, its claim generation then).
 Claim = tuple[Any, int]
-
-
-@dataclass(frozen=True)
-class IndexSpec:
-    """One index of a collection, as `AsyncOutbox.setup` creates it."""
-
-    name: str
-    keys: Keys
-    unique: bool = False
-    #: the index holds only the documents this filter matches
-    partial: Mapping[str, Any] | None = None
-
-    def options(self) -> dict[str, Any]:
-        """The keyword arguments of ``create_index`` (only those that differ from its defaults)."""
-        options: dict[str, Any] = {"name": self.name}
-        if self.unique:
-            options["unique"] = True
-        if self.partial is not None:
-            options["partialFilterExpression"] = dict(self.partial)
-        return options
 
 
 def after_key(field: str, value: Any, last_id: Any) -> dict[str, Any]:

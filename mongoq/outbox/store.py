@@ -22,6 +22,7 @@ from pymongo import ReturnDocument, UpdateMany, UpdateOne
 from pymongo.errors import BulkWriteError
 
 from mongoq import _driver
+from mongoq._indexes import create_indexes
 from mongoq._validation import MAX_BATCH, check_batch, check_int, check_name, check_seconds
 from mongoq._validation import check_worker_id as _check_owner
 from mongoq.clock import Clock, ServerClock
@@ -130,8 +131,7 @@ class AsyncOutbox:
             schema.HISTORY: self.history,
         }
         for name, indexes in schema.INDEXES.items():
-            for index in indexes:
-                await collections[name].create_index(list(index.keys), **index.options())
+            await create_indexes(self.db, collections[name], indexes)
         await seed_lanes(self.db, self.lanes)
 
     async def _now(self) -> datetime:

@@ -18,6 +18,7 @@ import anyio
 from pymongo import ReturnDocument
 
 from mongoq import _driver
+from mongoq._indexes import create_indexes
 from mongoq._validation import (
     MAX_BATCH,
     check_batch,
@@ -219,19 +220,9 @@ class AsyncTaskQueue(WorkerHost):
 
     async def ensure_indexes(self) -> None:
         """Create the indexes every query needs; idempotent."""
-        for index in schema.INDEXES:
-            if not index.ttl:
-                await self.collection.create_index(list(index.keys), name=index.name)
-                continue
-            assert index.partial is not None
-            await _driver.create_partial_ttl_index(
-                self.db,
-                self.collection,
-                index.keys[0][0],
-                name=index.name,
-                expire_after=self.tombstone_ttl,
-                partial=index.partial,
-            )
+        await create_indexes(
+            self.db, self.collection, schema.INDEXES, expire_after=self.tombstone_ttl
+        )
 
     async def _now(self) -> datetime:
         await self.clock.refresh()

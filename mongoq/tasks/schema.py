@@ -34,13 +34,13 @@ Every time is the injected clock's (`mongoq.clock`), passed in as ``now``, never
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from types import MappingProxyType
 from typing import Any
 
 from mongoq import _driver
+from mongoq._indexes import IndexSpec
 from mongoq.tasks.models import (
     DONE,
     FAILED,
@@ -90,22 +90,6 @@ __all__ = [
     "tasks_done",
     "tasks_held",
 ]
-
-Keys = tuple[tuple[str, int], ...]
-
-
-@dataclass(frozen=True)
-class IndexSpec:
-    """One index of the collection, as `AsyncTaskQueue.ensure_indexes` creates it."""
-
-    name: str
-    keys: Keys
-    #: the index holds only the documents this filter matches
-    partial: Mapping[str, Any] | None = None
-    #: a TTL index on its one key, expiring after the queue's `tombstone_ttl`; created through
-    #: `_driver.create_partial_ttl_index`, which skips it where the backend cannot honour
-    #: `partial` (the embedded one)
-    ttl: bool = False
 
 
 # ------------------------------------------------------------------------- the claim index

@@ -1,0 +1,64 @@
+"""Index declarations, as the primitives' schemas list them, and their creation.
+
+Each primitive's ``schema.py`` declares its indexes as `IndexSpec` values beside the queries
+they serve; ``ensure_indexes()`` / ``setup()`` hand each collection's list to `create_indexes`.
+Owns no collections.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mongoq import _driver
+
+__all__ = ["IndexSpec", "Keys", "create_indexes"]
+
+Keys = tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class IndexSpec:
+    """One index of a collection."""
+
+    name: str
+    keys: Keys
+    unique: bool = False
+    #: the index holds only the documents this filter matches
+    partial: Mapping[str, Any] | None = None
+    #: a TTL index on its one key, expiring after the primitive's configured time; always
+    #: partial (a bare TTL index would empty a queue), so created through
+    #: `_driver.create_partial_ttl_index`, which skips it where the backend cannot honour
+    #: `partial` (the embedded one)
+    ttl: bool = False
+
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments of ``create_index`` (only those that differ from its defaults)."""
+        options: dict[str, Any] = {"name": self.name}
+        if self.unique:
+            options["unique"] = True
+        if self.partial is not None:
+            options["partialFilterExpression"] = dict(self.partial)
+        return options
+
+
+async def create_indexes(
+    db: Any, collection: Any, indexes: Iterable[IndexSpec], *, expire_after: int | None = None
+) -> None:
+    """Create `indexes` on `collection`, in order, idempotently; `expire_after` (seconds) is
+    the expiry of its TTL indexes."""
+    for index in indexes:
+        if not index.ttl:
+            await collection.create_index(list(index.keys), **index.options())
+            continue
+        if index.partial is None or expire_after is None:
+            raise ValueError(f"TTL index {index.name!r} needs a partial filter and an expiry")
+        await _driver.create_partial_ttl_index(
+            db,
+            collection,
+            index.keys[0][0],
+            name=index.name,
+            expire_after=expire_after,
+            partial=index.partial,
+        )
