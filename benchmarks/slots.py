@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -69,43 +69,53 @@ class _Busy:
             self.now -= 1
 
 
-async def _measure(uri: str | None, scenario: str, primitive: str) -> SlotsResult:
+#: Sets a primitive up with `ITEMS` due items; returns the run to time (items it finished).
+Prepare = Callable[[Any, ManualClock, _Busy], Awaitable[Callable[[], Awaitable[int]]]]
+
+
+async def _tasks(db: Any, clock: ManualClock, busy: _Busy) -> Callable[[], Awaitable[int]]:
+    queue = AsyncTaskQueue(db, "bench_slots", clock=clock)
+    await queue.ensure_indexes()
+    await queue.put_many(NewTask(f"t{i}", i) for i in range(ITEMS))
+
+    async def handle(task: Task) -> None:
+        await busy.work()
+
+    async def run() -> int:
+        summary = await queue.run(handle, concurrency=SLOTS, batch_size=BATCH, stop_when_empty=True)
+        return summary.completed
+
+    return run
+
+
+async def _groups(db: Any, clock: ManualClock, busy: _Busy) -> Callable[[], Awaitable[int]]:
+    transport = AsyncGroupTransport(db, "bench_slots", clock=clock)
+    await transport.ensure_indexes()
+    await transport.publish_many(NewMessage(f"g{i}", i) for i in range(ITEMS))
+
+    async def handle(lease: GroupLease) -> None:
+        await busy.work()
+
+    async def run() -> int:
+        summary = await transport.run(
+            handle, concurrency=SLOTS, batch_size=BATCH, stop_when_empty=True
+        )
+        return summary.acked
+
+    return run
+
+
+async def _measure(uri: str | None, scenario: str, prepare: Prepare) -> SlotsResult:
     name = f"mongoq_bench_{uuid.uuid4().hex[:8]}"
     raw = _driver.connect(uri or _driver.MEMORY_SCHEME, name)
     counter = CommandCounter()
     hooks: list[Any] = [counter] if uri else [Yielding(seed=1, max_delay=DELAY), counter]
-    db = instrument(raw, *hooks)
     busy = _Busy()
-    clock = ManualClock()
     try:
-        if primitive == "tasks":
-            queue = AsyncTaskQueue(db, "bench_slots", clock=clock)
-            await queue.ensure_indexes()
-            await queue.put_many(NewTask(f"t{i}", i) for i in range(ITEMS))
-
-            async def handle_task(task: Task) -> None:
-                await busy.work()
-
-            counter.reset()
-            started = time.perf_counter()
-            summary = await queue.run(
-                handle_task, concurrency=SLOTS, batch_size=BATCH, stop_when_empty=True
-            )
-            done = summary.completed
-        else:
-            transport = AsyncGroupTransport(db, "bench_slots", clock=clock)
-            await transport.ensure_indexes()
-            await transport.publish_many(NewMessage(f"g{i}", i) for i in range(ITEMS))
-
-            async def handle_group(lease: GroupLease) -> None:
-                await busy.work()
-
-            counter.reset()
-            started = time.perf_counter()
-            group_summary = await transport.run(
-                handle_group, concurrency=SLOTS, batch_size=BATCH, stop_when_empty=True
-            )
-            done = group_summary.acked
+        run = await prepare(instrument(raw, *hooks), ManualClock(), busy)
+        counter.reset()
+        started = time.perf_counter()
+        done = await run()
         seconds = time.perf_counter() - started
     finally:
         if uri:
@@ -119,10 +129,10 @@ def scenarios() -> list[tuple[str, Callable[[str | None], object]]]:
     return [
         (
             "slots busy: tasks",
-            lambda uri: _measure(uri, f"tasks: run({SLOTS} slots, batch {BATCH})", "tasks"),
+            lambda uri: _measure(uri, f"tasks: run({SLOTS} slots, batch {BATCH})", _tasks),
         ),
         (
             "slots busy: groups",
-            lambda uri: _measure(uri, f"groups: run({SLOTS} slots, batch {BATCH})", "groups"),
+            lambda uri: _measure(uri, f"groups: run({SLOTS} slots, batch {BATCH})", _groups),
         ),
     ]
