@@ -30,6 +30,7 @@ from mongoq._driver import Topology, topology_from_hello
 from mongoq.outbox import AsyncOutbox, Event
 from mongoq.testing import ManualClock, memory_database
 from tests.conftest import SERVERS, TEST_URI
+from tests.support.txengine import TxDatabase, transactional_database
 
 LAX = "w=1&readPreference=secondaryPreferred"
 TOPOLOGY_EXPECT = os.environ.get("MONGOQ_TEST_TOPOLOGY_EXPECT")
@@ -169,3 +170,22 @@ async def test_the_topology_is_asked_once_per_client(db: Any) -> None:
     assert first is again
     if TOPOLOGY_EXPECT and first is not Topology.EMBEDDED:
         assert first.value == TOPOLOGY_EXPECT, f"the job expects {TOPOLOGY_EXPECT}, got {first}"
+
+
+async def test_hello_is_sent_once_per_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the transactional test engine (which answers ``hello`` as a replica set): two
+    questions, one command; a second client is asked again."""
+    sent: list[Any] = []
+    answer = TxDatabase.command
+
+    async def counting(self: TxDatabase, command: Any, *args: Any, **kwargs: Any) -> Any:
+        sent.append(command)
+        return await answer(self, command, *args, **kwargs)
+
+    monkeypatch.setattr(TxDatabase, "command", counting)
+    db = transactional_database()
+    assert await _driver.topology(db) is Topology.REPLICA_SET
+    assert await _driver.supports_transactions(db) is True
+    assert sent == ["hello"]
+    assert await _driver.topology(transactional_database()) is Topology.REPLICA_SET
+    assert sent == ["hello", "hello"]
