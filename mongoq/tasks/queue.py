@@ -411,7 +411,10 @@ class AsyncTaskQueue(WorkerHost):
             result = await self.collection.update_one(schema.task_held_at_revision(task), update)
         except _driver.DRIVER_ERRORS as error:
             if _driver.too_large(error):  # refused, nothing written: a fact, not an unknown
-                raise InvalidInput("result", f"the server refused the document: {error}") from error
+                # Only a completion writes a user value beside the payload; any other settle
+                # writes an error text.
+                field = "result" if outcome == "completed" else "error"
+                raise InvalidInput(field, f"the server refused the document: {error}") from error
             # Applied or not, nobody can tell. The lease stays unsettled, so the exit of
             # `leased` still releases the task: harmless if this write applied (the release
             # then matches nothing), the fastest recovery if it did not.
