@@ -363,25 +363,25 @@ class _Rules:
             self._check_read_hint(hint)
         return self._original["count_documents"](filter, *args, **kwargs)
 
-    def find_one_and_update(
-        self, filter: Any, update: Any, projection: Any = None, sort: Any = None,
-        upsert: bool = False, return_document: Any = ReturnDocument.BEFORE, *,
-        hint: Any = None, **kwargs: Any,
-    ) -> Any:  # fmt: skip
-        return self._checked_find_and_modify(
-            "find_one_and_update", hint, upsert, filter, update, projection, sort, upsert,
-            return_document, **kwargs,
-        )  # fmt: skip
+    def _find_one_and_modify(name: str) -> Any:  # type: ignore[misc]  # builds two methods
+        """`find_one_and_update` / `find_one_and_replace`, with PyMongo's signature."""
 
-    def find_one_and_replace(
-        self, filter: Any, replacement: Any, projection: Any = None, sort: Any = None,
-        upsert: bool = False, return_document: Any = ReturnDocument.BEFORE, *,
-        hint: Any = None, **kwargs: Any,
-    ) -> Any:  # fmt: skip
-        return self._checked_find_and_modify(
-            "find_one_and_replace", hint, upsert, filter, replacement, projection, sort, upsert,
-            return_document, **kwargs,
-        )  # fmt: skip
+        def method(
+            self: _Rules, filter: Any, document: Any, projection: Any = None, sort: Any = None,
+            upsert: bool = False, return_document: Any = ReturnDocument.BEFORE, *,
+            hint: Any = None, **kwargs: Any,
+        ) -> Any:  # fmt: skip
+            return self._checked_find_and_modify(
+                name, hint, upsert, filter, document, projection, sort, upsert, return_document,
+                **kwargs,
+            )  # fmt: skip
+
+        method.__name__ = method.__qualname__ = name
+        return method
+
+    find_one_and_update = _find_one_and_modify("find_one_and_update")
+    find_one_and_replace = _find_one_and_modify("find_one_and_replace")
+    del _find_one_and_modify
 
     def find_one_and_delete(
         self, filter: Any, projection: Any = None, sort: Any = None, *, hint: Any = None,

@@ -1,19 +1,20 @@
 """Index declarations, as the primitives' schemas list them, and their creation.
 
 Each primitive's ``schema.py`` declares its indexes as `IndexSpec` values beside the queries
-they serve; ``ensure_indexes()`` / ``setup()`` hand each collection's list to `create_indexes`.
+they serve; ``ensure_indexes()`` / ``setup()`` hand them to `create_indexes` (one collection's
+list) or `create_schema_indexes` (a schema's lists by collection).
 Owns no collections.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from mongoq import _driver
 
-__all__ = ["IndexSpec", "Keys", "create_indexes"]
+__all__ = ["IndexSpec", "Keys", "create_indexes", "create_schema_indexes"]
 
 Keys = tuple[tuple[str, int], ...]
 
@@ -62,3 +63,12 @@ async def create_indexes(
             expire_after=expire_after,
             partial=index.partial,
         )
+
+
+async def create_schema_indexes(
+    db: Any, indexes: Mapping[str, Iterable[IndexSpec]], collection: Callable[[str], Any]
+) -> None:
+    """Create a schema's indexes, listed by collection name; `collection(name)` is the
+    primitive's collection of that name (the primitive owns the naming: prefixes differ)."""
+    for name, specs in indexes.items():
+        await create_indexes(db, collection(name), specs)

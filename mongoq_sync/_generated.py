@@ -11,9 +11,15 @@ from typing import Any, cast
 
 from mongoq._portal import Database, Facade, in_worker_thread
 from mongoq.clock import Clock
-from mongoq.groups.models import DeadLetter, GroupLease, GroupRunSummary, GroupStats, NewMessage
+from mongoq.groups.models import (
+    DeadLetter,
+    GroupId,
+    GroupLease,
+    GroupRunSummary,
+    GroupStats,
+    NewMessage,
+)
 from mongoq.groups.transport import AsyncGroupTransport as _AsyncGroupTransport
-from mongoq.groups.transport import GroupId
 from mongoq.outbox.dispatcher import DeliveryContext
 from mongoq.outbox.dispatcher import OutboxDispatcher as _AsyncOutboxDispatcher
 from mongoq.outbox.models import (
@@ -29,13 +35,14 @@ from mongoq.outbox.store import AsyncOutbox as _AsyncOutbox
 from mongoq.tasks.models import (
     NewTask,
     PutManyResult,
+    PutOutcome,
     ReclaimResult,
     RunSummary,
     Task,
+    TaskId,
     TaskQueueStats,
 )
 from mongoq.tasks.queue import AsyncTaskQueue as _AsyncTaskQueue
-from mongoq.tasks.queue import PutOutcome, TaskId
 from mongoq.tasks.queue import TaskLease as _AsyncTaskLease
 
 __all__ = ["TaskQueue", "TaskLease", "GroupTransport", "Outbox", "OutboxDispatcher"]

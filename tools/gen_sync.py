@@ -20,8 +20,11 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -229,6 +232,70 @@ def _public_methods(cls: type) -> list[tuple[str, object]]:
     return list(methods.items())
 
 
+def _checked_class(spec: Spec, module: object) -> type:
+    """The class `spec` names, after checking that everything the spec says of it still holds:
+    a rule that no longer fires (a renamed class, a removed attribute or parameter) stops the
+    generator instead of silently dropping a member from the facade."""
+    where = f"{spec.module}.{spec.async_name}"
+    cls = getattr(module, spec.async_name, None)
+    if not inspect.isclass(cls):
+        raise GenerationError(f"CLASSES names {where}, which no longer exists")
+    known = _instance_attributes(cls)
+    for name, _ in spec.attributes:
+        if name not in known and inspect.getattr_static(cls, name, None) is None:
+            raise GenerationError(f"CLASSES names {where}.{name}, which no longer exists")
+    if spec.adopted:
+        return cls
+    parameters = inspect.signature(cls.__init__).parameters
+    for name in (*spec.database_params, spec.database_from.split(".")[0]):
+        if name not in parameters:
+            raise GenerationError(
+                f"CLASSES names the parameter {name!r} of {where}(), which it no longer takes"
+            )
+    return cls
+
+
+def _instance_attributes(cls: type) -> set[str]:
+    """The attributes a class declares (annotations) or assigns (``self.x = ...``)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is object:
+            continue
+        names |= set(getattr(klass, "__annotations__", {}))
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):  # a class without source (a builtin base)
+            continue
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+            ):
+                names.add(node.attr)
+    return names
+
+
+def _home(identifier: str, namespaces: Iterable[ModuleType]) -> str | None:
+    """The module that defines `identifier`, as the first of `namespaces` that knows it sees it:
+    a class's own module; for a type alias, the module it was imported from (``from X import
+    name``), so the facade imports it from where it is defined, not from one that uses it."""
+    for module in namespaces:
+        if identifier not in vars(module):
+            continue
+        value = vars(module)[identifier]
+        if inspect.isclass(value):
+            return value.__module__
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if not isinstance(node, ast.ImportFrom) or not node.module or node.level:
+                continue
+            if any((a.asname or a.name) == identifier for a in node.names):
+                return node.module
+        return module.__name__
+    return None
+
+
 def _properties(cls: type) -> list[str]:
     names: dict[str, None] = {}
     for klass in cls.__mro__:
@@ -245,7 +312,10 @@ def generate() -> tuple[str, str]:
     body: list[str] = []
     for spec in CLASSES:
         module = importlib.import_module(spec.module)
-        cls = getattr(module, spec.async_name)
+        cls = _checked_class(spec, module)
+        # A member mixed in from a base names types its own module imports.
+        found = [module, *(inspect.getmodule(k) for k in cls.__mro__)]
+        namespaces = [m for m in dict.fromkeys(found) if m and m.__name__.startswith("mongoq")]
         alias = f"_Async{spec.async_name.removeprefix('Async')}"
         imports.setdefault(spec.module, set()).add(f"{spec.async_name} as {alias}")
         used: set[str] = set()
@@ -253,8 +323,9 @@ def generate() -> tuple[str, str]:
         lines += _docstring(cls, "    ")
         lines.append("")
         if not spec.adopted:
+            init = cls.__init__  # type: ignore[misc]
             signature, passed = _parameters(
-                cls.__init__, renames, spec, constructor=True, where=f"{spec.async_name}()"
+                init, renames, spec, constructor=True, where=f"{spec.async_name}()"
             )
             lines.append(f"    def __init__({signature}) -> None:")
             lines.append(f"        self._build({spec.database_from}, {alias}, {passed})")
@@ -297,9 +368,8 @@ def generate() -> tuple[str, str]:
         for identifier in sorted(used):
             if identifier in _KNOWN or identifier in renames.values() or identifier in imported:
                 continue
-            if identifier in vars(module):
-                value = vars(module)[identifier]
-                home = value.__module__ if inspect.isclass(value) else spec.module
+            home = _home(identifier, namespaces)
+            if home is not None:
                 imports.setdefault(home, set()).add(identifier)
                 imported.add(identifier)
         body.append("\n".join(lines).rstrip() + "\n")

@@ -12,22 +12,6 @@ from typing import Any
 from mongoq._validation import check_id, check_int, check_payload
 from mongoq.errors import InvalidInput
 
-__all__ = [
-    "ALL_PRIORITIES",
-    "NEVER_CLAIMED",
-    "PRIORITIES",
-    "DeadLetter",
-    "GroupId",
-    "GroupLease",
-    "GroupRunSummary",
-    "GroupStats",
-    "NewMessage",
-    "check_lease",
-    "check_priority",
-    "checked_message",
-    "checked_messages",
-]
-
 GroupId = str | int
 #: `available_at` of a group nobody has claimed yet: sorts before every real instant.
 NEVER_CLAIMED = datetime(1970, 1, 1, tzinfo=UTC)
@@ -91,12 +75,21 @@ class GroupStats:
 
 @dataclass
 class GroupRunSummary:
+    """What a `run` loop did: one count per claimed head, by how its lease ended."""
+
+    #: heads claimed (each is counted once more below)
     claimed: int = 0
+    #: handled and acked: the message is gone and the group moves to its next one
     acked: int = 0
+    #: nacked (the handler raised or was cut short): the head stays and is delivered again
+    #: after the retry delay; past `max_deliveries`, the claim that would deliver it again
+    #: moves it to the dead letters instead
     retried: int = 0
+    #: moved to the dead letters at once: the handler raised `PermanentError`
     dead: int = 0
     #: leases given back unused (a stopped batch), their delivery not counted
     released: int = 0
+    #: settles refused because another consumer took the group over meanwhile
     lost: int = 0
     #: settles that raised a driver error: applied or not, the lease expiry recovers the group
     unknown: int = 0

@@ -19,17 +19,15 @@ import anyio
 from pymongo import ReturnDocument
 
 from mongoq import _driver
-from mongoq._indexes import create_indexes
+from mongoq._indexes import create_schema_indexes
 from mongoq._validation import MAX_BATCH, check_int, check_name, check_seconds
 from mongoq.clock import Clock, ServerClock
 from mongoq.groups import schema
 from mongoq.groups.batch import GroupBatch
 from mongoq.groups.models import (
-    DeadLetter,
     GroupId,
     GroupLease,
     GroupRunSummary,
-    GroupStats,
     NewMessage,
     check_priority,
     checked_message,
@@ -41,15 +39,7 @@ from mongoq.runtime.batch import run_batch
 from mongoq.runtime.candidates import take_candidates
 from mongoq.runtime.loop import WorkerHost, WorkerLoop
 
-__all__ = [
-    "AsyncGroupTransport",
-    "DeadLetter",
-    "GroupId",
-    "GroupLease",
-    "GroupRunSummary",
-    "GroupStats",
-    "NewMessage",
-]
+__all__ = ["AsyncGroupTransport"]
 
 log = logging.getLogger("mongoq.groups")
 
@@ -91,21 +81,18 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         self.max_deliveries = max_deliveries
         self.clock: Clock = clock if clock is not None else ServerClock(db)
         self.db = db
-        self.messages = _driver.collection(db, f"{prefix}_{schema.MESSAGES}")
-        self.locks = _driver.collection(db, f"{prefix}_{schema.LOCKS}")
-        self.counters = _driver.collection(db, f"{prefix}_{schema.COUNTERS}")
-        self.dead = _driver.collection(db, f"{prefix}_{schema.DEAD}")
+        self.messages = self._collection(schema.MESSAGES)
+        self.locks = self._collection(schema.LOCKS)
+        self.counters = self._collection(schema.COUNTERS)
+        self.dead = self._collection(schema.DEAD)
         self._recovered_until: datetime | None = None
+
+    def _collection(self, name: str) -> Any:
+        return _driver.collection(self.db, f"{self.prefix}_{name}")
 
     async def ensure_indexes(self) -> None:
         """Create the indexes every query needs; idempotent."""
-        collections = {
-            schema.MESSAGES: self.messages,
-            schema.LOCKS: self.locks,
-            schema.DEAD: self.dead,
-        }
-        for name, indexes in schema.INDEXES.items():
-            await create_indexes(self.db, collections[name], indexes)
+        await create_schema_indexes(self.db, schema.INDEXES, self._collection)
 
     # ---------------------------------------------------------------------------- publish
 

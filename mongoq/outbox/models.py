@@ -21,19 +21,6 @@ import bson
 from mongoq._validation import MAX_PAYLOAD_BYTES, check_field_name, check_payload
 from mongoq.errors import InvalidInput
 
-__all__ = [
-    "LANES",
-    "Delivery",
-    "DeliveryInfo",
-    "DispatchSummary",
-    "Event",
-    "OutboxStatistics",
-    "PublishResult",
-    "PurgeResult",
-    "lane_of",
-    "normalize",
-]
-
 #: How many lanes the deliveries are spread over; a worker leases lanes, not deliveries.
 LANES = 256
 _FNV_OFFSET = 0x811C9DC5

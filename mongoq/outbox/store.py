@@ -22,7 +22,7 @@ from pymongo import ReturnDocument, UpdateMany, UpdateOne
 from pymongo.errors import BulkWriteError
 
 from mongoq import _driver
-from mongoq._indexes import create_indexes
+from mongoq._indexes import create_schema_indexes
 from mongoq._validation import MAX_BATCH, check_batch, check_int, check_name, check_seconds
 from mongoq._validation import check_worker_id as _check_owner
 from mongoq.clock import Clock, ServerClock
@@ -101,11 +101,11 @@ class AsyncOutbox:
         self.log = logger if logger is not None else log
         self.db = db
         self.prefix = prefix
-        self.events = _driver.collection(db, f"{prefix}{schema.EVENTS}")
-        self.deliveries = _driver.collection(db, f"{prefix}{schema.DELIVERIES}")
-        self.sequences = _driver.collection(db, f"{prefix}{schema.SEQUENCES}")
-        self.lanes = _driver.collection(db, f"{prefix}{schema.LANES}")
-        self.history = _driver.collection(db, f"{prefix}{schema.HISTORY}")
+        self.events = self._collection(schema.EVENTS)
+        self.deliveries = self._collection(schema.DELIVERIES)
+        self.sequences = self._collection(schema.SEQUENCES)
+        self.lanes = self._collection(schema.LANES)
+        self.history = self._collection(schema.HISTORY)
         # Lanes are held per owner *and* per instance: a process restarted under a fixed owner
         # name takes its predecessor's lanes over like any worker, it does not adopt them.
         self.instance = uuid.uuid4().hex
@@ -113,6 +113,9 @@ class AsyncOutbox:
         self._operators = Operators(self)
 
     # ------------------------------------------------------------------------------ set-up
+
+    def _collection(self, name: str) -> Any:
+        return _driver.collection(self.db, f"{self.prefix}{name}")
 
     async def setup(self) -> None:
         """Create the collections, the indexes and the 256 lane documents; idempotent. Run it
@@ -125,13 +128,7 @@ class AsyncOutbox:
                 for c in (self.events, self.deliveries, self.sequences, self.lanes, self.history)
             ],
         )
-        collections = {
-            schema.EVENTS: self.events,
-            schema.DELIVERIES: self.deliveries,
-            schema.HISTORY: self.history,
-        }
-        for name, indexes in schema.INDEXES.items():
-            await create_indexes(self.db, collections[name], indexes)
+        await create_schema_indexes(self.db, schema.INDEXES, self._collection)
         await seed_lanes(self.db, self.lanes)
 
     async def _now(self) -> datetime:

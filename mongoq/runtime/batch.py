@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
@@ -69,28 +70,24 @@ class BatchHolder(Protocol[ItemContra]):
         ...
 
 
+@dataclass(eq=False)
 class _Batch(Generic[Item]):
-    def __init__(
-        self,
-        holder: BatchHolder[Item],
-        items: list[Item],
-        *,
-        clock: Clock,
-        lease: float,
-        count: Callable[[str, int], None],
-        describe: Callable[[Item], str],
-        logger: logging.Logger,
-    ) -> None:
-        self.log = logger
-        self.holder = holder
-        self.clock = clock
-        self.lease = lease
-        self.count = count
-        self.describe = describe
-        self.items = items
-        self.unsettled = list(items)  # held by this slot: renewals cover them
-        self.finished: list[tuple[Item, Any]] = []
-        self.confirmed = holder.lease_end(items[0])  # every item holds until then
+    holder: BatchHolder[Item]
+    items: list[Item]
+    clock: Clock
+    lease: float
+    count: Callable[[str, int], None]
+    describe: Callable[[Item], str]
+    log: logging.Logger
+    #: held by this slot: renewals cover them
+    unsettled: list[Item] = field(init=False)
+    finished: list[tuple[Item, Any]] = field(init=False, default_factory=list)
+    #: every item holds until then
+    confirmed: datetime = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.unsettled = list(self.items)
+        self.confirmed = self.holder.lease_end(self.items[0])
 
     async def renew(self) -> bool | None:
         if not self.unsettled:
@@ -200,7 +197,4 @@ async def run_batch(
     length in seconds (renewals every third of it), `count(outcome, n)` adds to the summary,
     `describe(item)` names an item in the log lines written to `logger`."""
     if items:
-        batch = _Batch(
-            holder, items, clock=clock, lease=lease, count=count, describe=describe, logger=logger
-        )
-        await batch.run()
+        await _Batch(holder, items, clock, lease, count, describe, logger).run()

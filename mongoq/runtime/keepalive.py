@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -22,6 +23,7 @@ __all__ = ["KeepAlive"]
 log = logging.getLogger("mongoq.worker")
 
 
+@dataclass(eq=False, kw_only=True)
 class KeepAlive:
     """Renews a lease every `interval` seconds of `clock` time while an ``async with`` block runs.
 
@@ -32,23 +34,19 @@ class KeepAlive:
     error is logged and retried after a third of the interval, well before the lease runs out.
     """
 
-    def __init__(
-        self,
-        *,
-        clock: Clock,
-        interval: float,
-        renew: Callable[[], Awaitable[bool | None]],
-        first_at: datetime,
-        name: str,
-    ) -> None:
-        self._clock = clock
-        self._interval = interval
-        self._renew = renew
-        self._next = first_at
-        self._name = name
-        self._group: Any = None
-        self.lost = False
-        self.renewals = 0
+    clock: Clock
+    interval: float
+    renew: Callable[[], Awaitable[bool | None]]
+    first_at: datetime
+    #: names the lease in the log lines
+    name: str
+    lost: bool = field(default=False, init=False)
+    renewals: int = field(default=0, init=False)
+    _next: datetime = field(init=False)
+    _group: Any = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self._next = self.first_at
 
     async def __aenter__(self) -> KeepAlive:
         self._group = anyio.create_task_group()
@@ -63,18 +61,18 @@ class KeepAlive:
 
     async def _run(self) -> None:
         while True:
-            await self._clock.sleep_until(self._next)
+            await self.clock.sleep_until(self._next)
             try:
-                held = await self._renew()
+                held = await self.renew()
             except _driver.DRIVER_ERRORS as exc:
-                log.warning("%s: renewal failed (%s); retrying", self._name, exc)
-                self._next = self._clock.now() + timedelta(seconds=self._interval / 3)
+                log.warning("%s: renewal failed (%s); retrying", self.name, exc)
+                self._next = self.clock.now() + timedelta(seconds=self.interval / 3)
                 continue
             if held is None:
                 return
             if not held:
                 self.lost = True
-                log.warning("%s: the lease is no longer held; renewal stopped", self._name)
+                log.warning("%s: the lease is no longer held; renewal stopped", self.name)
                 return
             self.renewals += 1
-            self._next = self._clock.now() + timedelta(seconds=self._interval)
+            self._next = self.clock.now() + timedelta(seconds=self.interval)

@@ -25,27 +25,6 @@ from mongoq._validation import (
 from mongoq.clock import stored_instant
 from mongoq.errors import InvalidInput
 
-__all__ = [
-    "DONE",
-    "FAILED",
-    "PENDING",
-    "PROCESSING",
-    "STATUSES",
-    "TOMBSTONE",
-    "NewTask",
-    "PutManyResult",
-    "PutOutcome",
-    "ReclaimResult",
-    "RunSummary",
-    "Task",
-    "TaskId",
-    "TaskQueueStats",
-    "TaskStatus",
-    "check_new_task",
-    "check_new_tasks",
-    "check_result",
-]
-
 TaskStatus = Literal["pending", "processing", "done", "failed", "tombstone"]
 PENDING: TaskStatus = "pending"
 PROCESSING: TaskStatus = "processing"

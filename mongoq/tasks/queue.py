@@ -45,25 +45,12 @@ from mongoq.tasks.models import (
     Task,
     TaskId,
     TaskQueueStats,
-    TaskStatus,
     check_new_task,
     check_new_tasks,
     check_result,
 )
 
-__all__ = [
-    "AsyncTaskQueue",
-    "NewTask",
-    "PutManyResult",
-    "PutOutcome",
-    "ReclaimResult",
-    "RunSummary",
-    "Task",
-    "TaskId",
-    "TaskLease",
-    "TaskQueueStats",
-    "TaskStatus",
-]
+__all__ = ["AsyncTaskQueue", "TaskLease"]
 
 log = logging.getLogger("mongoq.tasks")
 
