@@ -4,6 +4,7 @@ anything is written."""
 from __future__ import annotations
 
 import math
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import mongomock
@@ -25,11 +26,6 @@ from tests.support.helpers import (
 
 
 @pytest.fixture
-def counter() -> CommandCounter:
-    return CommandCounter()
-
-
-@pytest.fixture
 async def queue(db: Any, clock: ManualClock, counter: CommandCounter) -> AsyncTaskQueue:
     """A queue holding one pending task, "existing" (an injected filter would match it)."""
     queue = await new_queue(instrument(db, counter), clock)
@@ -38,9 +34,33 @@ async def queue(db: Any, clock: ManualClock, counter: CommandCounter) -> AsyncTa
     return queue
 
 
-async def assert_unchanged(db: Any, before: dict[Any, dict[str, Any]]) -> None:
-    after = await read_all(db)
-    assert {k: encoded(v) for k, v in after.items()} == {k: encoded(v) for k, v in before.items()}
+@pytest.fixture
+def counter() -> CommandCounter:
+    return CommandCounter()
+
+
+#: `nothing_written`: asserts when called that the rejected call wrote nothing.
+Check = Callable[[], Awaitable[None]]
+
+
+async def stored_bytes(db: Any) -> dict[Any, bytes]:
+    """Every stored task as BSON: equal bytes mean the same fields, values and field order."""
+    return {task_id: encoded(doc) for task_id, doc in (await read_all(db)).items()}
+
+
+async def assert_nothing_written(
+    db: Any, counter: CommandCounter, before: dict[Any, bytes]
+) -> None:
+    """No command was sent since `before` was read, and every stored task is as it was."""
+    assert counter.total == 0, counter.counts
+    assert await stored_bytes(db) == before
+
+
+@pytest.fixture
+async def nothing_written(db: Any, queue: AsyncTaskQueue, counter: CommandCounter) -> Check:
+    """The check to call after the rejected call, against what is stored once `queue` is set up."""
+    before = await stored_bytes(db)
+    return lambda: assert_nothing_written(db, counter, before)
 
 
 BAD_IDS = {
@@ -61,31 +81,25 @@ BAD_IDS = {
 
 @pytest.mark.parametrize("task_id", list(BAD_IDS.values()), ids=list(BAD_IDS))
 async def test_put_rejects_a_bad_task_id(
-    db: Any, queue: AsyncTaskQueue, counter: CommandCounter, task_id: Any
+    queue: AsyncTaskQueue, nothing_written: Check, task_id: Any
 ) -> None:
-    before = await read_all(db)
-
     with rejects("task_id") as raised:
         await queue.put(task_id, {"v": 1}, revision="r2")
 
     assert isinstance(raised.value, ValueError)
     assert raised.value.field == "task_id"
     assert str(raised.value).startswith("task_id: ")
-    assert counter.total == 0
-    await assert_unchanged(db, before)
+    await nothing_written()
 
 
 @pytest.mark.parametrize("call", ["get", "requeue", "remove"])
 async def test_operator_calls_reject_an_injected_filter_as_id(
-    db: Any, queue: AsyncTaskQueue, counter: CommandCounter, call: str
+    queue: AsyncTaskQueue, nothing_written: Check, call: str
 ) -> None:
-    before = await read_all(db)
-
     with rejects("task_id"):
         await getattr(queue, call)({"$gt": ""})
 
-    assert counter.total == 0
-    await assert_unchanged(db, before)
+    await nothing_written()
 
 
 async def test_good_ids_are_accepted(db: Any, queue: AsyncTaskQueue) -> None:
@@ -125,18 +139,15 @@ BAD_PAYLOADS = {
 
 @pytest.mark.parametrize(("payload", "field"), list(BAD_PAYLOADS.values()), ids=list(BAD_PAYLOADS))
 async def test_put_rejects_a_bad_payload(
-    db: Any, queue: AsyncTaskQueue, counter: CommandCounter, payload: Any, field: str
+    queue: AsyncTaskQueue, nothing_written: Check, payload: Any, field: str
 ) -> None:
-    before = await read_all(db)
-
     with rejects("payload") as raised:
         await queue.put("new", payload)
     with rejects("payload"):
         await queue.put("existing", payload, revision="r2")
 
     assert raised.value.field == field
-    assert counter.total == 0
-    await assert_unchanged(db, before)
+    await nothing_written()
 
 
 async def test_a_payload_just_under_the_limit_is_accepted(db: Any, queue: AsyncTaskQueue) -> None:
@@ -168,18 +179,15 @@ BAD_ARGUMENTS = {
 
 @pytest.mark.parametrize(("kwargs", "field"), list(BAD_ARGUMENTS.values()), ids=list(BAD_ARGUMENTS))
 async def test_put_rejects_bad_arguments(
-    db: Any, queue: AsyncTaskQueue, counter: CommandCounter, kwargs: dict[str, Any], field: str
+    queue: AsyncTaskQueue, nothing_written: Check, kwargs: dict[str, Any], field: str
 ) -> None:
-    before = await read_all(db)
-
     with rejects(field) as raised:
         await queue.put("existing", {"v": 2}, **kwargs)
     with rejects(field):
         await queue.put("new", **kwargs)
 
     assert raised.value.field == field
-    assert counter.total == 0
-    await assert_unchanged(db, before)
+    await nothing_written()
 
 
 # --------------------------------------------------------------------------------- put_many
@@ -199,16 +207,13 @@ async def test_put_rejects_bad_arguments(
     ids=["duplicate-id", "dict-item", "str-item", "bad-payload", "bad-id", "bad-delay", "bad-prio"],
 )
 async def test_put_many_writes_nothing_of_a_batch_with_a_bad_item(
-    db: Any, queue: AsyncTaskQueue, counter: CommandCounter, batch: list[Any], field: str
+    queue: AsyncTaskQueue, nothing_written: Check, batch: list[Any], field: str
 ) -> None:
-    before = await read_all(db)
-
     with rejects(field) as raised:
         await queue.put_many(batch)
 
     assert raised.value.field == field
-    assert counter.total == 0
-    await assert_unchanged(db, before)
+    await nothing_written()
 
 
 async def test_put_many_names_the_first_of_two_duplicates(db: Any, queue: AsyncTaskQueue) -> None:
@@ -232,15 +237,12 @@ BAD_WORKER_IDS = {
 
 @pytest.mark.parametrize("worker_id", list(BAD_WORKER_IDS.values()), ids=list(BAD_WORKER_IDS))
 async def test_claim_rejects_a_bad_worker_id(
-    db: Any, queue: AsyncTaskQueue, counter: CommandCounter, worker_id: Any
+    queue: AsyncTaskQueue, nothing_written: Check, worker_id: Any
 ) -> None:
-    before = await read_all(db)
-
     with rejects("worker_id"):
         await queue.claim(worker_id)
 
-    assert counter.total == 0
-    await assert_unchanged(db, before)
+    await nothing_written()
 
 
 async def test_settles_reject_a_task_that_was_not_claimed(
@@ -249,7 +251,7 @@ async def test_settles_reject_a_task_that_was_not_claimed(
     unclaimed = await queue.get("existing")
     assert unclaimed is not None
     forged = Task(id={"$gt": ""}, payload=None, status="processing", attempts=1)  # type: ignore[arg-type]
-    before = await read_all(db)
+    before = await stored_bytes(db)
     counter.reset()
 
     for task in (unclaimed, forged, {"_id": "existing"}):
@@ -259,15 +261,14 @@ async def test_settles_reject_a_task_that_was_not_claimed(
         with rejects("task"):
             queue.leased(task)  # type: ignore[arg-type]
 
-    assert counter.total == 0
-    await assert_unchanged(db, before)
+    await assert_nothing_written(db, counter, before)
 
 
 async def test_complete_rejects_a_result_that_cannot_be_stored(
     db: Any, queue: AsyncTaskQueue, counter: CommandCounter
 ) -> None:
     task = await claim_one(queue, expect="existing")
-    before = await read_all(db)
+    before = await stored_bytes(db)
     counter.reset()
 
     with rejects("result"):
@@ -275,8 +276,7 @@ async def test_complete_rejects_a_result_that_cannot_be_stored(
     with rejects("result"):
         await queue.complete(task, object())
 
-    assert counter.total == 0
-    await assert_unchanged(db, before)
+    await assert_nothing_written(db, counter, before)
     assert await queue.complete(task, {"fine": 1})
 
 
@@ -285,14 +285,13 @@ async def test_release_not_an_attempt_rejects_a_bad_delay(
     db: Any, queue: AsyncTaskQueue, counter: CommandCounter, delay: Any
 ) -> None:
     task = await claim_one(queue, expect="existing")
-    before = await read_all(db)
+    before = await stored_bytes(db)
     counter.reset()
 
     with rejects("delay"):
         await queue.release_not_an_attempt(task, delay)
 
-    assert counter.total == 0
-    await assert_unchanged(db, before)
+    await assert_nothing_written(db, counter, before)
 
 
 @pytest.mark.parametrize(
@@ -307,18 +306,15 @@ async def test_release_not_an_attempt_rejects_a_bad_delay(
     ],
 )
 async def test_run_rejects_bad_arguments_before_claiming(
-    db: Any, queue: AsyncTaskQueue, counter: CommandCounter, kwargs: dict[str, Any], field: str
+    queue: AsyncTaskQueue, nothing_written: Check, kwargs: dict[str, Any], field: str
 ) -> None:
-    before = await read_all(db)
-
     async def handler(task: Task) -> None:
         raise AssertionError("nothing may be claimed")
 
     with rejects(field):
         await queue.run(handler, stop_when_empty=True, **kwargs)
 
-    assert counter.total == 0
-    await assert_unchanged(db, before)
+    await nothing_written()
 
 
 # ----------------------------------------------------------------------------- constructor

@@ -27,6 +27,7 @@ import pytest
 import mongoq_sync
 from mongoq import AsyncGroupTransport, AsyncTaskQueue, MongoqError, TaskLease, _driver
 from mongoq._portal import Portal
+from mongoq.runtime.loop import WORKER_STOPPED
 from mongoq.testing import ManualClock, settle
 from tests.conftest import TEST_URI
 from tests.support.scenarios import SCENARIOS, AsyncEnv, Env, SyncEnv
@@ -245,7 +246,7 @@ def test_closing_the_database_with_an_open_lease_block_releases_the_task() -> No
     doc = asyncio.run(raw["tasks"].find_one({"_id": "t1"}))
     # Cancelled, never completed: released for retry (the attempt counts), with its reason.
     assert (doc["status"], doc["attempts"], doc["result"]) == ("pending", 1, None)
-    assert "CancelledError" in doc["error"]
+    assert doc["error"] == WORKER_STOPPED
 
 
 def test_run_with_handle_signals_explains_itself(blocking_db: mongoq_sync.Database) -> None:

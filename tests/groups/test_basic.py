@@ -12,26 +12,33 @@ import anyio
 import pytest
 
 from mongoq import AsyncGroupTransport, GroupRunSummary, GroupStats, InvalidInput, NewMessage
-from mongoq.testing import CommandCounter, FaultInjector, ManualClock, instrument
+from mongoq.testing import FaultInjector, ManualClock, instrument
 from tests.support.group_helpers import (
     EPOCH,
     PREFIX,
     VISIBILITY,
     Bookkeeping,
     assert_empty,
+    assert_lock,
+    assert_message,
     assert_released,
+    claim_and_ack,
     claim_one,
+    counted_transport,
     counter_value,
     dead,
     group_messages,
-    lock,
     locks,
-    message,
     messages,
     new_transport,
-    snapshot,
+    publish_each,
+    unchanged,
 )
 from tests.support.helpers import later
+
+#: What the ack of the last message a group was readied with sends first: the head's delete,
+#: then the check for a message published since; then it releases the group or drops its lock.
+DELETE_AND_CHECK = {"mq_messages.delete_one": 1, "mq_messages.find_one": 1}
 
 
 @pytest.fixture
@@ -92,9 +99,9 @@ async def test_priority_is_fixed_by_the_first_publish(
     await transport.publish("g", "g0", priority=1)
     await transport.publish("g", "g1", priority=4)
 
-    assert (await lock(db, "g") or {})["priority"] == 1
+    await assert_lock(db, "g", priority=1)
     assert await transport.claim("w", min_priority=2) is None
-    assert (await lock(db, "g") or {})["token"] is None  # the floor kept it untouched
+    await assert_lock(db, "g", token=None)  # the floor kept it untouched
     lease = await claim_one(transport, min_priority=1, group="g", event="g0")
     assert lease.priority == 1
 
@@ -104,31 +111,22 @@ async def test_a_publish_never_pulls_an_in_flight_or_parked_group_back(
 ) -> None:
     await transport.publish("g", "g0")
     lease = await claim_one(transport, "A", group="g", event="g0")
-    in_flight = await lock(db, "g")
-    assert in_flight is not None
-    assert (in_flight["available_at"], in_flight["token"]) == (
-        later(clock, VISIBILITY),
-        lease.token,
-    )
+    in_flight = await assert_lock(db, "g", available_at=later(clock, VISIBILITY), token=lease.token)
 
     await transport.publish("g", "g1")
 
     # Only the publish count and last seq moved: the group stays leased to A, not claimable.
-    assert await lock(db, "g") == {**in_flight, "version": 2, "last_seq": 2}
+    assert await locks(db) == {"g": {**in_flight, "version": 2, "last_seq": 2}}
     assert await transport.claim("B") is None
 
     assert await transport.nack(lease, delay=60)
-    parked = await lock(db, "g")
-    assert parked is not None
-    assert (parked["available_at"], parked["token"], parked["parked"]) == (
-        later(clock, 60),
-        lease.token,
-        True,
+    parked = await assert_lock(
+        db, "g", available_at=later(clock, 60), token=lease.token, parked=True
     )
 
     await transport.publish("g", "g2")
 
-    assert await lock(db, "g") == {**parked, "version": 3, "last_seq": 3}
+    assert await locks(db) == {"g": {**parked, "version": 3, "last_seq": 3}}
     clock.advance(59)
     assert await transport.claim("B") is None
     clock.advance(1)
@@ -140,8 +138,7 @@ async def test_a_publish_never_pulls_an_in_flight_or_parked_group_back(
 async def test_publish_many_allocates_a_contiguous_range_in_three_commands(
     db: Any, clock: ManualClock
 ) -> None:
-    counter = CommandCounter()
-    transport = await new_transport(instrument(db, counter), clock)
+    transport, counter = await counted_transport(db, clock)
     await transport.publish("a", "a0", priority=1)
     counter.reset()
 
@@ -200,9 +197,7 @@ async def test_publish_many_allocates_a_contiguous_range_in_three_commands(
 async def test_publish_claim_and_ack_cost_three_two_and_two_or_three_commands(
     db: Any, clock: ManualClock
 ) -> None:
-    counter = CommandCounter()
-    transport = await new_transport(instrument(db, counter), clock)
-    counter.reset()
+    transport, counter = await counted_transport(db, clock)
 
     await transport.publish("g", "g0")
     assert counter.counts == {
@@ -228,11 +223,7 @@ async def test_publish_claim_and_ack_cost_three_two_and_two_or_three_commands(
     # g1 was the group's last message and nothing was published since: the ack deletes the
     # head, checks that no other message is there, drops the lock, and leaves nothing behind.
     assert await transport.ack(lease)
-    assert counter.counts == {
-        "mq_messages.delete_one": 1,
-        "mq_messages.find_one": 1,
-        "mq_locks.delete_one": 1,
-    }
+    assert counter.counts == {**DELETE_AND_CHECK, "mq_locks.delete_one": 1}
     await assert_empty(db)
     counter.reset()
     assert await transport.claim("w") is None
@@ -290,7 +281,7 @@ async def test_round_robin_a_backlog_delays_later_groups_by_at_most_one_turn(
     await turn()  # b0
     await assert_released(db, "big", clock.now())
     await transport.publish_many([NewMessage("a", "a0"), NewMessage("a", "a1")])
-    assert (await lock(db, "a") or {})["available_at"] == EPOCH  # sorts before "big"
+    await assert_lock(db, "a", available_at=EPOCH)  # sorts before "big"
     await turn()  # a0: published after big's turn, served before big's next one
     await transport.publish("c", "c0")
     await turn()  # c0
@@ -305,9 +296,7 @@ async def test_round_robin_a_backlog_delays_later_groups_by_at_most_one_turn(
 
 
 async def test_the_priority_floor_excludes_lower_groups(db: Any, clock: ManualClock) -> None:
-    counter = CommandCounter()
-    counter.record = True
-    transport = await new_transport(instrument(db, counter), clock)
+    transport, counter = await counted_transport(db, clock, record=True)
     await transport.publish("low", "l0", priority=0)
     await transport.publish("mid", "m0", priority=2)
     await transport.publish("high", "h0", priority=4)
@@ -344,14 +333,12 @@ async def test_a_priority_outside_0_to_4_is_rejected_and_nothing_written(
     db: Any, transport: AsyncGroupTransport, priority: Any
 ) -> None:
     await transport.publish("g", "g0", priority=4)
-    before = await snapshot(db)
 
-    with pytest.raises(InvalidInput, match=r"^priority"):
-        await transport.publish("g", "g1", priority=priority)
-    with pytest.raises(InvalidInput, match=r"^messages\[0\]\.priority"):
-        await transport.publish_many([NewMessage("h", "h0", priority=priority)])
-
-    assert await snapshot(db) == before
+    async with unchanged(db):
+        with pytest.raises(InvalidInput, match=r"^priority"):
+            await transport.publish("g", "g1", priority=priority)
+        with pytest.raises(InvalidInput, match=r"^messages\[0\]\.priority"):
+            await transport.publish_many([NewMessage("h", "h0", priority=priority)])
 
 
 # -------------------------------------------------------------------- ack, nack, extend
@@ -360,13 +347,11 @@ async def test_a_priority_outside_0_to_4_is_rejected_and_nothing_written(
 async def test_ack_removes_the_head_and_releases_the_group(
     db: Any, transport: AsyncGroupTransport, clock: ManualClock
 ) -> None:
-    await transport.publish("g", "g0")
-    await transport.publish("g", "g1")
+    await publish_each(transport, "g", "g0", "g1")
     lease = await claim_one(transport, "A", group="g", event="g0")
     assert (lease.seq, lease.deliveries, lease.lease_until) == (1, 1, later(clock, VISIBILITY))
-    head = await message(db, 1)
-    assert head is not None and (head["token"], head["deliveries"]) == (lease.token, 1)
-    assert (await message(db, 2) or {})["token"] is None
+    await assert_message(db, 1, token=lease.token, deliveries=1)
+    await assert_message(db, 2, token=None)
     clock.advance(5)
 
     assert await transport.ack(lease)
@@ -385,9 +370,8 @@ async def test_nack_without_delay_makes_the_group_claimable_at_once_behind_those
 ) -> None:
     await transport.publish("g", "g0")
     lease = await claim_one(transport, "A", group="g")
-    await transport.publish("w", "w0")
-    await transport.publish("w", "w1")
-    assert await transport.ack(await claim_one(transport, "B", group="w", event="w0"))
+    await publish_each(transport, "w", "w0", "w1")
+    await claim_and_ack(transport, "B", group="w", event="w0")
     await transport.publish("h", "h0")  # never claimed
     clock.advance(1)
 
@@ -396,20 +380,12 @@ async def test_nack_without_delay_makes_the_group_claimable_at_once_behind_those
     released = await assert_released(db, "g", clock.now())
     assert released["parked"] is False
     # The head is given back too: no token, no stamp; the delivery stays counted.
-    head = await message(db, 1)
-    assert head is not None
-    assert (head["token"], head["stamp_until"], head["deliveries"], head["last_error"]) == (
-        None,
-        None,
-        1,
-        None,
-    )
+    await assert_message(db, 1, token=None, stamp_until=None, deliveries=1, last_error=None)
     assert not await transport.extend(lease)  # released: no longer held
     # Claimable at once, but behind the never-claimed "h" and "w", released a second earlier.
     assert [(await claim_one(transport, "C")).event for _ in range(3)] == ["h0", "w1", "g0"]
-    again = await message(db, 1)
-    assert again is not None and again["deliveries"] == 2
-    assert (await lock(db, "g") or {})["token"] == again["token"]
+    again = await assert_message(db, 1, deliveries=2)
+    await assert_lock(db, "g", token=again["token"])
 
 
 async def test_nack_with_a_delay_parks_the_group_until_then(
@@ -420,33 +396,19 @@ async def test_nack_with_a_delay_parks_the_group_until_then(
 
     assert await transport.nack(lease, delay=60, error="busy")
 
-    parked = await lock(db, "g")
-    assert parked is not None
-    assert (parked["available_at"], parked["token"], parked["parked"]) == (
-        later(clock, 60),
-        lease.token,
-        True,
+    parked = await assert_lock(
+        db, "g", available_at=later(clock, 60), token=lease.token, parked=True
     )
     # The head keeps the lease's token; its stamp lasts as long as the parking.
-    head = await message(db, 1)
-    assert head is not None
-    assert (head["token"], head["stamp_until"], head["last_error"]) == (
-        lease.token,
-        later(clock, 60),
-        "busy",
-    )
+    await assert_message(db, 1, token=lease.token, stamp_until=later(clock, 60), last_error="busy")
     clock.advance(59.999)
     assert await transport.claim("B") is None
-    assert await lock(db, "g") == parked
+    assert await locks(db) == {"g": parked}
     clock.advance(0.001)
     again = await claim_one(transport, "B", group="g", event="g0")
     assert again.deliveries == 2
-    taken = await lock(db, "g")
-    assert taken is not None
-    assert (taken["token"], taken["parked"]) == (again.token, False)
-    restamped = await message(db, 1)
-    assert restamped is not None
-    assert (restamped["token"], restamped["stamp_until"]) == (again.token, again.lease_until)
+    await assert_lock(db, "g", token=again.token, parked=False)
+    await assert_message(db, 1, token=again.token, stamp_until=again.lease_until)
     assert not await transport.ack(lease)  # the parked holder lost it to B
     assert list(await messages(db)) == [1]
 
@@ -454,8 +416,7 @@ async def test_nack_with_a_delay_parks_the_group_until_then(
 async def test_the_parked_holder_can_still_ack(
     db: Any, transport: AsyncGroupTransport, clock: ManualClock
 ) -> None:
-    await transport.publish("g", "g0")
-    await transport.publish("g", "g1")
+    await publish_each(transport, "g", "g0", "g1")
     lease = await claim_one(transport, "A", group="g")
     assert await transport.nack(lease, delay=60)
     clock.advance(10)
@@ -471,8 +432,7 @@ async def test_the_parked_holder_can_still_ack(
 async def test_extend_pushes_available_at_and_the_heads_stamp_in_two_commands(
     db: Any, clock: ManualClock
 ) -> None:
-    counter = CommandCounter()
-    transport = await new_transport(instrument(db, counter), clock)
+    transport, counter = await counted_transport(db, clock)
     await transport.publish("g", "g0")
     lease = await claim_one(transport, "A", group="g")
     clock.advance(20)
@@ -481,19 +441,17 @@ async def test_extend_pushes_available_at_and_the_heads_stamp_in_two_commands(
     assert await transport.extend(lease)
 
     assert counter.counts == {"mq_locks.update_one": 1, "mq_messages.update_one": 1}
-    assert (await lock(db, "g") or {})["available_at"] == later(clock, VISIBILITY)
-    head = await message(db, 1)
-    assert head is not None
-    assert (head["token"], head["stamp_until"]) == (lease.token, later(clock, VISIBILITY))
+    await assert_lock(db, "g", available_at=later(clock, VISIBILITY))
+    await assert_message(db, 1, token=lease.token, stamp_until=later(clock, VISIBILITY))
     clock.advance(15)  # past the claim's own lease
     assert await transport.claim("B") is None
     assert await transport.extend(lease, visibility=100)
-    assert (await lock(db, "g") or {})["available_at"] == later(clock, 100)
-    assert (await message(db, 1) or {})["stamp_until"] == later(clock, 100)
+    await assert_lock(db, "g", available_at=later(clock, 100))
+    await assert_message(db, 1, stamp_until=later(clock, 100))
     clock.advance(99)
     assert await transport.claim("B") is None
-    assert (await lock(db, "g") or {})["token"] == lease.token
-    assert (await message(db, 1) or {})["deliveries"] == 1
+    await assert_lock(db, "g", token=lease.token)
+    await assert_message(db, 1, deliveries=1)
     assert await transport.ack(lease)
     await assert_empty(db)
 
@@ -502,8 +460,7 @@ async def test_the_ack_of_a_groups_last_message_drops_its_lock(
     db: Any, transport: AsyncGroupTransport, clock: ManualClock
 ) -> None:
     await transport.publish("g", "g0")
-    await transport.publish("h", "h0")
-    await transport.publish("h", "h1")
+    await publish_each(transport, "h", "h0", "h1")
     g = await claim_one(transport, "A", group="g", event="g0")
     h = await claim_one(transport, "B", group="h", event="h0")
     clock.advance(1)
@@ -513,16 +470,14 @@ async def test_the_ack_of_a_groups_last_message_drops_its_lock(
     assert list(await locks(db)) == ["h"]  # "g" drained: gone at once, no claim needed
     assert await transport.ack(h)
     await assert_released(db, "h", clock.now())  # h1 waits: released, not dropped
-    last = await claim_one(transport, "C", group="h", event="h1")
-    assert await transport.ack(last)
+    await claim_and_ack(transport, "C", group="h", event="h1")
     await assert_empty(db)
 
 
 async def test_an_ack_whose_group_got_a_publish_since_the_claim_releases_it(
     db: Any, clock: ManualClock
 ) -> None:
-    counter = CommandCounter()
-    transport = await new_transport(instrument(db, counter), clock)
+    transport, counter = await counted_transport(db, clock)
     await transport.publish("g", "g0")
     lease = await claim_one(transport, "A", group="g", event="g0")  # the last message, then
     await transport.publish("g", "g1")
@@ -532,16 +487,11 @@ async def test_an_ack_whose_group_got_a_publish_since_the_claim_releases_it(
     assert await transport.ack(lease)
 
     # The check before the drop sees g1: no drop; the group is released.
-    assert counter.counts == {
-        "mq_messages.delete_one": 1,
-        "mq_messages.find_one": 1,
-        "mq_locks.update_one": 1,
-    }
+    assert counter.counts == {**DELETE_AND_CHECK, "mq_locks.update_one": 1}
     assert await group_messages(db) == {"g": ["g1"]}
     released = await assert_released(db, "g", clock.now())
     assert (released["version"], released["last_seq"]) == (2, 2)
-    nxt = await claim_one(transport, "B", group="g", event="g1")
-    assert await transport.ack(nxt)
+    await claim_and_ack(transport, "B", group="g", event="g1")
     await assert_empty(db)
 
 
@@ -550,12 +500,10 @@ async def test_a_drained_group_left_with_its_lock_is_dropped_by_the_next_claim(
 ) -> None:
     """dead_letter releases the group without looking for more messages: a group whose last
     message went to the dead letters keeps an empty lock until a claim drops it."""
-    counter = CommandCounter()
-    transport = await new_transport(instrument(db, counter), clock)
+    transport, counter = await counted_transport(db, clock)
     await transport.publish("g", "g0")
     g = await claim_one(transport, "A", group="g")
-    await transport.publish("h", "h0")
-    await transport.publish("h", "h1")
+    await publish_each(transport, "h", "h0", "h1")
     h = await claim_one(transport, "B", group="h")
     assert await transport.dead_letter(g, "bad")
     clock.advance(0.001)
@@ -587,9 +535,7 @@ async def test_a_drained_group_left_with_its_lock_is_dropped_by_the_next_claim(
 
 
 async def test_stats_counts_groups_messages_and_dead_letters(db: Any, clock: ManualClock) -> None:
-    counter = CommandCounter()
-    transport = await new_transport(instrument(db, counter), clock)
-    counter.reset()
+    transport, counter = await counted_transport(db, clock)
     assert await transport.stats() == GroupStats(0, 0, 0, 0, 0, None)
     # The totals come from collection metadata, not from counting documents.
     assert counter.counts == {
@@ -605,12 +551,10 @@ async def test_stats_counts_groups_messages_and_dead_letters(db: Any, clock: Man
     await transport.publish("park", "p0")
     park = await claim_one(transport, "B", group="park")
     assert await transport.nack(park, delay=60)
-    await transport.publish("dead", "d0")
-    await transport.publish("dead", "d1")
+    await publish_each(transport, "dead", "d0", "d1")
     doomed = await claim_one(transport, "C", group="dead")
     assert await transport.dead_letter(doomed, "bad")
-    await transport.publish("ready", "r0")
-    await transport.publish("ready", "r1")
+    await publish_each(transport, "ready", "r0", "r1")
     clock.advance(15)
     counter.reset()
 
@@ -697,16 +641,9 @@ async def test_the_lease_until_matches_the_stored_lock(
     lease = await claim_one(transport, "worker-1", group="g")
     assert lease.worker_id == "worker-1"
     assert lease.token.startswith("worker-1:")
-    stored = await lock(db, "g")
-    assert stored is not None
-    assert (
-        stored["available_at"] == lease.lease_until == clock.now() + timedelta(seconds=VISIBILITY)
-    )
+    assert lease.lease_until == clock.now() + timedelta(seconds=VISIBILITY)
+    await assert_lock(db, "g", available_at=lease.lease_until)
     # The head carries the same lease: its token, stamped until the lock's lease ends.
-    head = await message(db, lease.seq)
-    assert head is not None
-    assert (head["token"], head["stamp_until"], head["deliveries"]) == (
-        lease.token,
-        lease.lease_until,
-        1,
+    await assert_message(
+        db, lease.seq, token=lease.token, stamp_until=lease.lease_until, deliveries=1
     )

@@ -8,6 +8,10 @@ fenced on the lease (a batch that lost some groups acks only the ones it holds a
 which), max_deliveries, the version-fenced drop of empty groups racing a publish, and recovery
 after a command failed before it applied or applied with its reply lost. Assertions read the
 stored documents.
+
+What the batch slot of `run` promises whatever the primitive (renewals, lost items left alone,
+cancellation, counting) is tested once against a fake holder in tests/runtime; here, what the
+group adapter (`mongoq.groups.batch`) writes for it, fenced on the lock token and head stamp.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections import defaultdict
-from collections.abc import Awaitable, Callable
-from datetime import timedelta
+from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import anyio
@@ -38,6 +44,7 @@ from mongoq.testing import (
     FaultInjector,
     ManualClock,
     Operation,
+    Pause,
     instrument,
 )
 from tests.support.group_helpers import (
@@ -48,6 +55,7 @@ from tests.support.group_helpers import (
     Bookkeeping,
     assert_empty,
     assert_permanent_buried_and_flaky_parked,
+    assert_released,
     by_group,
     claim_one,
     dead,
@@ -63,6 +71,75 @@ from tests.support.group_helpers import (
     snapshot,
 )
 from tests.support.helpers import Actors, Trace, later, nth, unexpected_errors, wait_for
+
+#: claim_many's five commands: (collection, command, a fresh `match` for the rule)
+CLAIM_MANY: dict[str, tuple[str, str, Callable[[], Any]]] = {
+    "select": ("mq_locks", "find", lambda: nth(0)),
+    "lease": ("mq_locks", "update_many", lambda: None),
+    "read-back": ("mq_locks", "find", lambda: nth(1)),
+    "heads": ("mq_messages", "aggregate", lambda: None),
+    "stamp": ("mq_messages", "update_many", lambda: None),
+}
+
+#: ack_many's five commands (for a batch where one group drains and one does not)
+ACK_MANY = {
+    "held": ("mq_messages", "find"),
+    "delete": ("mq_messages", "delete_many"),
+    "drained?": ("mq_messages", "distinct"),
+    "drop": ("mq_locks", "bulk_write"),
+    "release": ("mq_locks", "update_many"),
+}
+
+
+def cost(commands: Mapping[str, tuple[Any, ...]], *steps: str) -> Counter[str]:
+    """The commands `steps` of a batched call send (every step when none is named), by
+    ``collection.command`` as a `CommandCounter` counts them."""
+    return Counter(f"{commands[step][0]}.{commands[step][1]}" for step in steps or commands)
+
+
+@pytest.fixture
+def faults() -> FaultInjector:
+    return FaultInjector()
+
+
+@dataclass
+class Failure:
+    """The fault a test injects through `faults`: the command it picks fails `when` it runs,
+    "before" it applied, or "after" with its reply lost; `log` holds the warnings it left."""
+
+    faults: FaultInjector
+    when: str
+    log: pytest.LogCaptureFixture
+
+    def inject(self, collection: str, name: str, **rule: Any) -> type[Exception]:
+        """Make the next `name` on `collection` fail; the error its caller then sees."""
+        getattr(self.faults, f"fail_{self.when}")(name, collection=collection, **rule)
+        return AutoReconnect if self.when == "before" else NetworkTimeout
+
+
+@pytest.fixture(params=["before", "after"])
+def failure(
+    request: pytest.FixtureRequest, faults: FaultInjector, caplog: pytest.LogCaptureFixture
+) -> Failure:
+    """Each fault test runs both ways: the command fails before it applied, or after."""
+    caplog.set_level(logging.WARNING)
+    return Failure(faults, request.param, caplog)
+
+
+@pytest.fixture
+def counter() -> CommandCounter:
+    return CommandCounter()
+
+
+@pytest.fixture
+async def transport(
+    db: Any, clock: ManualClock, faults: FaultInjector, counter: CommandCounter
+) -> AsyncGroupTransport:
+    """The transport under test: its commands pass `faults` (no rule until a test sets one) and
+    are counted by `counter` from after the index set-up."""
+    transport = await new_transport(instrument(db, faults, counter), clock)
+    counter.reset()
+    return transport
 
 
 def groups_of(leases: list[GroupLease]) -> list[Any]:
@@ -117,6 +194,17 @@ async def drain_batched(
     raise AssertionError(f"the drain did not end: groups {stuck}, heads {heads}")
 
 
+async def drain_the_rest(
+    db: Any, transport: AsyncGroupTransport, clock: ManualClock
+) -> list[GroupLease]:
+    """A millisecond on, `drain_batched` what is left; then no message and no group may
+    remain. What the drain delivered."""
+    clock.advance(0.001)
+    delivered = await drain_batched(db, transport, clock)
+    await assert_empty(db, transport.prefix)
+    return delivered
+
+
 async def assert_holds(db: Any, lease: GroupLease, prefix: str = PREFIX) -> None:
     """The group is leased by `lease` and its head stamped with the lease's token."""
     stored = await lock(db, lease.group_id, prefix)
@@ -133,15 +221,21 @@ async def assert_holds(db: Any, lease: GroupLease, prefix: str = PREFIX) -> None
     assert head["deliveries"] == lease.deliveries
 
 
+async def assert_left_to(db: Any, group: Any, lease: GroupLease) -> None:
+    """`group` is still locked under `lease` (its token, until its lease ends): nobody gets
+    the group before then."""
+    stored = await lock(db, group)
+    assert stored is not None
+    assert (stored["token"], stored["available_at"]) == (lease.token, lease.lease_until)
+
+
 # ---------------------------------------------------------------------------- command counts
 
 
 @pytest.mark.parametrize("n", [1, 5, 40])
 async def test_claim_many_costs_five_commands_whatever_n(
-    db: Any, clock: ManualClock, n: int
+    db: Any, transport: AsyncGroupTransport, counter: CommandCounter, clock: ManualClock, n: int
 ) -> None:
-    counter = CommandCounter()
-    transport = await new_transport(instrument(db, counter), clock)
     groups = [f"g{i:02}" for i in range(50)]
     await publish_groups(transport, groups, 2)
     clock.advance(1)
@@ -149,12 +243,7 @@ async def test_claim_many_costs_five_commands_whatever_n(
 
     leases = await transport.claim_many(n, "A")
 
-    assert counter.counts == {
-        "mq_locks.find": 2,
-        "mq_locks.update_many": 1,
-        "mq_messages.aggregate": 1,
-        "mq_messages.update_many": 1,
-    }
+    assert counter.counts == cost(CLAIM_MANY)
     assert len(leases) == n
     assert len(set(groups_of(leases))) == n
     (token,) = {lease.token for lease in leases}
@@ -176,10 +265,8 @@ async def test_claim_many_costs_five_commands_whatever_n(
 
 
 async def test_claim_many_with_nothing_due_costs_one_command_and_writes_nothing(
-    db: Any, clock: ManualClock
+    db: Any, transport: AsyncGroupTransport, counter: CommandCounter
 ) -> None:
-    counter = CommandCounter()
-    transport = await new_transport(instrument(db, counter), clock)
     await transport.publish("g", "g0")
     await claim_one(transport, "A", group="g")
     before = await snapshot(db)
@@ -187,15 +274,13 @@ async def test_claim_many_with_nothing_due_costs_one_command_and_writes_nothing(
 
     assert await transport.claim_many(10, "B") == []
 
-    assert counter.counts == {"mq_locks.find": 1}
+    assert counter.counts == cost(CLAIM_MANY, "select")
     assert await snapshot(db) == before
 
 
 async def test_ack_many_costs_at_most_five_commands_and_three_when_no_group_drains(
-    db: Any, clock: ManualClock
+    db: Any, transport: AsyncGroupTransport, counter: CommandCounter, clock: ManualClock
 ) -> None:
-    counter = CommandCounter()
-    transport = await new_transport(instrument(db, counter), clock)
     pairs = [("a", "a0"), ("b", "b0"), ("c", "c0"), ("b", "b1"), ("d", "d0"), ("d", "d1")]
     await transport.publish_many(NewMessage(group, event) for group, event in pairs)
     leases = await transport.claim_many(10, "A")
@@ -210,19 +295,12 @@ async def test_ack_many_costs_at_most_five_commands_and_three_when_no_group_drai
 
     assert await transport.ack_many(leases) == [True] * 4
 
-    assert counter.counts == {
-        "mq_messages.find": 1,
-        "mq_messages.delete_many": 1,
-        "mq_messages.distinct": 1,
-        "mq_locks.bulk_write": 1,
-        "mq_locks.update_many": 1,
-    }
+    assert counter.counts == cost(ACK_MANY)
     # a and c drained: their locks are dropped; b and d are released, claimable now.
     assert await group_messages(db) == {"b": ["b1"], "d": ["d1"]}
-    stored = await locks(db)
-    assert sorted(stored) == ["b", "d"]
-    for doc in stored.values():
-        assert (doc["available_at"], doc["token"], doc["parked"]) == (clock.now(), None, False)
+    assert sorted(await locks(db)) == ["b", "d"]
+    for group in "bd":
+        assert (await assert_released(db, group, clock.now()))["parked"] is False
 
     # b1 and d1 are their groups' last messages when claimed; then b2 and d2 are published.
     leases = await transport.claim_many(10, "A")
@@ -236,70 +314,48 @@ async def test_ack_many_costs_at_most_five_commands_and_three_when_no_group_drai
     assert await transport.ack_many(leases) == [True, True]
 
     # The check finds b2 and d2: no drop is sent, the groups are released.
-    assert counter.counts == {
-        "mq_messages.find": 1,
-        "mq_messages.delete_many": 1,
-        "mq_messages.distinct": 1,
-        "mq_locks.update_many": 1,
-    }
+    assert counter.counts == cost(ACK_MANY, "held", "delete", "drained?", "release")
     assert await group_messages(db) == {"b": ["b2"], "d": ["d2"]}
     assert sorted(await locks(db)) == ["b", "d"]
 
 
 async def test_ack_many_of_heads_that_are_not_the_last_costs_three_commands(
-    db: Any, clock: ManualClock
+    db: Any, transport: AsyncGroupTransport, counter: CommandCounter
 ) -> None:
-    counter = CommandCounter()
-    transport = await new_transport(instrument(db, counter), clock)
     await publish_groups(transport, ["a", "b", "c"], 2)
     leases = await transport.claim_many(10, "A")
     counter.reset()
 
     assert await transport.ack_many(leases) == [True] * 3
 
-    assert counter.counts == {
-        "mq_messages.find": 1,
-        "mq_messages.delete_many": 1,
-        "mq_locks.update_many": 1,
-    }
+    assert counter.counts == cost(ACK_MANY, "held", "delete", "release")
     assert await group_messages(db) == {"a": ["a.1"], "b": ["b.1"], "c": ["c.1"]}
 
 
-async def test_empty_batches_cost_nothing(db: Any, clock: ManualClock) -> None:
-    counter = CommandCounter()
-    transport = await new_transport(instrument(db, counter), clock)
-    counter.reset()
-
-    assert await transport.ack_many([]) == []
-    assert await transport.extend_many([]) == []
-
-    assert counter.total == 0
-
-
 @pytest.mark.parametrize("call", ["ack_many", "extend_many"])
-async def test_a_batch_over_the_limit_is_refused_before_any_command(
-    db: Any, clock: ManualClock, call: str
+async def test_no_lease_costs_nothing_and_a_batch_over_the_limit_is_refused_unsent(
+    db: Any, transport: AsyncGroupTransport, counter: CommandCounter, call: str
 ) -> None:
-    """MAX_BATCH + 1 leases (the same lease repeated: the size alone is refused) raise
-    InvalidInput naming the argument, and nothing is sent."""
-    counter = CommandCounter()
-    transport = await new_transport(instrument(db, counter), clock)
+    """An empty batch answers at once; MAX_BATCH + 1 leases (the same lease repeated: the size
+    alone is refused) raise InvalidInput naming the argument. Neither sends a command."""
     await transport.publish("g", "g0")
     (lease,) = await transport.claim_many(1, "A")
     before = await snapshot(db)
     counter.reset()
+    settle_batch = getattr(transport, call)
 
-    with pytest.raises(
-        InvalidInput, match=f"^leases: at most {MAX_BATCH} per call, got {MAX_BATCH + 1}$"
-    ):
-        await getattr(transport, call)([lease] * (MAX_BATCH + 1))
+    assert await settle_batch([]) == []
+    refusal = f"^leases: at most {MAX_BATCH} per call, got {MAX_BATCH + 1}$"
+    with pytest.raises(InvalidInput, match=refusal):
+        await settle_batch([lease] * (MAX_BATCH + 1))
 
     assert counter.total == 0
     assert await snapshot(db) == before
 
 
-async def test_extend_many_accepts_a_batch_at_the_limit(db: Any, clock: ManualClock) -> None:
-    transport = await new_transport(db, clock)
+async def test_extend_many_accepts_a_batch_at_the_limit(
+    db: Any, transport: AsyncGroupTransport, clock: ManualClock
+) -> None:
     await transport.publish("g", "g0")
     (lease,) = await transport.claim_many(1, "A")
     clock.advance(1)
@@ -311,12 +367,8 @@ async def test_extend_many_accepts_a_batch_at_the_limit(db: Any, clock: ManualCl
 
 
 async def test_a_batched_lifecycle_over_100_groups_costs_at_most_0_2_commands_per_message(
-    db: Any, clock: ManualClock
+    db: Any, transport: AsyncGroupTransport, counter: CommandCounter
 ) -> None:
-    counter = CommandCounter()
-    transport = await new_transport(instrument(db, counter), clock)
-    counter.reset()
-
     await transport.publish_many(NewMessage(f"g{i:03}", i) for i in range(100))
     leases = await transport.claim_many(100, "A")
     acked = await transport.ack_many(leases)
@@ -332,9 +384,8 @@ async def test_a_batched_lifecycle_over_100_groups_costs_at_most_0_2_commands_pe
 
 
 async def test_claim_many_takes_the_groups_that_waited_longest_with_their_heads(
-    db: Any, clock: ManualClock
+    db: Any, transport: AsyncGroupTransport, clock: ManualClock
 ) -> None:
-    transport = await new_transport(db, clock)
     groups = ["g0", "g1", "g2", "g3", "g4"]
     await publish_groups(transport, groups, 3)
     # Serve each group once, acking a second apart in this order: their waiting order.
@@ -358,8 +409,9 @@ async def test_claim_many_takes_the_groups_that_waited_longest_with_their_heads(
         await assert_holds(db, lease)
 
 
-async def test_claim_many_respects_the_priority_floor(db: Any, clock: ManualClock) -> None:
-    transport = await new_transport(db, clock)
+async def test_claim_many_respects_the_priority_floor(
+    db: Any, transport: AsyncGroupTransport
+) -> None:
     await transport.publish_many([NewMessage(f"p{p}", f"p{p}.0", priority=p) for p in range(5)])
     before = await snapshot(db)
 
@@ -374,12 +426,11 @@ async def test_claim_many_respects_the_priority_floor(db: Any, clock: ManualCloc
 
 
 async def test_repeated_claim_many_and_ack_many_keep_fifo_and_round_robin(
-    db: Any, clock: ManualClock
+    db: Any, transport: AsyncGroupTransport, clock: ManualClock
 ) -> None:
     """Four groups of three messages, batches of two: each round takes the two groups that
     waited longest, so the rounds alternate between the two pairs, and each group's messages
     come in publish order."""
-    transport = await new_transport(db, clock)
     groups = ["a", "b", "c", "d"]
     published = await publish_groups(transport, groups, 3)
     rounds: list[list[GroupLease]] = []
@@ -401,13 +452,12 @@ async def test_repeated_claim_many_and_ack_many_keep_fifo_and_round_robin(
 
 
 async def test_a_group_published_between_rounds_goes_before_the_groups_served_again(
-    db: Any, clock: ManualClock
+    transport: AsyncGroupTransport, clock: ManualClock
 ) -> None:
-    transport = await new_transport(db, clock)
     await publish_groups(transport, ["a", "b"], 2)
-    leases = await transport.claim_many(2, "w")
+    served = await transport.claim_many(2, "w")
     clock.advance(1)
-    assert await transport.ack_many(leases) == [True, True]
+    assert await transport.ack_many(served) == [True, True]
     clock.advance(1)
     await transport.publish("new", "new.0")
 
@@ -448,59 +498,56 @@ async def assert_one_holder_per_group(
             assert (head["token"], head["deliveries"]) == (None, 0)
     for leases in claimed.values():
         assert await transport.ack_many(leases) == [True] * len(leases)
-    clock.advance(0.001)
-    rest = await drain_batched(db, transport, clock)
+    rest = await drain_the_rest(db, transport, clock)
     delivered = [lease for leases in claimed.values() for lease in leases] + rest
     assert by_group(delivered) == published
-    await assert_empty(db, prefix)
 
 
-async def test_two_batch_claimers_never_share_a_group_in_any_order(
-    db: Any, clock: ManualClock
+async def claimed_by(transport: AsyncGroupTransport, worker: str, n: int | None) -> list[Any]:
+    """What `worker` claims: `n` groups in one `claim_many`, or (`n` None) one `claim`."""
+    if n is not None:
+        return await transport.claim_many(n, worker)
+    lease = await transport.claim(worker)
+    return [] if lease is None else [lease]
+
+
+@pytest.mark.parametrize(
+    ("groups", "claimers", "outcomes"),
+    [
+        # Whoever leases first gets two groups; the other gets the third in every order: had it
+        # read its candidates before that lease (70 orders of 126), it read again past them.
+        pytest.param(
+            "ghk", {"A": 2, "B": 2}, {"A 2 / B 1": 126, "A 1 / B 2": 126}, id="two-batches"
+        ),
+        # Four groups: the single claim always finds one. S's lease between A's read and A's
+        # lease takes one of A's candidates: A gets two.
+        pytest.param(
+            "ghkm", {"A": 3, "S": None}, {"A 3 / S 1": 16, "A 2 / S 1": 5}, id="batch-and-single"
+        ),
+    ],
+)
+async def test_a_batch_claimer_never_shares_a_group_with_another_claimer_in_any_order(
+    db: Any,
+    clock: ManualClock,
+    groups: str,
+    claimers: dict[str, int | None],
+    outcomes: dict[str, int],
 ) -> None:
-    """A and B each ask for 2 of 3 groups; every order of their 5 + 5 commands."""
+    """Each claimer asks for `claimers[name]` of the groups (two messages each) in one
+    claim_many (five commands), or for one with a single claim (two); every order of their
+    commands."""
 
     async def setup(transport: AsyncGroupTransport) -> Actors:
-        await publish_groups(transport, ["g", "h", "k"], 2)
-        return {
-            "A": lambda: transport.claim_many(2, "A"),
-            "B": lambda: transport.claim_many(2, "B"),
-        }
+        await publish_groups(transport, list(groups), 2)
+        return {name: partial(claimed_by, transport, name, n) for name, n in claimers.items()}
 
     async def check(transport: AsyncGroupTransport, results: dict[str, Any], trace: Trace) -> str:
-        published = {group: [f"{group}.0", f"{group}.1"] for group in "ghk"}
-        outcome = f"A {len(results['A'])} / B {len(results['B'])}"
+        published = {group: [f"{group}.0", f"{group}.1"] for group in groups}
         await assert_one_holder_per_group(db, clock, transport, results, published)
-        return outcome
+        return " / ".join(f"{name} {len(results[name])}" for name in claimers)
 
-    outcomes = await race(db, clock, {"A": 5, "B": 5}, setup, check)
-    # Whoever leases first gets two groups; the other gets the third in every order: had it
-    # read its candidates before that lease (70 orders of 126), it read again past them.
-    assert outcomes == {"A 2 / B 1": 126, "A 1 / B 2": 126}
-
-
-async def test_a_batch_claimer_and_a_single_claimer_never_share_a_group_in_any_order(
-    db: Any, clock: ManualClock
-) -> None:
-    async def setup(transport: AsyncGroupTransport) -> Actors:
-        await publish_groups(transport, ["g", "h", "k", "m"], 2)
-
-        async def single() -> list[GroupLease]:
-            lease = await transport.claim("S")
-            return [] if lease is None else [lease]
-
-        return {"A": lambda: transport.claim_many(3, "A"), "S": single}
-
-    async def check(transport: AsyncGroupTransport, results: dict[str, Any], trace: Trace) -> str:
-        published = {group: [f"{group}.0", f"{group}.1"] for group in "ghkm"}
-        assert len(results["S"]) == 1  # four groups: the single claim always finds one
-        outcome = f"A {len(results['A'])} / S 1"
-        await assert_one_holder_per_group(db, clock, transport, results, published)
-        return outcome
-
-    outcomes = await race(db, clock, {"A": 5, "S": 2}, setup, check)
-    # S's lease between A's read and A's lease takes one of A's candidates: A gets two.
-    assert outcomes == {"A 3 / S 1": 16, "A 2 / S 1": 5}
+    commands = {name: 2 if n is None else 5 for name, n in claimers.items()}
+    assert await race(db, clock, commands, setup, check) == outcomes
 
 
 async def test_an_expired_batch_acking_while_another_worker_takes_over_reports_what_it_acked(
@@ -534,8 +581,7 @@ async def test_an_expired_batch_acking_while_another_worker_takes_over_reports_w
                 assert head is not None and head["token"] != lease.token
                 assert taken.group_id == lease.group_id and taken.seq == lease.seq
         assert await transport.ack(taken)
-        clock.advance(0.001)
-        rest = await drain_batched(db, transport, clock)
+        rest = await drain_the_rest(db, transport, clock)
         delivered = first_occurrences(
             [(x.group_id, x.event) for x in sorted([taken, *rest], key=lambda x: x.seq)]
         )
@@ -544,7 +590,6 @@ async def test_an_expired_batch_acking_while_another_worker_takes_over_reports_w
             acked_here = acked[stale.index(lease)]
             expected = [f"{group}.1"] if acked_here else [f"{group}.0", f"{group}.1"]
             assert [e for g, e in delivered if g == group] == expected
-        await assert_empty(db, prefix)
         return f"A acked {sum(acked)}, B got {taken.event}"
 
     outcomes = await race(db, clock, {"A": 3, "B": 2}, setup, check)
@@ -626,9 +671,8 @@ async def lose_two_of_four(
 
 
 async def test_a_batch_that_lost_some_groups_acks_only_the_ones_it_holds(
-    db: Any, clock: ManualClock
+    db: Any, transport: AsyncGroupTransport, clock: ManualClock
 ) -> None:
-    transport = await new_transport(db, clock)
     batch, stolen, before = await lose_two_of_four(db, clock, transport)
 
     acked = await transport.ack_many(batch)
@@ -639,17 +683,13 @@ async def test_a_batch_that_lost_some_groups_acks_only_the_ones_it_holds(
         if lease.group_id in stolen:
             continue
         assert await message(db, lease.seq) is None
-        released = await lock(db, lease.group_id)
-        assert released is not None
-        assert (released["token"], released["available_at"]) == (None, clock.now())
+        await assert_released(db, lease.group_id, clock.now())
     assert await dead(db) == {}
 
 
 async def test_extend_many_tells_which_groups_are_held_and_extends_only_those(
-    db: Any, clock: ManualClock
+    db: Any, transport: AsyncGroupTransport, counter: CommandCounter, clock: ManualClock
 ) -> None:
-    counter = CommandCounter()
-    transport = await new_transport(instrument(db, counter), clock)
     batch, stolen, before = await lose_two_of_four(db, clock, transport)
     counter.reset()
 
@@ -675,12 +715,10 @@ async def test_extend_many_tells_which_groups_are_held_and_extends_only_those(
 
 
 async def test_ack_many_tells_a_stale_lease_from_the_live_one_on_the_same_head(
-    db: Any, clock: ManualClock
+    db: Any, transport: AsyncGroupTransport, counter: CommandCounter, clock: ManualClock
 ) -> None:
     """A's lease on g expired and B took g over: the same head (seq) under another token.
     Acked in one batch, only B's lease takes effect and only B's is reported acked."""
-    counter = CommandCounter()
-    transport = await new_transport(instrument(db, counter), clock)
     await transport.publish_many([NewMessage("g", "g0"), NewMessage("g", "g1")])
     (stale,) = await transport.claim_many(1, "A")
     clock.advance(VISIBILITY + 1)
@@ -690,29 +728,25 @@ async def test_ack_many_tells_a_stale_lease_from_the_live_one_on_the_same_head(
 
     assert await transport.ack_many([stale, live]) == [False, True]
 
-    assert counter.counts == {
-        "mq_messages.find": 1,
-        "mq_messages.delete_many": 1,
-        "mq_locks.update_many": 1,
-    }
+    assert counter.counts == cost(ACK_MANY, "held", "delete", "release")
     assert await group_messages(db) == {"g": ["g1"]}
-    released = await lock(db, "g")
-    assert released is not None
-    assert (released["token"], released["available_at"]) == (None, clock.now())
+    await assert_released(db, "g", clock.now())
     assert await dead(db) == {}
 
 
 @pytest.mark.parametrize("rival_acks", [False, True], ids=["taken-over", "taken-over-and-acked"])
 async def test_an_ack_many_overtaken_between_its_read_and_its_delete_reports_only_what_it_proves(
-    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture, rival_acks: bool
+    db: Any,
+    transport: AsyncGroupTransport,
+    faults: FaultInjector,
+    clock: ManualClock,
+    rival_acks: bool,
 ) -> None:
     """A's leases on g and h expired. Between A's read of its heads and its delete, B takes
     g over (and, in the second case, acks g's head). A's delete removes h's head only. If g's
     head is still there, the one head gone is h's: A reports h acked. If g's head is gone too,
     two heads vanished for one deleted and which one A removed cannot be told: A reports
     neither (never an ack it may not have made), raises nothing, and both groups go on."""
-    faults = FaultInjector()
-    transport = await new_transport(instrument(db, faults), clock)
     rival = await new_transport(db, clock)  # another process
     await transport.publish_many(
         [
@@ -747,28 +781,25 @@ async def test_an_ack_many_overtaken_between_its_read_and_its_delete_reports_onl
         "g": ["g1"] if rival_acks else ["g0", "g1"],
         "h": ["h1"],  # A's delete did remove h0
     }
-    h = await lock(db, "h")
-    assert h is not None
     if rival_acks:  # released or not, h is claimable now (A's lease on it ended)
+        h = await lock(db, "h")
+        assert h is not None
         assert h["token"] in (None, by_group_id["h"].token)
         assert h["available_at"] <= clock.now()
     else:
-        assert (h["token"], h["available_at"]) == (None, clock.now())
+        await assert_released(db, "h", clock.now())
         await assert_holds(db, taken)
         assert await rival.ack(taken)
-    clock.advance(0.001)
 
-    delivered = await drain_batched(db, transport, clock)
+    delivered = await drain_the_rest(db, transport, clock)
 
     assert sorted((x.event, x.deliveries) for x in delivered) == [("g1", 1), ("h1", 1)]
-    await assert_empty(db)
     assert await dead(db) == {}
 
 
 async def test_a_batch_whose_groups_were_all_taken_changes_nothing(
-    db: Any, clock: ManualClock
+    db: Any, transport: AsyncGroupTransport, clock: ManualClock
 ) -> None:
-    transport = await new_transport(db, clock)
     await publish_groups(transport, ["g1", "g2"], 2)
     batch = await transport.claim_many(2, "A")
     clock.advance(VISIBILITY + 1)
@@ -784,17 +815,26 @@ async def test_a_batch_whose_groups_were_all_taken_changes_nothing(
 # --------------------------------------------------------------------- max_deliveries, drops
 
 
+async def deliver_twice_and_nack(
+    transport: AsyncGroupTransport, clock: ManualClock, poison: Any
+) -> None:
+    """g gets `poison` then g1; `poison` is delivered twice, a second apart, and nacked each
+    time ("boom 1", "boom 2"), so that under max_deliveries=2 the next claim buries it; then
+    h gets h0."""
+    await transport.publish_many([NewMessage("g", poison), NewMessage("g", "g1")])
+    for delivery in (1, 2):
+        (lease,) = await transport.claim_many(10, "A")
+        assert (lease.group_id, lease.event, lease.deliveries) == ("g", poison, delivery)
+        assert await transport.nack(lease, error=f"boom {delivery}")
+        clock.advance(1)
+    await transport.publish("h", "h0")
+
+
 async def test_claim_many_dead_letters_an_over_limit_head_and_releases_its_group(
     db: Any, clock: ManualClock
 ) -> None:
     transport = await new_transport(db, clock, max_deliveries=2)
-    await transport.publish_many([NewMessage("g", {"poison": True}), NewMessage("g", "g1")])
-    for delivery in (1, 2):
-        (lease,) = await transport.claim_many(10, "A")
-        assert (lease.group_id, lease.deliveries) == ("g", delivery)
-        assert await transport.nack(lease, error=f"boom {delivery}")
-        clock.advance(1)
-    await transport.publish("h", "h0")
+    await deliver_twice_and_nack(transport, clock, {"poison": True})
     clock.advance(1)
 
     leases = await transport.claim_many(10, "A")  # g's head is over the limit: buried
@@ -806,9 +846,7 @@ async def test_claim_many_dead_letters_an_over_limit_head_and_releases_its_group
     assert (buried["error"], buried["deliveries"]) == ("boom 2", 3)
     assert buried["dead_at"] == clock.now()
     assert await group_messages(db) == {"g": ["g1"], "h": ["h0"]}
-    released = await lock(db, "g")
-    assert released is not None
-    assert (released["token"], released["available_at"]) == (None, clock.now())
+    await assert_released(db, "g", clock.now())
     assert await transport.ack_many(leases) == [True]
     clock.advance(0.001)
 
@@ -820,12 +858,10 @@ async def test_claim_many_dead_letters_an_over_limit_head_and_releases_its_group
 
 
 async def test_claim_many_drops_an_empty_group_and_returns_the_others(
-    db: Any, clock: ManualClock
+    db: Any, transport: AsyncGroupTransport, counter: CommandCounter
 ) -> None:
     """A group whose last message was dead-lettered keeps its lock; the claim that finds it
     empty drops it (one more command) and still returns the other groups of the batch."""
-    counter = CommandCounter()
-    transport = await new_transport(instrument(db, counter), clock)
     await transport.publish("g", "g0")
     lease = await claim_one(transport, "A", group="g")
     assert await transport.dead_letter(lease, "bad")
@@ -840,6 +876,14 @@ async def test_claim_many_drops_an_empty_group_and_returns_the_others(
     assert sorted(await locks(db)) == ["h"]
     assert counter.counts["mq_locks.delete_one"] == 1
     assert counter.total == 6
+
+
+async def assert_g1_kept_its_group(db: Any, prefix: str) -> dict[str, Any]:
+    """g1 is the one message left, and its group has a lock (g1 is not stranded); the lock."""
+    assert await group_messages(db, prefix) == {"g": ["g1"]}
+    stored = await lock(db, "g", prefix)
+    assert stored is not None, "g1 is stranded: its group has no lock"
+    return stored
 
 
 @pytest.mark.parametrize("publish", list(PUBLISHES))
@@ -862,9 +906,7 @@ async def test_a_publish_racing_the_claim_many_that_finds_its_group_empty_is_nev
     async def check(transport: AsyncGroupTransport, results: dict[str, Any], trace: Trace) -> str:
         prefix = transport.prefix
         claimed: list[GroupLease] = results["C"]
-        assert await group_messages(db, prefix) == {"g": ["g1"]}
-        stored = await lock(db, "g", prefix)
-        assert stored is not None, "g1 is stranded: its group has no lock"
+        stored = await assert_g1_kept_its_group(db, prefix)
         path = [name for who, _, name in trace if who == "C"]
         if claimed:
             (lease,) = claimed
@@ -883,10 +925,8 @@ async def test_a_publish_racing_the_claim_many_that_finds_its_group_empty_is_nev
             assert path[-1] == "delete_one", path
             assert (stored["token"], stored["available_at"], stored["version"]) == (None, EPOCH, 1)
             outcome = "dropped, re-created by the publish"
-        clock.advance(0.001)
-        rest = await drain_batched(db, transport, clock)
+        rest = await drain_the_rest(db, transport, clock)
         assert [x.event for x in rest] == ([] if claimed else ["g1"])
-        await assert_empty(db, prefix)
         return outcome
 
     outcomes = await race(db, clock, {"C": 6, "P": 3}, setup, check)
@@ -912,17 +952,11 @@ async def test_a_publish_racing_the_ack_many_that_drops_its_drained_group_is_nev
         }
 
     async def check(transport: AsyncGroupTransport, results: dict[str, Any], trace: Trace) -> str:
-        prefix = transport.prefix
         assert results["A"] == [True]
-        assert await group_messages(db, prefix) == {"g": ["g1"]}
-        stored = await lock(db, "g", prefix)
-        assert stored is not None, "g1 is stranded: its group has no lock"
+        stored = await assert_g1_kept_its_group(db, transport.prefix)
         assert stored["token"] is None and stored["available_at"] <= clock.now()
         path = [name for who, _, name in trace if who == "A"]
-        clock.advance(0.001)
-        rest = await drain_batched(db, transport, clock)
-        assert [x.event for x in rest] == ["g1"]
-        await assert_empty(db, prefix)
+        assert [x.event for x in await drain_the_rest(db, transport, clock)] == ["g1"]
         if "bulk_write" not in path:
             return "seen by the check, released"
         if stored["available_at"] == EPOCH:
@@ -940,33 +974,18 @@ async def test_a_publish_racing_the_ack_many_that_drops_its_drained_group_is_nev
 # -------------------------------------------------------------------------------- faults
 
 
-#: claim_many's five commands: (collection, command, a fresh `match` for the rule)
-CLAIM_MANY = {
-    "select": ("mq_locks", "find", lambda: nth(0)),
-    "lease": ("mq_locks", "update_many", lambda: None),
-    "read-back": ("mq_locks", "find", lambda: nth(1)),
-    "heads": ("mq_messages", "aggregate", lambda: None),
-    "stamp": ("mq_messages", "update_many", lambda: None),
-}
-
-
-@pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("command", list(CLAIM_MANY))
 async def test_a_claim_many_that_failed_on_any_command_is_recoverable(
-    db: Any, clock: ManualClock, command: str, when: str
+    db: Any, transport: AsyncGroupTransport, failure: Failure, clock: ManualClock, command: str
 ) -> None:
-    faults = FaultInjector()
-    transport = await new_transport(instrument(db, faults), clock)
     published = await publish_groups(transport, ["g", "h", "k"], 2)
     before = await snapshot(db)
     collection, name, match = CLAIM_MANY[command]
-    (faults.fail_before if when == "before" else faults.fail_after)(
-        name, collection=collection, match=match()
-    )
 
-    with pytest.raises(AutoReconnect if when == "before" else NetworkTimeout):
+    with pytest.raises(failure.inject(collection, name, match=match())):
         await transport.claim_many(10, "A")
 
+    when = failure.when
     leased = command not in ("select", "lease") or (command, when) == ("lease", "after")
     stamped = (command, when) == ("stamp", "after")
     if not leased:
@@ -983,45 +1002,29 @@ async def test_a_claim_many_that_failed_on_any_command_is_recoverable(
         assert await transport.claim_many(10, "B") == []
         clock.advance(VISIBILITY - 0.001)
         assert await transport.claim_many(10, "B") == []
-        clock.advance(0.001)
 
-    delivered = await drain_batched(db, transport, clock)
+    delivered = await drain_the_rest(db, transport, clock)
 
     assert by_group(delivered) == published
     firsts = [lease.deliveries for lease in delivered if lease.event.endswith(".0")]
     assert firsts == [1 + stamped] * 3
-    await assert_empty(db)
 
 
-#: ack_many's five commands (for a batch where one group drains and one does not)
-ACK_MANY = {
-    "held": ("mq_messages", "find"),
-    "delete": ("mq_messages", "delete_many"),
-    "drained?": ("mq_messages", "distinct"),
-    "drop": ("mq_locks", "bulk_write"),
-    "release": ("mq_locks", "update_many"),
-}
-
-
-@pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("command", list(ACK_MANY))
 async def test_an_ack_many_that_failed_on_any_command_is_recoverable(
-    db: Any, clock: ManualClock, command: str, when: str
+    db: Any, transport: AsyncGroupTransport, failure: Failure, clock: ManualClock, command: str
 ) -> None:
-    faults = FaultInjector()
-    transport = await new_transport(instrument(db, faults), clock)
     await transport.publish_many([NewMessage("g", "g0"), NewMessage("g", "g1")])
     await transport.publish("h", "h0")
     leases = await transport.claim_many(10, "A")
     assert sorted((x.event, x.was_last) for x in leases) == [("g0", False), ("h0", True)]
     before = await snapshot(db)
     clock.advance(1)
-    collection, name = ACK_MANY[command]
-    (faults.fail_before if when == "before" else faults.fail_after)(name, collection=collection)
 
-    with pytest.raises(AutoReconnect if when == "before" else NetworkTimeout):
+    with pytest.raises(failure.inject(*ACK_MANY[command])):
         await transport.ack_many(leases)
 
+    when = failure.when
     removed = command != "held" and (command, when) != ("delete", "before")
     dropped = command == "release" or (command, when) == ("drop", "after")
     released = (command, when) == ("release", "after")
@@ -1031,25 +1034,21 @@ async def test_an_ack_many_that_failed_on_any_command_is_recoverable(
         {"g": ["g1"]} if removed else {"g": ["g0", "g1"], "h": ["h0"]}
     )
     assert (await lock(db, "h") is None) == dropped
-    g = await lock(db, "g")
-    assert g is not None
     if released:
-        assert (g["token"], g["available_at"]) == (None, clock.now())
+        await assert_released(db, "g", clock.now())
     else:
         # Still A's until its lease ends; then a claim redelivers what is left.
-        assert (g["token"], g["available_at"]) == (leases[0].token, leases[0].lease_until)
+        await assert_left_to(db, "g", leases[0])
         assert await transport.claim_many(10, "B") == []
         clock.advance(VISIBILITY)
-    clock.advance(0.001)
 
-    delivered = await drain_batched(db, transport, clock)
+    delivered = await drain_the_rest(db, transport, clock)
 
     events = [(x.event, x.deliveries) for x in sorted(delivered, key=lambda x: x.seq)]
     if removed:
         assert events == [("g1", 1)]
     else:
         assert events == [("g0", 2), ("g1", 1), ("h0", 2)]
-    await assert_empty(db)
     assert await dead(db) == {}
 
 
@@ -1076,6 +1075,27 @@ def assert_logged_follow_up_failure(caplog: pytest.LogCaptureFixture, group: str
     assert failures[0].exc_info is not None
 
 
+async def claim_h_past_a_failed_follow_up(
+    db: Any,
+    transport: AsyncGroupTransport,
+    faults: FaultInjector,
+    caplog: pytest.LogCaptureFixture,
+    triggered: int,
+) -> GroupLease:
+    """A claim_many over g, whose follow-up write (a burial, a drop) is set to fail, and h (h0
+    alone): `triggered` faults fired in all, the failure on g is logged and nothing raised, and
+    h's lease comes back, held. That lease."""
+    with caplog.at_level(logging.WARNING, logger="mongoq.groups"):
+        leases = await transport.claim_many(10, "A")
+
+    assert len(faults.triggered) == triggered
+    assert_logged_follow_up_failure(caplog, "g")
+    (h,) = leases
+    assert (h.group_id, h.event, h.deliveries, h.was_last) == ("h", "h0", 1, True)
+    await assert_holds(db, h)
+    return h
+
+
 async def interrupt_a_burial_after_its_mark(
     transport: AsyncGroupTransport, faults: FaultInjector
 ) -> None:
@@ -1093,45 +1113,31 @@ async def assert_batched_workers_finish_the_burial(
 ) -> None:
     """Once g's lease has ended, batched workers alone (`drain_batched`) deliver g1 once and
     leave exactly one dead letter: g's first message (seq 1, `event`) with `error`."""
-    clock.advance(VISIBILITY + 0.001)
-    delivered = await drain_batched(db, transport, clock)
+    clock.advance(VISIBILITY)
+    delivered = await drain_the_rest(db, transport, clock)
     assert [(x.event, x.deliveries) for x in delivered] == [("g1", 1)]
     (letter,) = (await dead(db)).values()
     assert (letter["_id"], letter["event"], letter["error"]) == (1, event, error)
-    await assert_empty(db)
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("command", list(BURIAL))
 async def test_a_dead_lettering_by_claim_many_that_failed_on_any_command_is_recoverable(
-    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture, command: str, when: str
+    db: Any, failure: Failure, clock: ManualClock, command: str
 ) -> None:
     """Whichever command of the burial failed, claim_many logs it and still returns the other
     group's lease; the burial stops exactly there, the failed group stays leased until its
     lease ends (unless the release applied), and batched workers alone then finish it: the
     head ends in the dead letters exactly once and the group's next message is delivered."""
-    faults = FaultInjector()
-    transport = await new_transport(instrument(db, faults), clock, max_deliveries=2)
-    await transport.publish_many([NewMessage("g", "poison"), NewMessage("g", "g1")])
-    for _ in (1, 2):
-        (lease,) = await transport.claim_many(10, "A")
-        assert lease.event == "poison"
-        assert await transport.nack(lease, error="boom")
-        clock.advance(1)
-    await transport.publish("h", "h0")
-    collection, name = BURIAL[command]
-    (faults.fail_before if when == "before" else faults.fail_after)(name, collection=collection)
+    transport = await new_transport(instrument(db, failure.faults), clock, max_deliveries=2)
+    await deliver_twice_and_nack(transport, clock, "poison")
+    failure.inject(*BURIAL[command])
 
-    with caplog.at_level(logging.WARNING, logger="mongoq.groups"):
-        leases = await transport.claim_many(10, "A")
+    h = await claim_h_past_a_failed_follow_up(
+        db, transport, failure.faults, failure.log, triggered=1
+    )
 
-    assert len(faults.triggered) == 1
-    assert_logged_follow_up_failure(caplog, "g")
-    (h,) = leases
-    assert (h.group_id, h.event, h.deliveries, h.was_last) == ("h", "h0", 1, True)
-    await assert_holds(db, h)
     # The burial went exactly as far as the failed command (which applied, if "after").
-    applied = list(BURIAL).index(command) + (when == "after")
+    applied = list(BURIAL).index(command) + (failure.when == "after")
     head = await message(db, 1)
     if applied >= 3:  # deleted
         assert head is None
@@ -1139,84 +1145,67 @@ async def test_a_dead_lettering_by_claim_many_that_failed_on_any_command_is_reco
         assert head is not None and head["event"] == "poison"
         assert (head["dead"] is not None) == (applied >= 1)
     assert len(await dead(db)) == (1 if applied >= 2 else 0)
-    g = await lock(db, "g")
-    assert g is not None
     if applied == 4:  # released
-        assert (g["token"], g["available_at"]) == (None, clock.now())
+        await assert_released(db, "g", clock.now())
     else:  # left to its lease: nobody gets g until it ends
-        assert (g["token"], g["available_at"]) == (h.token, h.lease_until)
+        await assert_left_to(db, "g", h)
     assert await transport.ack_many([h]) == [True]
     if applied < 4:
         assert await transport.claim_many(10, "B") == []
 
-    await assert_batched_workers_finish_the_burial(db, transport, clock, "poison", "boom")
+    await assert_batched_workers_finish_the_burial(db, transport, clock, "poison", "boom 2")
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
 async def test_a_claim_many_whose_drop_of_an_empty_group_failed_returns_the_others(
-    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture, when: str
+    db: Any, transport: AsyncGroupTransport, failure: Failure, clock: ManualClock
 ) -> None:
     """g's lock outlived its last message (dead-lettered). The drop claim_many sends for it
     fails: logged, h's lease returned; g is gone if the drop applied, else leased until its
     lease ends and dropped by the claim after it."""
-    faults = FaultInjector()
-    transport = await new_transport(instrument(db, faults), clock)
     await transport.publish("g", "g0")
     assert await transport.dead_letter(await claim_one(transport, "A", group="g"), "bad")
     await transport.publish("h", "h0")
-    (faults.fail_before if when == "before" else faults.fail_after)(
-        "delete_one", collection="mq_locks"
+    failure.inject("mq_locks", "delete_one")
+
+    h = await claim_h_past_a_failed_follow_up(
+        db, transport, failure.faults, failure.log, triggered=1
     )
 
-    with caplog.at_level(logging.WARNING, logger="mongoq.groups"):
-        leases = await transport.claim_many(10, "A")
-
-    assert len(faults.triggered) == 1
-    assert_logged_follow_up_failure(caplog, "g")
-    (h,) = leases
-    assert (h.group_id, h.event, h.deliveries) == ("h", "h0", 1)
-    await assert_holds(db, h)
-    g = await lock(db, "g")
-    if when == "after":
-        assert g is None
+    if failure.when == "after":
+        assert await lock(db, "g") is None
     else:
-        assert g is not None and (g["token"], g["available_at"]) == (h.token, h.lease_until)
+        await assert_left_to(db, "g", h)
     assert await transport.ack_many([h]) == [True]
     assert await transport.claim_many(10, "B") == []
-    clock.advance(VISIBILITY + 0.001)
+    clock.advance(VISIBILITY)
 
-    assert await drain_batched(db, transport, clock) == []
+    assert await drain_the_rest(db, transport, clock) == []
 
-    await assert_empty(db)
     (letter,) = (await dead(db)).values()
     assert (letter["group_id"], letter["event"]) == ("g", "g0")
 
 
 async def test_a_claim_many_whose_finishing_of_a_burial_failed_returns_the_others(
-    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
+    db: Any,
+    transport: AsyncGroupTransport,
+    faults: FaultInjector,
+    clock: ManualClock,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A burial stopped after its mark; the claim_many that finds the marked head fails to
     copy it: logged, h's lease returned, g left to the lease; the next claim finishes the
     burial (one dead letter) and delivers g1."""
-    faults = FaultInjector()
-    transport = await new_transport(instrument(db, faults), clock)
     await interrupt_a_burial_after_its_mark(transport, faults)
     await transport.publish("h", "h0")
     clock.advance(VISIBILITY + 0.001)
     faults.fail_before("replace_one", collection="mq_dead")
 
-    with caplog.at_level(logging.WARNING, logger="mongoq.groups"):
-        leases = await transport.claim_many(10, "A")
+    h = await claim_h_past_a_failed_follow_up(db, transport, faults, caplog, triggered=2)
 
-    assert len(faults.triggered) == 2
-    assert_logged_follow_up_failure(caplog, "g")
-    (h,) = leases
-    assert (h.group_id, h.event, h.deliveries) == ("h", "h0", 1)
     marked = await message(db, 1)
     assert marked is not None and marked["dead"] is not None
     assert await dead(db) == {}
-    g = await lock(db, "g")
-    assert g is not None and (g["token"], g["available_at"]) == (h.token, h.lease_until)
+    await assert_left_to(db, "g", h)
     assert await transport.ack_many([h]) == [True]
     assert await transport.claim_many(10, "B") == []
 
@@ -1224,15 +1213,13 @@ async def test_a_claim_many_whose_finishing_of_a_burial_failed_returns_the_other
 
 
 async def test_a_burial_interrupted_after_the_mark_is_finished_by_claim_many(
-    db: Any, clock: ManualClock
+    db: Any, transport: AsyncGroupTransport, faults: FaultInjector, clock: ManualClock
 ) -> None:
     """dead_letter marked the head, then its connection broke before the copy. Once the
     holder's lease ended, batched claimers alone (a `run` with `batch_size` > 1 claims only
     through `claim_many`) must finish the move, as a single `claim` does, and go on with the
     group's next message; otherwise the group is leased and released again forever and g1 is
     never delivered."""
-    faults = FaultInjector()
-    transport = await new_transport(instrument(db, faults), clock)
     await interrupt_a_burial_after_its_mark(transport, faults)
     marked = await message(db, 1)
     assert marked is not None and marked["dead"] is not None
@@ -1277,8 +1264,7 @@ async def test_run_with_batches_processes_everything_in_fewer_commands(
     single = await run_until_empty(transports["single"], handler("single"))
 
     for kind, summary in (("batched", batched), ("single", single)):
-        assert (summary.claimed, summary.acked) == (24, 24), kind
-        assert summary.retried + summary.dead + summary.lost + summary.unknown == 0
+        assert summary == GroupRunSummary(claimed=24, acked=24), kind
         assert by_group(handled[kind]) == published
         await assert_empty(db, kind)
     assert "batched_locks.find_one_and_update" not in counters["batched"].counts
@@ -1323,9 +1309,8 @@ async def test_run_with_batches_keeps_fifo_and_exclusivity_across_workers(
 
 
 async def test_run_with_batches_nacks_failures_and_dead_letters_permanent_errors_per_group(
-    db: Any, clock: ManualClock
+    db: Any, transport: AsyncGroupTransport, clock: ManualClock
 ) -> None:
-    transport = await new_transport(db, clock)
     await transport.publish_many(
         [
             NewMessage("g", "permanent"),
@@ -1341,111 +1326,14 @@ async def test_run_with_batches_nacks_failures_and_dead_letters_permanent_errors
     first = await run_until_empty(transport, handler, batch_size=10, retry_delay=5)
 
     assert sorted(handled) == [("flaky", 1), ("g-ok", 1), ("k0", 1), ("permanent", 1)]
-    assert (first.claimed, first.acked, first.dead, first.retried, first.lost) == (4, 2, 1, 1, 0)
+    assert first == GroupRunSummary(claimed=4, acked=2, dead=1, retried=1)
     await assert_permanent_buried_and_flaky_parked(db, clock, retry_delay=5)
 
     clock.advance(5)
     second = await run_until_empty(transport, handler, batch_size=10, retry_delay=5)
 
     assert handled[4:] == [("flaky", 2), ("h-ok", 1)]
-    assert (second.claimed, second.acked, second.retried) == (2, 2, 0)
-    await assert_empty(db)
-
-
-async def assert_cut_short_at_the_second_head(
-    db: Any, clock: ManualClock, started: list[str]
-) -> str:
-    """A batch over a, b, c and d (two messages each, seqs 1-4 their heads) was cut short, with
-    a retry delay of 10 s, while its second head ran (`started`: the two heads, in order): the
-    first head was acked, the group cut short is parked for the retry delay, and the other two
-    are given back at once with their heads untouched. The group cut short."""
-    done, cut = (event.split(".")[0] for event in started)
-    rest = sorted({"a", "b", "c", "d"} - {done, cut})
-    assert (await group_messages(db))[done] == [f"{done}.1"]
-    cut_lock = await lock(db, cut)
-    assert cut_lock is not None
-    assert (cut_lock["available_at"], cut_lock["parked"]) == (later(clock, 10), True)
-    for group in rest:
-        stored = await lock(db, group)
-        assert stored is not None
-        assert (stored["token"], stored["available_at"]) == (None, clock.now())
-        head = await message(db, "abcd".index(group) + 1)
-        assert head is not None and head["token"] is None
-        assert head["deliveries"] == 0, f"{group}'s head never reached the handler"
-    return cut
-
-
-async def test_a_cancelled_batch_acks_the_finished_and_gives_back_the_rest(
-    db: Any, clock: ManualClock
-) -> None:
-    """Cancelling `run` mid-batch: the heads handled are acked, the one cut short is nacked
-    with the retry delay (a delivery), the groups whose heads were not started are given back
-    at once, their heads not counted as delivered (they never reached the handler)."""
-    transport = await new_transport(db, clock)
-    await publish_groups(transport, ["a", "b", "c", "d"], 2)
-    started: list[str] = []
-
-    async def handler(lease: GroupLease) -> None:
-        started.append(lease.event)
-        if len(started) == 2:
-            await anyio.sleep_forever()
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(lambda: transport.run(handler, batch_size=4, retry_delay=10))
-        await wait_for(lambda: len(started) == 2, "the batch to reach its second head")
-        clock.advance(3)
-        group.cancel_scope.cancel()
-
-    cut = await assert_cut_short_at_the_second_head(db, clock, started)
-    assert (await message(db, "abcd".index(cut) + 1) or {})["deliveries"] == 1
-
-
-async def test_a_batch_longer_than_the_visibility_keeps_every_group_through_renewals(
-    db: Any, clock: ManualClock
-) -> None:
-    """Three heads of 25 s each, one after the other: 75 s, two and a half visibilities. The
-    batch's renewal (extend_many) keeps every group and head stamp, so no other worker takes
-    any of them over."""
-    transport = await new_transport(db, clock)
-    rival = await new_transport(db, clock)  # another process
-    await transport.publish_many([NewMessage(g, f"{g}.0") for g in ("a", "b", "c")])
-    handled: list[str] = []
-    summaries: list[GroupRunSummary] = []
-
-    async def handler(lease: GroupLease) -> None:
-        await clock.sleep(25)
-        handled.append(lease.group_id)
-
-    async def worker() -> None:
-        summaries.append(await run_until_empty(transport, handler, batch_size=3))
-
-    start = clock.now()
-
-    def napping() -> bool:  # the handler, the renewal and the orphan sweep sleep
-        return clock.sleepers == 3
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(worker)
-        for step in range(1, 15):  # 70 s in steps of 5 s
-            await wait_for(napping, f"the batch to nap at step {step}")
-            clock.advance(5)
-            renewed = start + timedelta(seconds=10 * (step * 5 // 10) + VISIBILITY)
-
-            async def settled(renewed: Any = renewed) -> bool:
-                return all(d["available_at"] == renewed for d in (await locks(db)).values())
-
-            await wait_for(napping, f"the batch to nap after step {step}")
-            assert await settled()
-            assert await rival.claim_many(10, "rival") == []
-            assert await rival.claim("rival") is None
-            for doc in (await messages(db)).values():
-                assert doc["stamp_until"] == renewed
-                assert doc["deliveries"] == 1
-            assert len(handled) == step * 5 // 25
-        clock.advance(5)
-
-    (summary,) = summaries
-    assert (summary.claimed, summary.acked, summary.lost, summary.unknown) == (3, 3, 0, 0)
+    assert second == GroupRunSummary(claimed=2, acked=2)
     await assert_empty(db)
 
 
@@ -1499,107 +1387,102 @@ class Completed:
         self.operations.append(op)
 
 
-async def three_groups_in_waiting_order(
-    transport: AsyncGroupTransport, clock: ManualClock, priorities: tuple[int, int, int]
-) -> None:
-    """Groups a, b and c (with these priorities), two messages each; their first messages
-    served a second apart in that order, so that the next claim_many takes a, b, c in that
-    order, with heads a.1, b.1 and c.1 (each its group's last message)."""
-    await transport.publish_many(
-        NewMessage(group, f"{group}.{n}", priority=priority)
-        for n in range(2)
-        for group, priority in zip("abc", priorities, strict=True)
-    )
-    first = {lease.group_id: lease for lease in await transport.claim_many(3, "setup")}
-    for group in "abc":
+@dataclass
+class StalledBatch:
+    """Groups a, b and c (two messages each, their first served a second apart in that order),
+    so that one batch of `run` claims their heads a.1, b.1 and c.1 in that order; a.1's
+    handler stalls past the visibility the claim granted while the batch's renewal
+    (`extend_many`) is held back at `renewal`, and `rival`, another process, may take groups
+    over meanwhile."""
+
+    clock: ManualClock
+    transport: AsyncGroupTransport
+    rival: AsyncGroupTransport
+    renewal: Pause
+    #: every command the transport sent, and those that completed
+    sent: CommandCounter
+    completed: Completed
+    #: the heads the batch's handler started, in order
+    started: list[str] = field(default_factory=list)
+    #: what `rival` took over
+    taken: list[GroupLease] = field(default_factory=list)
+
+    @classmethod
+    async def set_up(
+        cls, db: Any, clock: ManualClock, priorities: tuple[int, int, int]
+    ) -> StalledBatch:
+        faults = FaultInjector()
+        sent = CommandCounter()
+        sent.record = True
+        completed = Completed()
+        transport = await new_transport(instrument(db, faults, sent, completed), clock)
+        renewal = faults.pause_before("update_many", collection="mq_locks", match=is_extend_many)
+        await transport.publish_many(
+            NewMessage(group, f"{group}.{n}", priority=priority)
+            for n in range(2)
+            for group, priority in zip("abc", priorities, strict=True)
+        )
+        first = {lease.group_id: lease for lease in await transport.claim_many(3, "setup")}
+        for group in "abc":
+            clock.advance(1)
+            assert await transport.ack_many([first[group]]) == [True]
         clock.advance(1)
-        assert await transport.ack_many([first[group]]) == [True]
-    clock.advance(1)
+        rival = await new_transport(db, clock)
+        return cls(clock, transport, rival, renewal, sent, completed)
+
+    async def let_the_renewal_run(self) -> None:
+        self.renewal.release()
+        await wait_for(
+            lambda: any(is_restamp(op) for op in self.completed.operations), "the renewal to end"
+        )
+
+    async def run(
+        self, caplog: pytest.LogCaptureFixture, stalled: Callable[[], Awaitable[None]]
+    ) -> GroupRunSummary:
+        """Run the batch; in a.1's handler, once past the visibility with the renewal due (and
+        held back), call `stalled`. Nothing may be logged as an error."""
+
+        async def handler(lease: GroupLease) -> None:
+            self.started.append(lease.event)
+            if lease.group_id == "a":
+                self.clock.advance(VISIBILITY + 1)
+                await wait_for(self.renewal.reached.is_set, "the renewal to be due (held back)")
+                await stalled()
+
+        with caplog.at_level(logging.WARNING):
+            summary = await run_until_empty(self.transport, handler, batch_size=3)
+        assert not unexpected_errors(caplog)
+        return summary
 
 
 @pytest.mark.parametrize("taken_over", [False, True], ids=["still-held", "taken-over"])
 async def test_a_batch_past_its_last_renewal_rechecks_each_lease_before_starting_its_head(
     db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture, taken_over: bool
 ) -> None:
-    """The batch stalls in its first handler past the visibility its claim granted, its
-    renewal held back. Before each later head starts, one `extend` re-checks its group:
-    still held (nobody took it), the head runs; taken over, it never starts under the lost
-    lease and counts as lost, and the new holder's lease is untouched."""
-    faults = FaultInjector()
-    counter = CommandCounter()
-    counter.record = True
-    transport = await new_transport(instrument(db, faults, counter), clock)
-    rival = await new_transport(db, clock)  # another process
-    renewal = faults.pause_before("update_many", collection="mq_locks", match=is_extend_many)
-    await three_groups_in_waiting_order(transport, clock, (0, 0, 0))
-    started: list[str] = []
-    stolen: list[GroupLease] = []
+    """Before each later head starts, one `extend` re-checks its group (the renewal is held
+    back): still held (nobody took it), the head runs; taken over, it never starts under the
+    lost lease and counts as lost, and the new holder's lease is untouched."""
+    batch = await StalledBatch.set_up(db, clock, (0, 0, 0))
 
-    async def handler(lease: GroupLease) -> None:
-        started.append(lease.event)
-        if lease.group_id == "a":
-            clock.advance(VISIBILITY + 1)
-            await wait_for(renewal.reached.is_set, "the renewal to be due (and held back)")
-            if taken_over:
-                stolen.extend(await rival.claim_many(3, "B"))
+    async def take_over() -> None:
+        if taken_over:
+            batch.taken.extend(await batch.rival.claim_many(3, "B"))
 
-    with caplog.at_level(logging.WARNING):
-        summary = await run_until_empty(transport, handler, batch_size=3)
+    summary = await batch.run(caplog, take_over)
 
-    rechecks = [op.filter["_id"] for op in counter.operations if is_single_extend(op)]
+    rechecks = [op.filter["_id"] for op in batch.sent.operations if is_single_extend(op)]
     assert rechecks == ["b", "c"]  # one extend each, before its head would start
-    assert not unexpected_errors(caplog)
     if not taken_over:
-        assert started == ["a.1", "b.1", "c.1"]
-        assert (summary.claimed, summary.acked, summary.lost, summary.unknown) == (3, 3, 0, 0)
+        assert batch.started == ["a.1", "b.1", "c.1"]
+        assert summary == GroupRunSummary(claimed=3, acked=3)
         await assert_empty(db)
         return
-    assert started == ["a.1"]  # never b.1 or c.1 under a lost lease
-    assert (summary.claimed, summary.acked, summary.lost, summary.unknown) == (3, 0, 3, 0)
-    assert sorted(lease.event for lease in stolen) == ["a.1", "b.1", "c.1"]
-    for lease in stolen:
+    assert batch.started == ["a.1"]  # never b.1 or c.1 under a lost lease
+    assert summary == GroupRunSummary(claimed=3, lost=3)
+    assert sorted(lease.event for lease in batch.taken) == ["a.1", "b.1", "c.1"]
+    for lease in batch.taken:
         assert lease.deliveries == 2
         await assert_holds(db, lease)
-
-
-async def test_a_renewal_that_finds_groups_lost_keeps_the_batch_from_starting_their_heads(
-    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
-) -> None:
-    """The batch stalls in a's handler past its visibility; B takes b and c over; then the
-    batch's renewal runs: it keeps a, finds b and c lost, and the batch never starts their
-    heads (not even a re-check is sent) and counts them lost once; a is acked."""
-    faults = FaultInjector()
-    counter = CommandCounter()
-    counter.record = True
-    completed = Completed()
-    transport = await new_transport(instrument(db, faults, counter, completed), clock)
-    rival = await new_transport(db, clock)
-    renewal = faults.pause_before("update_many", collection="mq_locks", match=is_extend_many)
-    await three_groups_in_waiting_order(transport, clock, (0, 1, 1))
-    started: list[str] = []
-    stolen: list[GroupLease] = []
-
-    async def handler(lease: GroupLease) -> None:
-        started.append(lease.event)
-        clock.advance(VISIBILITY + 1)
-        await wait_for(renewal.reached.is_set, "the renewal to be due (and held back)")
-        stolen.extend(await rival.claim_many(10, "B", min_priority=1))
-        renewal.release()
-        await wait_for(
-            lambda: any(is_restamp(op) for op in completed.operations), "the renewal to end"
-        )
-
-    with caplog.at_level(logging.WARNING):
-        summary = await run_until_empty(transport, handler, batch_size=3)
-
-    assert started == ["a.1"]
-    assert (summary.claimed, summary.acked, summary.lost, summary.unknown) == (3, 1, 2, 0)
-    assert not unexpected_errors(caplog)
-    assert [op for op in counter.operations if is_single_extend(op)] == []
-    assert sorted(groups_of(stolen)) == ["b", "c"]
-    for lease in stolen:
-        await assert_holds(db, lease)
-    assert await group_messages(db) == {"b": ["b.1"], "c": ["c.1"]}
 
 
 @pytest.mark.parametrize("outcome", ["returns", "raises"])
@@ -1607,42 +1490,24 @@ async def test_a_renewal_that_finds_groups_lost_keeps_the_batch_from_starting_th
 async def test_run_with_batches_reports_a_group_lost_mid_batch(
     db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture, seen_by: str, outcome: str
 ) -> None:
-    """The batch stalls in a's handler past its visibility and B takes a over. Whether the
-    loss is found by a's settle (the renewal held back) or by the renewal while a's handler
-    still runs, a counts as lost once, nothing escapes the batch, b and c still run and are
-    acked, and B keeps a's head."""
-    faults = FaultInjector()
-    completed = Completed()
-    transport = await new_transport(instrument(db, faults, completed), clock)
-    rival = await new_transport(db, clock)
-    renewal = faults.pause_before("update_many", collection="mq_locks", match=is_extend_many)
-    await three_groups_in_waiting_order(transport, clock, (1, 0, 0))
-    started: list[str] = []
-    taken: list[GroupLease] = []
+    """B takes a over while a's handler stalls. Whether the loss is found by a's settle (the
+    fenced ack or nack refused: the renewal held back) or by the renewal (`extend_many`)
+    while a's handler still runs, a counts as lost once, nothing escapes the batch, b and c
+    still run and are acked, and B keeps a's head, on which nothing was written."""
+    batch = await StalledBatch.set_up(db, clock, (1, 0, 0))
 
-    async def handler(lease: GroupLease) -> None:
-        started.append(lease.event)
-        if lease.group_id != "a":
-            return
-        clock.advance(VISIBILITY + 1)
-        await wait_for(renewal.reached.is_set, "the renewal to be due (and held back)")
-        taken.extend(await rival.claim_many(10, "B", min_priority=1))
+    async def take_over_a() -> None:
+        batch.taken.extend(await batch.rival.claim_many(10, "B", min_priority=1))
         if seen_by == "a renewal":
-            renewal.release()
-            await wait_for(
-                lambda: any(is_restamp(op) for op in completed.operations), "the renewal to end"
-            )
+            await batch.let_the_renewal_run()
         if outcome == "raises":
             raise RuntimeError("a failed")
 
-    with caplog.at_level(logging.WARNING):
-        summary = await run_until_empty(transport, handler, batch_size=3)
+    summary = await batch.run(caplog, take_over_a)
 
-    assert not unexpected_errors(caplog)
-    assert started == ["a.1", "b.1", "c.1"]
-    assert (summary.claimed, summary.acked, summary.lost) == (3, 2, 1)
-    assert summary.retried + summary.dead + summary.released + summary.unknown == 0
-    (stolen,) = taken
+    assert batch.started == ["a.1", "b.1", "c.1"]
+    assert summary == GroupRunSummary(claimed=3, acked=2, lost=1)
+    (stolen,) = batch.taken
     assert (stolen.group_id, stolen.deliveries) == ("a", 2)
     await assert_holds(db, stolen)
     head = await message(db, stolen.seq)
@@ -1650,57 +1515,14 @@ async def test_run_with_batches_reports_a_group_lost_mid_batch(
     assert await group_messages(db) == {"a": ["a.1"]}
 
 
-@pytest.mark.parametrize("outcome", ["returns", "raises"])
-async def test_run_with_single_leases_reports_a_group_a_renewal_finds_lost_once(
-    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture, outcome: str
-) -> None:
-    """batch_size=1 shares the batch code: the handler stalls past the visibility, B takes the
-    group over, and the renewal (a single `extend`) finds it lost while the handler runs.
-    When the handler then returns (or raises), the lease counts as lost once and nothing
-    escapes the loop; B keeps the head."""
-    faults = FaultInjector()
-    completed = Completed()
-    transport = await new_transport(instrument(db, faults, completed), clock)
-    rival = await new_transport(db, clock)
-    await transport.publish("g", "g0")
-    renewal = faults.pause_before("update_one", collection="mq_locks", match=is_single_extend)
-    taken: list[GroupLease] = []
-
-    async def handler(lease: GroupLease) -> None:
-        clock.advance(VISIBILITY + 1)
-        await wait_for(renewal.reached.is_set, "the renewal to be due (and held back)")
-        taken.append(await claim_one(rival, "B", group="g"))
-        renewal.release()
-        await wait_for(
-            lambda: any(is_single_extend(op) for op in completed.operations), "the renewal"
-        )
-        if outcome == "raises":
-            raise RuntimeError("g failed")
-
-    with caplog.at_level(logging.WARNING):
-        summary = await run_until_empty(transport, handler)
-
-    assert not unexpected_errors(caplog)
-    assert (summary.claimed, summary.acked, summary.lost) == (1, 0, 1)
-    assert summary.retried + summary.dead + summary.released + summary.unknown == 0
-    (stolen,) = taken
-    assert stolen.deliveries == 2
-    await assert_holds(db, stolen)
-
-
-@pytest.mark.parametrize("when", ["before", "after"])
 async def test_a_failure_settle_that_raised_a_driver_error_counts_unknown_and_the_batch_goes_on(
-    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture, when: str
+    db: Any, transport: AsyncGroupTransport, failure: Failure, clock: ManualClock
 ) -> None:
     """a's handler fails and its nack raises a driver error (applied or not): counted
     unknown, logged, and b and c still run and are acked. a's head is delivered again once
     its lease ends."""
-    faults = FaultInjector()
-    transport = await new_transport(instrument(db, faults), clock)
     await transport.publish_many([NewMessage(group, f"{group}0") for group in "abc"])
-    (faults.fail_before if when == "before" else faults.fail_after)(
-        "update_one", collection="mq_locks", match=is_park
-    )
+    failure.inject("mq_locks", "update_one", match=is_park)
     leases: dict[Any, GroupLease] = {}
 
     async def handler(lease: GroupLease) -> None:
@@ -1708,94 +1530,55 @@ async def test_a_failure_settle_that_raised_a_driver_error_counts_unknown_and_th
         if lease.group_id == "a":
             raise RuntimeError("a failed")
 
-    with caplog.at_level(logging.WARNING):
-        summary = await run_until_empty(transport, handler, batch_size=3, retry_delay=5)
+    summary = await run_until_empty(transport, handler, batch_size=3, retry_delay=5)
 
-    assert len(faults.triggered) == 1
-    assert (summary.claimed, summary.acked, summary.unknown) == (3, 2, 1)
-    assert summary.retried + summary.dead + summary.lost + summary.released == 0
-    assert any(
-        r.getMessage() == "settling group 'a' failed; its lease will expire" for r in caplog.records
-    )
-    assert not unexpected_errors(caplog)
+    assert len(failure.faults.triggered) == 1
+    assert summary == GroupRunSummary(claimed=3, acked=2, unknown=1)
+    logged = [record.getMessage() for record in failure.log.records]
+    assert "settling group 'a' failed; its lease will expire" in logged
+    assert not unexpected_errors(failure.log)
     assert await group_messages(db) == {"a": ["a0"]}
     a = await lock(db, "a")
     assert a is not None and a["token"] == leases["a"].token
-    if when == "before":  # untouched: held until the lease ends
+    if failure.when == "before":  # untouched: held until the lease ends
         assert (a["available_at"], a["parked"]) == (leases["a"].lease_until, False)
     else:  # parked; the head's error was never written
         assert (a["available_at"], a["parked"]) == (later(clock, 5), True)
     head = await message(db, leases["a"].seq)
     assert head is not None and head.get("last_error") is None
     assert await transport.claim_many(10, "B") == []
-    clock.advance(VISIBILITY + 0.001)
+    clock.advance(VISIBILITY)
 
-    delivered = await drain_batched(db, transport, clock)
+    delivered = await drain_the_rest(db, transport, clock)
 
     assert [(x.event, x.deliveries) for x in delivered] == [("a0", 2)]
-    await assert_empty(db)
 
 
-async def test_a_failure_settle_in_a_cancelled_batch_is_shielded(
-    db: Any, clock: ManualClock
+@contextmanager
+def sigterm_left_to_run() -> Iterator[None]:
+    """SIGTERM does nothing of its own meanwhile (never the default: exit), only what a `run`
+    with `handle_signals` makes of it."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+async def test_a_hard_stopped_batch_acks_the_finished_and_gives_back_the_unstarted_as_released(
+    db: Any, transport: AsyncGroupTransport, clock: ManualClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The run is cancelled while the first head's nack is on its way: the nack still
-    applies (parked for the retry delay, the error recorded). The cancellation then cuts the
-    second head short at its handler's first await (nacked, a delivery), and the third, never
-    started, is given back at once, its delivery not counted."""
-    faults = FaultInjector()
-    transport = await new_transport(instrument(db, faults), clock)
-    await transport.publish_many([NewMessage(group, f"{group}0") for group in "abc"])
-    settling = faults.pause_before("update_one", collection="mq_locks", match=is_park)
-    started: list[GroupLease] = []
-
-    async def handler(lease: GroupLease) -> None:
-        started.append(lease)
-        await anyio.lowlevel.checkpoint()
-        raise RuntimeError(f"{lease.group_id} failed")
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(lambda: transport.run(handler, batch_size=3, retry_delay=10))
-        await wait_for(settling.reached.is_set, "the first nack")
-        group.cancel_scope.cancel()
-        settling.release()
-
-    failed, cut = started
-    for lease in (failed, cut):
-        parked = await lock(db, lease.group_id)
-        assert parked is not None
-        assert (parked["token"], parked["available_at"], parked["parked"]) == (
-            lease.token,
-            later(clock, 10),
-            True,
-        )
-        head = await message(db, lease.seq)
-        assert head is not None and head["deliveries"] == 1
-    failed_head = await message(db, failed.seq)
-    assert failed_head is not None
-    assert failed_head["last_error"].endswith(f"RuntimeError: {failed.group_id} failed")
-    assert (await message(db, cut.seq) or {}).get("last_error") is None
-    (rest,) = set("abc") - {failed.group_id, cut.group_id}
-    given_back = await lock(db, rest)
-    assert given_back is not None
-    assert (given_back["token"], given_back["available_at"]) == (None, clock.now())
-    head = await message(db, "abc".index(rest) + 1)
-    assert head is not None and (head["token"], head["deliveries"]) == (None, 0)
-
-
-async def test_a_hard_stopped_batch_counts_the_heads_it_gave_back_unused_as_released(
-    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A second SIGTERM cancels the in-flight batch and `run` returns its summary: the head
-    handled is acked, the one cut short retried (a delivery), and the two never handed to the
-    handler are counted `released`, not `retried`."""
-    transport = await new_transport(db, clock)
+    """A second SIGTERM cancels the in-flight batch of a, b, c and d (two messages each) while
+    its second head runs, and `run` returns its summary: the head handled is acked; the one
+    cut short is nacked with the retry delay (parked, a delivery, no error recorded); the two
+    never handed to the handler are given back at once, their heads untouched and their
+    deliveries not counted, and counted `released`, not `retried`."""
     await publish_groups(transport, ["a", "b", "c", "d"], 2)
-    started: list[str] = []
+    started: list[GroupLease] = []
     summaries: list[GroupRunSummary] = []
 
     async def handler(lease: GroupLease) -> None:
-        started.append(lease.event)
+        started.append(lease)
         if len(started) == 2:
             await anyio.sleep_forever()
 
@@ -1804,23 +1587,37 @@ async def test_a_hard_stopped_batch_counts_the_heads_it_gave_back_unused_as_rele
             await transport.run(handler, batch_size=4, retry_delay=10, handle_signals=True)
         )
 
-    def stopping() -> bool:
-        return any("stopping after" in record.getMessage() for record in caplog.records)
+    async def stop_twice() -> None:
+        await wait_for(lambda: len(started) == 2, "the batch to reach its second head")
+        os.kill(os.getpid(), signal.SIGTERM)  # graceful: the batch goes on
+        await wait_for(
+            lambda: any("stopping after" in r.getMessage() for r in caplog.records),
+            "the first signal",
+        )
+        assert len(started) == 2
+        os.kill(os.getpid(), signal.SIGTERM)  # hard: the batch is cancelled
 
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # never the default: exit
-    try:
-        with caplog.at_level(logging.INFO, logger="mongoq.worker"):
-            async with anyio.create_task_group() as group:
-                group.start_soon(worker)
-                await wait_for(lambda: len(started) == 2, "the batch to reach its second head")
-                os.kill(os.getpid(), signal.SIGTERM)  # graceful: the batch goes on
-                await wait_for(stopping, "the first signal")
-                assert len(started) == 2
-                os.kill(os.getpid(), signal.SIGTERM)  # hard: the batch is cancelled
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with sigterm_left_to_run(), caplog.at_level(logging.INFO, logger="mongoq.worker"):
+        async with anyio.create_task_group() as group:
+            group.start_soon(worker)
+            await stop_twice()
 
     (summary,) = summaries
-    assert (summary.claimed, summary.acked, summary.retried, summary.released) == (4, 1, 1, 2)
-    assert summary.dead + summary.lost + summary.unknown == 0
-    await assert_cut_short_at_the_second_head(db, clock, started)
+    assert summary == GroupRunSummary(claimed=4, acked=1, retried=1, released=2)
+    done, cut = started
+    assert (await group_messages(db))[done.group_id] == [f"{done.group_id}.1"]
+    parked = await lock(db, cut.group_id)
+    assert parked is not None
+    assert (parked["token"], parked["available_at"], parked["parked"]) == (
+        cut.token,
+        later(clock, 10),
+        True,
+    )
+    cut_head = await message(db, cut.seq)
+    assert cut_head is not None
+    assert (cut_head["deliveries"], cut_head.get("last_error")) == (1, None)
+    for unstarted in sorted(set("abcd") - {done.group_id, cut.group_id}):
+        await assert_released(db, unstarted, clock.now())
+        head = await message(db, "abcd".index(unstarted) + 1)
+        assert head is not None and head["token"] is None
+        assert head["deliveries"] == 0, f"{unstarted}'s head never reached the handler"

@@ -8,7 +8,7 @@ delivered at least once, in per-group order, and a stale holder changes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -21,9 +21,12 @@ from tests.support.group_helpers import (
     EPOCH,
     VISIBILITY,
     assert_empty,
+    assert_lock,
+    assert_message,
     assert_permanent_buried_and_flaky_parked,
     assert_released,
     by_group,
+    claim_and_ack,
     claim_one,
     counter_value,
     dead,
@@ -34,10 +37,11 @@ from tests.support.group_helpers import (
     group_messages,
     lock,
     locks,
-    message,
     messages,
     new_transport,
+    publish_each,
     snapshot,
+    unchanged,
 )
 from tests.support.helpers import later, wait_for
 
@@ -73,14 +77,20 @@ def failing(
     return pytest.raises(AutoReconnect if when == "before" else NetworkTimeout)
 
 
+def each_failure(commands: Sequence[tuple[str, ...]]) -> pytest.MarkDecorator:
+    """Parametrize `failure` over each of `commands` (..., collection, name) failed "before" it
+    applies and "after" it applied: the command's fields, then `when`."""
+    cases = [(*command, when) for when in ("before", "after") for command in commands]
+    return pytest.mark.parametrize("failure", cases, ids=["-".join(case) for case in cases])
+
+
 # ---------------------------------------------------------------------- a consumer that dies
 
 
 async def test_a_consumer_that_dies_mid_message_gets_its_head_redelivered_after_visibility(
     db: Any, transport: AsyncGroupTransport, clock: ManualClock
 ) -> None:
-    for event in ("g0", "g1", "g2"):
-        await transport.publish("g", event)
+    await publish_each(transport, "g", "g0", "g1", "g2")
     dying = await claim_one(transport, "A", group="g", event="g0")  # then A dies
     await transport.publish("h", "h0")
     other = await claim_one(transport, "B", group="h")
@@ -89,15 +99,11 @@ async def test_a_consumer_that_dies_mid_message_gets_its_head_redelivered_after_
 
     clock.advance(VISIBILITY - 1.001)
     assert await transport.claim("C") is None  # "h" was dropped; "g" is still A's
-    held = await lock(db, "g")
-    assert held is not None and (held["token"], held["available_at"]) == (
-        dying.token,
-        dying.lease_until,
-    )
+    await assert_lock(db, "g", token=dying.token, available_at=dying.lease_until)
     clock.advance(0.001)
     second = await claim_one(transport, "C", group="g", event="g0")  # C dies too
     assert (second.seq, second.deliveries) == (dying.seq, 2)
-    assert (await message(db, dying.seq) or {})["token"] == second.token
+    await assert_message(db, dying.seq, token=second.token)
     clock.advance(VISIBILITY)
     third = await claim_one(transport, "D", group="g", event="g0")
     assert (third.seq, third.deliveries) == (dying.seq, 3)
@@ -126,8 +132,7 @@ STALE_CALLS = {
 async def test_a_stale_holder_after_takeover_gets_false_and_changes_nothing(
     db: Any, transport: AsyncGroupTransport, clock: ManualClock, call: str, stage: str
 ) -> None:
-    await transport.publish("g", "g0")
-    await transport.publish("g", "g1")
+    await publish_each(transport, "g", "g0", "g1")
     stale = await claim_one(transport, "A", group="g", event="g0")
     clock.advance(VISIBILITY + 1)
     new = await claim_one(transport, "B", group="g", event="g0")
@@ -137,11 +142,10 @@ async def test_a_stale_holder_after_takeover_gets_false_and_changes_nothing(
     elif stage == "parked":
         assert await transport.nack(new, delay=60)
     clock.advance(1)
-    before = await snapshot(db)
 
-    assert await STALE_CALLS[call](transport, stale) is False
+    async with unchanged(db):
+        assert await STALE_CALLS[call](transport, stale) is False
 
-    assert await snapshot(db) == before
     # The new holder is untouched and settles normally.
     assert await transport.ack(new)
     if stage == "next-head":  # g1 was the last message: B's ack dropped the drained group
@@ -160,13 +164,11 @@ async def test_a_holder_that_released_with_nack_can_no_longer_settle(
     await transport.publish("g", "g0")
     lease = await claim_one(transport, "A", group="g")
     assert await transport.nack(lease)
-    released = await lock(db, "g")
-    assert released is not None and released["token"] is None
-    before = await snapshot(db)
+    await assert_lock(db, "g", token=None)
 
-    assert await STALE_CALLS[call](transport, lease) is False
+    async with unchanged(db):
+        assert await STALE_CALLS[call](transport, lease) is False
 
-    assert await snapshot(db) == before
     again = await claim_one(transport, "B", group="g", event="g0")
     assert again.deliveries == 2
 
@@ -181,8 +183,7 @@ async def test_a_claimer_stalled_past_its_lease_cannot_restamp_the_new_holders_h
     held by B's live lease: it changes nothing, A gets nothing, B keeps the group. With
     `extended`, B renewed its lease (and the head's stamp) and A wakes up after B's original
     lease end: the renewed stamp still keeps A out."""
-    await transport.publish("g", "g0")
-    await transport.publish("g", "g1")
+    await publish_each(transport, "g", "g0", "g1")
     pause = faults.pause_before("find_one_and_update", collection="mq_messages")
     claimed: list[GroupLease | None] = []
 
@@ -192,9 +193,8 @@ async def test_a_claimer_stalled_past_its_lease_cannot_restamp_the_new_holders_h
     async with anyio.create_task_group() as group:
         group.start_soon(stalled_claimer)
         await wait_for(pause.reached.is_set, "A's head stamp")
-        leased = await lock(db, "g")
-        assert leased is not None and leased["token"].startswith("A:")
-        assert (await message(db, 1) or {})["token"] is None  # A has not stamped yet
+        assert (await assert_lock(db, "g"))["token"].startswith("A:")
+        await assert_message(db, 1, token=None)  # A has not stamped yet
         clock.advance(VISIBILITY)  # A's lease ends
         taken = await claim_one(transport, "B", group="g", event="g0")
         stamp_until = taken.lease_until
@@ -206,28 +206,19 @@ async def test_a_claimer_stalled_past_its_lease_cannot_restamp_the_new_holders_h
             assert clock.now() > taken.lease_until
         else:
             clock.advance(VISIBILITY - 1)  # B's lease is still live
-        head = await message(db, 1)
-        assert head is not None
-        assert (head["token"], head["stamp_until"], head["deliveries"]) == (
-            taken.token,
-            stamp_until,
-            1,
-        )
+        await assert_message(db, 1, token=taken.token, stamp_until=stamp_until, deliveries=1)
         before = await snapshot(db)
         pause.release()
 
     assert claimed == [None]
     # A's stamp matched the head but changed nothing: B's token, stamp and delivery count stay.
     assert await snapshot(db) == before
-    held = await lock(db, "g")
-    assert held is not None
-    assert (held["token"], held["available_at"]) == (taken.token, stamp_until)
+    await assert_lock(db, "g", token=taken.token, available_at=stamp_until)
     assert await transport.claim("C") is None
     assert await transport.ack(taken)
     assert list(await messages(db)) == [2]
-    nxt = await claim_one(transport, "A", group="g", event="g1")
+    nxt = await claim_and_ack(transport, "A", group="g", event="g1")
     assert nxt.deliveries == 1
-    assert await transport.ack(nxt)
     await assert_empty(db)
 
 
@@ -241,20 +232,18 @@ PUBLISH_COMMANDS = [
 
 
 @pytest.mark.parametrize("new_group", [False, True], ids=["existing-group", "new-group"])
-@pytest.mark.parametrize("when", ["before", "after"])
-@pytest.mark.parametrize(("collection", "name"), PUBLISH_COMMANDS)
+@each_failure(PUBLISH_COMMANDS)
 async def test_a_publish_that_failed_on_any_command_is_recoverable(
     db: Any,
     transport: AsyncGroupTransport,
     clock: ManualClock,
     faults: FaultInjector,
-    collection: str,
-    name: str,
-    when: str,
+    failure: tuple[str, str, str],
     new_group: bool,
 ) -> None:
     """The publisher sees an error and publishes again (at least once): nothing is lost and
     per-group order holds; an event whose message was written the first time comes twice."""
+    collection, name, when = failure
     await transport.publish("g", "g0")
     await transport.publish("h", "h0")
     group = "n" if new_group else "g"
@@ -300,19 +289,16 @@ async def test_a_publish_that_failed_on_any_command_is_recoverable(
 CLAIM_COMMANDS = [("mq_locks", "find_one_and_update"), ("mq_messages", "find_one_and_update")]
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
-@pytest.mark.parametrize(("collection", "name"), CLAIM_COMMANDS)
+@each_failure(CLAIM_COMMANDS)
 async def test_a_claim_that_failed_on_any_command_is_recoverable(
     db: Any,
     transport: AsyncGroupTransport,
     clock: ManualClock,
     faults: FaultInjector,
-    collection: str,
-    name: str,
-    when: str,
+    failure: tuple[str, str, str],
 ) -> None:
-    await transport.publish("g", "g0")
-    await transport.publish("g", "g1")
+    collection, name, when = failure
+    await publish_each(transport, "g", "g0", "g1")
     before = await snapshot(db)
 
     with failing(faults, when, name, collection):
@@ -320,9 +306,8 @@ async def test_a_claim_that_failed_on_any_command_is_recoverable(
 
     leased = not (collection == "mq_locks" and when == "before")
     stamped = collection == "mq_messages" and when == "after"
-    stored = await lock(db, "g")
-    head = await message(db, 1)
-    assert stored is not None and head is not None
+    stored = await assert_lock(db, "g")
+    head = await assert_message(db, 1)
     if not leased:
         assert await snapshot(db) == before
     else:
@@ -356,18 +341,15 @@ ACK_COMMANDS = [
 ]
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
-@pytest.mark.parametrize(("rest", "collection", "name"), ACK_COMMANDS)
+@each_failure(ACK_COMMANDS)
 async def test_an_ack_that_failed_on_any_command_is_recoverable(
     db: Any,
     transport: AsyncGroupTransport,
     clock: ManualClock,
     faults: FaultInjector,
-    rest: str,
-    collection: str,
-    name: str,
-    when: str,
+    failure: tuple[str, str, str, str],
 ) -> None:
+    rest, collection, name, when = failure
     followed = rest == "more-messages"
     await transport.publish("g", "g0")
     if followed:
@@ -418,11 +400,10 @@ async def test_a_publisher_that_dies_before_readying_leaves_an_orphan_the_sweep_
     await transport.publish("g", "g1")  # an orphan is only a message whose group has no lock
     assert list(await locks(db)) == ["g"]
     assert await group_messages(db) == {"g": ["g0", "g1"], "n": ["n0"]}
-    before = await snapshot(db)
 
-    clock.advance(VISIBILITY)
-    assert await transport.recover_orphans() == 0  # not older than the visibility yet
-    assert await snapshot(db) == before
+    async with unchanged(db):
+        clock.advance(VISIBILITY)
+        assert await transport.recover_orphans() == 0  # not older than the visibility yet
 
     clock.advance(0.001)
     assert await transport.recover_orphans() == 1
@@ -458,7 +439,7 @@ async def test_run_readies_orphans_when_idle(
     first = await transport.run(handler, stop_when_empty=True)
 
     assert (first.claimed, handled) == (0, [])  # nothing was claimable: the idle sweep ran
-    assert (await lock(db, "n") or {})["available_at"] == EPOCH
+    await assert_lock(db, "n", available_at=EPOCH)
     second = await transport.run(handler, stop_when_empty=True)
     assert (second.claimed, second.acked, handled) == (1, 1, ["n0"])
     await assert_empty(db)
@@ -536,15 +517,14 @@ async def test_a_poison_message_goes_to_the_dead_letters_with_its_last_error(
     db: Any, clock: ManualClock
 ) -> None:
     transport = await new_transport(db, clock, max_deliveries=2)
-    await transport.publish("g", {"poison": True}, priority=1)
-    await transport.publish("g", "g1", priority=1)
+    await publish_each(transport, "g", {"poison": True}, "g1", priority=1)
 
     first = await claim_one(transport, "A", group="g")
     assert await transport.nack(first, error="boom 1")
     second = await claim_one(transport, "A", group="g", event={"poison": True})
     assert second.deliveries == 2
     assert await transport.nack(second, error=RuntimeError("boom 2"))
-    assert (await message(db, 1) or {})["last_error"].endswith("RuntimeError: boom 2")
+    assert (await assert_message(db, 1))["last_error"].endswith("RuntimeError: boom 2")
     clock.advance(3)
 
     nxt = await claim_one(transport, "A", group="g")  # the head is over the limit: buried
@@ -604,8 +584,7 @@ async def test_redrive_puts_dead_letters_back_at_the_tail_of_their_groups(
     db: Any, clock: ManualClock
 ) -> None:
     transport = await new_transport(db, clock)
-    await transport.publish("g", "g0")
-    await transport.publish("g", "g1")
+    await publish_each(transport, "g", "g0", "g1")
     lease = await claim_one(transport, "A", group="g", event="g0")
     assert await transport.dead_letter(lease, "bad g0")
     await transport.publish("h", "h0")  # never claimed: before "g", just released
@@ -630,8 +609,7 @@ async def test_dead_letter_moves_the_head_at_once_and_releases_the_group(
     db: Any, clock: ManualClock
 ) -> None:
     transport = await new_transport(db, clock)
-    await transport.publish("g", "g0", priority=2)
-    await transport.publish("g", "g1", priority=2)
+    await publish_each(transport, "g", "g0", "g1", priority=2)
     lease = await claim_one(transport, "A", group="g", event="g0")
     clock.advance(2)
 
@@ -700,25 +678,23 @@ async def test_a_dead_lettering_interrupted_after_the_mark_is_finished_by_the_ne
         error = "not acked after 1 deliveries"
         with failing(faults, when, name, collection, match):
             await transport.claim("B")
-        holder_token = (await lock(db, "g") or {})["token"]
+        holder_token = (await assert_lock(db, "g"))["token"]
         assert holder_token.startswith("B:")
         held_until, delivered = later(clock, VISIBILITY), 2
     assert len(faults.triggered) == 1
 
     # Stopped after the mark: the head is still there, marked, held by the burier's lease.
-    head = await message(db, 1)
-    assert head is not None
-    assert head["dead"] == {"error": error, "at": marked_at}
-    assert (head["token"], head["stamp_until"], head["deliveries"]) == (
-        holder_token,
-        held_until,
-        delivered,
+    await assert_message(
+        db,
+        1,
+        dead={"error": error, "at": marked_at},
+        token=holder_token,
+        stamp_until=held_until,
+        deliveries=delivered,
     )
     copied = stop in ("copy-reply-lost", "before-delete")
     assert list(await dead(db)) == ([1] if copied else [])
-    held = await lock(db, "g")
-    assert held is not None
-    assert (held["token"], held["available_at"]) == (holder_token, held_until)
+    await assert_lock(db, "g", token=holder_token, available_at=held_until)
     assert await transport.claim("C") is None  # still held: nobody finishes it early
     clock.set(held_until)
 
@@ -755,10 +731,8 @@ async def test_run_dead_letters_permanent_errors_and_nacks_the_rest_with_retry_d
     db: Any, clock: ManualClock
 ) -> None:
     transport = await new_transport(db, clock)
-    await transport.publish("g", "permanent")
-    await transport.publish("g", "g-ok")
-    await transport.publish("h", "flaky")
-    await transport.publish("h", "h-ok")
+    await publish_each(transport, "g", "permanent", "g-ok")
+    await publish_each(transport, "h", "flaky", "h-ok")
     handled: list[tuple[Any, int]] = []
     handler = failing_handler(handled)
 
@@ -780,8 +754,7 @@ async def test_run_dead_letters_permanent_errors_and_nacks_the_rest_with_retry_d
 async def test_a_handler_longer_than_visibility_keeps_its_group_through_extensions(
     db: Any, transport: AsyncGroupTransport, clock: ManualClock
 ) -> None:
-    await transport.publish("g", "slow")
-    await transport.publish("g", "next")
+    await publish_each(transport, "g", "slow", "next")
     rival = await new_transport(db, clock)  # another process
     started = anyio.Event()
     finish = anyio.Event()
@@ -798,7 +771,7 @@ async def test_a_handler_longer_than_visibility_keeps_its_group_through_extensio
     async with anyio.create_task_group() as group:
         group.start_soon(worker)
         await wait_for(started.is_set, "the handler to start")
-        token = (await lock(db, "g") or {})["token"]
+        token = (await assert_lock(db, "g"))["token"]
         assert token.startswith("slow-worker:")
         for _ in range(9):  # 90 s, three times the visibility
             clock.advance(VISIBILITY / 3)
@@ -809,8 +782,7 @@ async def test_a_handler_longer_than_visibility_keeps_its_group_through_extensio
 
             await eventually(renewed, "the renewal")
             assert await rival.claim("rival") is None
-            stored = await lock(db, "g")
-            assert stored is not None and stored["token"] == token
+            await assert_lock(db, "g", token=token)
         finish.set()
         await eventually(lambda: _drained(db), "the worker to finish both messages")
         transport.stop()

@@ -18,21 +18,27 @@ from pymongo.errors import AutoReconnect
 from mongoq import AsyncGroupTransport, GroupLease, GroupRunSummary, NewMessage
 from mongoq.testing import FaultInjector, Interleaving, ManualClock, instrument
 from tests.support.group_helpers import (
+    DROP_REFUSED,
     EPOCH,
     PUBLISHES,
+    RECREATED,
+    SEEN_BY_THE_CHECK,
     VISIBILITY,
     Bookkeeping,
     assert_empty,
+    assert_lock,
+    assert_message,
+    assert_outcomes,
     claim_one,
+    dead,
     drain,
     group_messages,
-    lock,
     locks,
     message,
     messages,
     new_transport,
+    publish_each,
     race,
-    snapshot,
 )
 from tests.support.helpers import Actors, Trace, later
 
@@ -50,11 +56,11 @@ def last_ack_outcome(commands: list[str]) -> str:
     new lock), or had its drop refused (the ready moved the version) and released it."""
     checked = ["messages.delete_one", "messages.find_one"]
     if commands == [*checked, "locks.update_one"]:
-        return "seen by the check, released"
+        return SEEN_BY_THE_CHECK
     if commands == [*checked, "locks.delete_one"]:
-        return "dropped, re-created by the publish"
+        return RECREATED
     assert commands == [*checked, "locks.delete_one", "locks.update_one"]
-    return "drop refused, released"
+    return DROP_REFUSED
 
 
 async def assert_nothing_stranded(db: Any, prefix: str) -> None:
@@ -99,15 +105,14 @@ async def test_a_publish_racing_the_ack_that_drops_its_drained_group_is_never_st
     async def check(transport: AsyncGroupTransport, results: dict[str, Any], trace: Trace) -> str:
         assert results == {"A": True, "P": 2 if publish == "publish" else [2]}
         assert await group_messages(db, transport.prefix) == {"g": ["g1"]}
-        stored = await lock(db, "g", transport.prefix)
-        assert stored is not None and stored["token"] is None  # claimable now
+        stored = await assert_lock(db, "g", transport.prefix, token=None)  # claimable now
         outcome = last_ack_outcome(commands_of(trace, "A"))
         insert = trace.index(("P", f"{transport.prefix}_messages", PUBLISH_INSERT[publish]))
         look = trace.index(("A", f"{transport.prefix}_messages", "find_one"))
-        if outcome == "seen by the check, released":
+        if outcome == SEEN_BY_THE_CHECK:
             # The check saw g1: no drop, the group is released.
             assert insert < look
-        elif outcome == "dropped, re-created by the publish":
+        elif outcome == RECREATED:
             # Dropped before the ready: the publish made a new lock, as for a new group.
             assert (stored["available_at"], stored["version"], stored["last_seq"]) == (EPOCH, 1, 2)
         else:  # drop refused, released
@@ -127,11 +132,7 @@ async def test_a_publish_racing_the_ack_that_drops_its_drained_group_is_never_st
     # Of the 35 orders: the insert before the check in 13 (no drop); the insert and the ready
     # both between the check and the drop in 3 (the allocation before, between or after A's
     # first two commands: drop refused); the drop before the ready in the other 19.
-    assert outcomes == {
-        "seen by the check, released": 13,
-        "drop refused, released": 3,
-        "dropped, re-created by the publish": 19,
-    }
+    assert outcomes == {SEEN_BY_THE_CHECK: 13, DROP_REFUSED: 3, RECREATED: 19}
 
 
 #: the command by which each kind of publish writes its message
@@ -165,8 +166,7 @@ async def test_a_publish_racing_the_claim_and_ack_of_its_groups_last_message_is_
         assert results["P"] == 2
         assert (lease.seq, lease.deliveries) == (1, 1)
         assert await group_messages(db, transport.prefix) == {"g": ["g1"]}
-        stored = await lock(db, "g", transport.prefix)
-        assert stored is not None and stored["token"] is None
+        stored = await assert_lock(db, "g", transport.prefix, token=None)
         assert stored["available_at"] <= clock.now()
         path = commands_of(trace, "A")[2:]  # the ack's commands
         ready = trace.index(("P", f"{transport.prefix}_locks", "update_one"))
@@ -177,7 +177,7 @@ async def test_a_publish_racing_the_claim_and_ack_of_its_groups_last_message_is_
             outcome = "not the last: released"
         else:
             outcome = last_ack_outcome(path)
-            if outcome == "dropped, re-created by the publish":
+            if outcome == RECREATED:
                 assert stored["available_at"] == EPOCH
         await deliver_the_rest(db, transport, clock, ["g1"])
         return outcome
@@ -188,9 +188,9 @@ async def test_a_publish_racing_the_claim_and_ack_of_its_groups_last_message_is_
     # drop refused); the insert before the check in 49; the drop before the ready in 29.
     assert outcomes == {
         "not the last: released": 1,
-        "drop refused, released": 5,
-        "seen by the check, released": 49,
-        "dropped, re-created by the publish": 29,
+        DROP_REFUSED: 5,
+        SEEN_BY_THE_CHECK: 49,
+        RECREATED: 29,
     }
 
 
@@ -217,7 +217,7 @@ async def test_a_publish_racing_the_claim_that_finds_its_group_empty_is_never_st
                 await crashing.ack(lease)
             clock.advance(VISIBILITY)  # A's lease ends
         assert await group_messages(db, transport.prefix) == {}
-        assert await lock(db, "g", transport.prefix) is not None
+        await assert_lock(db, "g", transport.prefix)
         return {"C": lambda: transport.claim("C"), "P": lambda: transport.publish("g", "g1")}
 
     async def check(transport: AsyncGroupTransport, results: dict[str, Any], trace: Trace) -> str:
@@ -228,35 +228,50 @@ async def test_a_publish_racing_the_claim_that_finds_its_group_empty_is_never_st
             # C dropped the empty group before the publish readied it again.
             assert path == ["locks.find_one_and_update", "messages.find_one_and_update",
                             "locks.delete_one", "locks.find_one_and_update"]  # fmt: skip
-            stored = await lock(db, "g", transport.prefix)
-            assert stored is not None and stored["token"] is None
-            assert (stored["available_at"], stored["version"]) == (EPOCH, 1)
+            await assert_lock(db, "g", transport.prefix, token=None, available_at=EPOCH, version=1)
             await deliver_the_rest(db, transport, clock, ["g1"])
             return "dropped, then readied by the publish"
         assert (claimed.group_id, claimed.event, claimed.deliveries) == ("g", "g1", 1)
-        stored = await lock(db, "g", transport.prefix)
-        assert stored is not None and stored["token"] == claimed.token
-        assert (await message(db, 2, transport.prefix) or {})["token"] == claimed.token
+        await assert_lock(db, "g", transport.prefix, token=claimed.token)
+        await assert_message(db, 2, transport.prefix, token=claimed.token)
         assert await transport.ack(claimed)
         await deliver_the_rest(db, transport, clock, [])
+        # C's claim drops the empty group as an ack drops a drained one, and ends the same ways.
         if "locks.update_one" in path:
-            return "drop refused (version moved), released, claimed again"
+            return f"{DROP_REFUSED}, claimed again"
         if "locks.delete_one" in path:
-            return "dropped, re-created by the publish, claimed again"
+            return f"{RECREATED}, claimed again"
         return "claimed at once"
 
     outcomes = await race(db, clock, {"C": 4, "P": 3}, setup, check)
     assert outcomes == {
         "dropped, then readied by the publish": 12,
-        "drop refused (version moved), released, claimed again": 3,
-        "dropped, re-created by the publish, claimed again": 7,
+        f"{DROP_REFUSED}, claimed again": 3,
+        f"{RECREATED}, claimed again": 7,
         "claimed at once": 13,
     }
 
 
+#: What P publishes to "g" while A acks g0 and claims again: the call, what it returns, the
+#: events it publishes.
+PUBLISHES_AFTER_G0: dict[
+    str, tuple[Callable[[AsyncGroupTransport], Awaitable[Any]], Any, list[str]]
+] = {
+    "publish": (lambda transport: transport.publish("g", "g1"), 2, ["g1"]),
+    "publish_many": (
+        lambda transport: transport.publish_many([NewMessage("g", "g1"), NewMessage("g", "g2")]),
+        [2, 3],
+        ["g1", "g2"],
+    ),
+}
+
+
+@pytest.mark.parametrize("publish", list(PUBLISHES_AFTER_G0))
 async def test_a_publish_racing_an_ack_and_the_next_claim_is_never_stranded(
-    db: Any, clock: ManualClock
+    db: Any, clock: ManualClock, publish: str
 ) -> None:
+    call, seqs, events = PUBLISHES_AFTER_G0[publish]
+
     async def setup(transport: AsyncGroupTransport) -> Actors:
         await transport.publish("g", "g0")
         lease = await claim_one(transport, "A", group="g")
@@ -265,55 +280,22 @@ async def test_a_publish_racing_an_ack_and_the_next_claim_is_never_stranded(
             assert await transport.ack(lease)
             return await transport.claim("A")
 
-        return {"A": ack_then_claim, "P": lambda: transport.publish("g", "g1")}
+        return {"A": ack_then_claim, "P": lambda: call(transport)}
 
     async def check(transport: AsyncGroupTransport, results: dict[str, Any], trace: Trace) -> str:
-        assert results["P"] == 2
+        assert results["P"] == seqs
         claimed: GroupLease | None = results["A"]
         if claimed is None:
-            await deliver_the_rest(db, transport, clock, ["g1"])
+            await deliver_the_rest(db, transport, clock, events)
             return "A found it empty"
         assert (claimed.event, claimed.seq, claimed.deliveries) == ("g1", 2, 1)
-        assert (await lock(db, "g", transport.prefix) or {})["token"] == claimed.token
+        await assert_lock(db, "g", transport.prefix, token=claimed.token)
         assert await transport.ack(claimed)
-        await deliver_the_rest(db, transport, clock, [])
+        await deliver_the_rest(db, transport, clock, events[1:])
         return "A got it"
 
-    outcomes = await race(db, clock, {"A": 6, "P": 3}, setup, check)
-    assert sum(outcomes.values()) == 84
-    assert set(outcomes) == {"A found it empty", "A got it"}
-
-
-async def test_a_publish_many_racing_the_claim_that_drains_is_never_stranded(
-    db: Any, clock: ManualClock
-) -> None:
-    async def setup(transport: AsyncGroupTransport) -> Actors:
-        await transport.publish("g", "g0")
-        lease = await claim_one(transport, "A", group="g")
-
-        async def ack_then_claim() -> GroupLease | None:
-            assert await transport.ack(lease)
-            return await transport.claim("A")
-
-        async def publish() -> list[int]:
-            return await transport.publish_many([NewMessage("g", "g1"), NewMessage("g", "g2")])
-
-        return {"A": ack_then_claim, "P": publish}
-
-    async def check(transport: AsyncGroupTransport, results: dict[str, Any], trace: Trace) -> str:
-        assert results["P"] == [2, 3]
-        claimed: GroupLease | None = results["A"]
-        if claimed is None:
-            await deliver_the_rest(db, transport, clock, ["g1", "g2"])
-            return "A found it empty"
-        assert claimed.event == "g1"
-        assert await transport.ack(claimed)
-        await deliver_the_rest(db, transport, clock, ["g2"])
-        return "A got it"
-
-    outcomes = await race(db, clock, {"A": 6, "P": 3}, setup, check)
-    assert sum(outcomes.values()) == 84
-    assert set(outcomes) == {"A found it empty", "A got it"}
+    seen = await race(db, clock, {"A": 6, "P": 3}, setup, check)
+    assert_outcomes(seen, 84, {"A found it empty", "A got it"})
 
 
 # -------------------------------------------------------------------------- exclusivity
@@ -330,24 +312,20 @@ async def test_claimers_never_get_the_same_group_in_any_order(db: Any, clock: Ma
         assert sorted(lease.group_id for lease in leases.values()) == ["g", "h"]
         for name, lease in leases.items():
             assert lease.worker_id == name
-            stored = await lock(db, lease.group_id, transport.prefix)
-            assert stored is not None and stored["token"] == lease.token
-            head = await message(db, lease.seq, transport.prefix)
-            assert head is not None and (head["token"], head["deliveries"]) == (lease.token, 1)
+            await assert_lock(db, lease.group_id, transport.prefix, token=lease.token)
+            await assert_message(db, lease.seq, transport.prefix, token=lease.token, deliveries=1)
         (empty_handed,) = set(results) - set(leases)
         return f"{empty_handed} got nothing"
 
-    outcomes = await race(db, clock, {"A": 2, "B": 2, "C": 2}, setup, check)
-    assert sum(outcomes.values()) == 90
-    assert set(outcomes) == {"A got nothing", "B got nothing", "C got nothing"}
+    seen = await race(db, clock, {"A": 2, "B": 2, "C": 2}, setup, check)
+    assert_outcomes(seen, 90, {"A got nothing", "B got nothing", "C got nothing"})
 
 
 async def test_two_workers_on_one_group_hold_it_one_after_the_other_in_fifo_order(
     db: Any, clock: ManualClock
 ) -> None:
     async def setup(transport: AsyncGroupTransport) -> Actors:
-        await transport.publish("g", "g0")
-        await transport.publish("g", "g1")
+        await publish_each(transport, "g", "g0", "g1")
 
         def worker(name: str) -> Callable[[], Awaitable[Any]]:
             async def act() -> tuple[GroupLease | None, bool | None]:
@@ -377,9 +355,8 @@ async def test_two_workers_on_one_group_hold_it_one_after_the_other_in_fifo_orde
         await deliver_the_rest(db, transport, clock, left)
         return f"{len(got)} holder(s)"
 
-    outcomes = await race(db, clock, {"A": 4, "B": 4}, setup, check)
-    assert sum(outcomes.values()) == 70
-    assert set(outcomes) == {"1 holder(s)", "2 holder(s)"}
+    seen = await race(db, clock, {"A": 4, "B": 4}, setup, check)
+    assert_outcomes(seen, 70, {"1 holder(s)", "2 holder(s)"})
 
 
 STALE_SETTLES: dict[str, Callable[[AsyncGroupTransport, GroupLease], Awaitable[bool]]] = {
@@ -405,8 +382,7 @@ async def test_an_expired_holder_racing_the_takeover_leaves_one_owner_of_the_hea
     has the head) - never both, never a change reported as False."""
 
     async def setup(transport: AsyncGroupTransport) -> Actors:
-        await transport.publish("g", "g0")
-        await transport.publish("g", "g1")
+        await publish_each(transport, "g", "g0", "g1")
         stale = await claim_one(transport, "A", group="g")
         clock.advance(VISIBILITY + 1)
         return {
@@ -421,15 +397,15 @@ async def test_an_expired_holder_racing_the_takeover_leaves_one_owner_of_the_hea
         letters = await transport.dead_letters()
         if taken is None:  # only a renewal before the claim keeps B out
             assert settled and call == "extend"
-            assert (await lock(db, "g", transport.prefix) or {})["token"].startswith("A:")
+            assert (await assert_lock(db, "g", transport.prefix))["token"].startswith("A:")
             assert head is not None and head["token"].startswith("A:")
             assert head["stamp_until"] == later(clock, VISIBILITY)
             return "A renewed first and kept it"
         # Whoever B got, B alone holds it: the lock and the head carry B's lease.
-        assert (await lock(db, "g", transport.prefix) or {})["token"] == taken.token
-        current = await message(db, taken.seq, transport.prefix)
-        assert current is not None
-        assert (current["token"], current["stamp_until"]) == (taken.token, taken.lease_until)
+        await assert_lock(db, "g", transport.prefix, token=taken.token)
+        await assert_message(
+            db, taken.seq, transport.prefix, token=taken.token, stamp_until=taken.lease_until
+        )
         if settled and call in ("ack", "dead_letter"):
             assert head is None
             assert (taken.event, taken.deliveries) == ("g1", 1)
@@ -471,19 +447,18 @@ async def test_a_claim_racing_a_nack_without_delay_leaves_the_group_claimable_at
         outcome = "C got it" if claimed is not None else "C found nothing"
         if claimed is None:
             claimed = await transport.claim("D")  # same instant: no lease to wait out
-            stored = await lock(db, "g", transport.prefix)
-            assert claimed is not None, f"g0 unclaimable, its group held by {stored}"
+            stored = await locks(db, transport.prefix)
+            assert claimed is not None, f"g0 unclaimable, the locks: {stored}"
         assert (claimed.event, claimed.deliveries) == ("g0", 2)
-        head = await message(db, 1, transport.prefix)
-        assert head is not None
-        assert (head["token"], head["stamp_until"]) == (claimed.token, claimed.lease_until)
+        await assert_message(
+            db, 1, transport.prefix, token=claimed.token, stamp_until=claimed.lease_until
+        )
         assert await transport.ack(claimed)
         await assert_empty(db, transport.prefix)
         return outcome
 
-    outcomes = await race(db, clock, {"A": 2, "C": 3}, setup, check)
-    assert sum(outcomes.values()) == 10
-    assert set(outcomes) == {"C got it", "C found nothing"}
+    seen = await race(db, clock, {"A": 2, "C": 3}, setup, check)
+    assert_outcomes(seen, 10, {"C got it", "C found nothing"})
 
 
 # ------------------------------------------------------------ many workers over many groups
@@ -532,7 +507,7 @@ async def test_many_workers_over_many_groups_keep_fifo_and_exclusivity(
     assert sum(s.retried for s in summaries) == len(flaky)
     assert sum(s.lost + s.dead + s.unknown for s in summaries) == 0
     await assert_empty(db)
-    assert (await snapshot(db))["dead"] == {}
+    assert await dead(db) == {}
     assert await messages(db) == {}
 
 

@@ -52,6 +52,11 @@ async def assert_nothing_written(db: Any, counter: CommandCounter, before: Any) 
     assert await snapshot(db) == before
 
 
+async def never_called(lease: GroupLease) -> None:
+    """The handler of a run that must be refused before it claims anything."""
+    raise AssertionError("never called")
+
+
 BAD_GROUP_IDS = {
     "operator-injection": {"$ne": None},
     "gt-injection": {"$gt": ""},
@@ -64,6 +69,35 @@ BAD_GROUP_IDS = {
     "nul": "g\x00",
     "too-long": "g" * 1025,
     "too-big-int": 2**63,
+}
+
+
+class Opaque:
+    pass
+
+
+BAD_EVENTS = {
+    "object": object(),
+    "custom-class": Opaque(),
+    "set": {1, 2},
+    "dollar-key": {"$set": {"a": 1}},
+    "dotted-key": {"a.b": 1},
+    "nested-dollar-key": {"outer": {"$where": "1"}},
+    "dotted-key-in-list": [{"ok": 1}, {"x.y": 2}],
+    "int-key": {1: "one"},
+    "oversized": "x" * (SIXTEEN_MIB + 1),
+    "oversized-dict": {"blob": b"\x00" * SIXTEEN_MIB},
+    "too-big-int": 2**64,
+}
+
+
+BAD_PRIORITIES = {
+    "minus-one": -1,
+    "five": 5,
+    "string": "1",
+    "float": 1.0,
+    "bool": True,
+    "none": None,
 }
 
 
@@ -105,25 +139,6 @@ async def test_operator_calls_reject_a_bad_group_id(
     await assert_nothing_written(db, counter, before)
 
 
-class Opaque:
-    pass
-
-
-BAD_EVENTS = {
-    "object": object(),
-    "custom-class": Opaque(),
-    "set": {1, 2},
-    "dollar-key": {"$set": {"a": 1}},
-    "dotted-key": {"a.b": 1},
-    "nested-dollar-key": {"outer": {"$where": "1"}},
-    "dotted-key-in-list": [{"ok": 1}, {"x.y": 2}],
-    "int-key": {1: "one"},
-    "oversized": "x" * (SIXTEEN_MIB + 1),
-    "oversized-dict": {"blob": b"\x00" * SIXTEEN_MIB},
-    "too-big-int": 2**64,
-}
-
-
 @pytest.mark.parametrize("event", list(BAD_EVENTS.values()), ids=list(BAD_EVENTS))
 async def test_publish_rejects_a_bad_event(
     db: Any, transport: AsyncGroupTransport, counter: CommandCounter, before: Any, event: Any
@@ -145,16 +160,6 @@ async def test_publish_many_with_one_bad_event_writes_nothing_of_the_batch(
         await transport.publish_many(batch)
 
     await assert_nothing_written(db, counter, before)
-
-
-BAD_PRIORITIES = {
-    "minus-one": -1,
-    "five": 5,
-    "string": "1",
-    "float": 1.0,
-    "bool": True,
-    "none": None,
-}
 
 
 @pytest.mark.parametrize("priority", list(BAD_PRIORITIES.values()), ids=list(BAD_PRIORITIES))
@@ -189,13 +194,10 @@ async def test_publish_many_rejects_an_item_that_is_not_a_new_message(
 async def test_claim_and_run_reject_a_bad_worker_id(
     db: Any, transport: AsyncGroupTransport, counter: CommandCounter, before: Any, worker_id: Any
 ) -> None:
-    async def handler(lease: GroupLease) -> None:
-        raise AssertionError("never called")
-
     with rejects("worker_id"):
         await transport.claim(worker_id)
     with rejects("worker_id"):
-        await transport.run(handler, worker_id=worker_id, stop_when_empty=True)
+        await transport.run(never_called, worker_id=worker_id, stop_when_empty=True)
 
     await assert_nothing_written(db, counter, before)
 
@@ -208,13 +210,10 @@ async def test_claim_and_run_reject_a_priority_floor_outside_0_to_4(
     before: Any,
     min_priority: Any,
 ) -> None:
-    async def handler(lease: GroupLease) -> None:
-        raise AssertionError("never called")
-
     with rejects("min_priority"):
         await transport.claim("w", min_priority=min_priority)
     with rejects("min_priority"):
-        await transport.run(handler, min_priority=min_priority, stop_when_empty=True)
+        await transport.run(never_called, min_priority=min_priority, stop_when_empty=True)
 
     await assert_nothing_written(db, counter, before)
 
@@ -238,11 +237,8 @@ async def test_run_rejects_bad_options(
     option: str,
     value: Any,
 ) -> None:
-    async def handler(lease: GroupLease) -> None:
-        raise AssertionError("never called")
-
     with rejects(option):
-        await transport.run(handler, stop_when_empty=True, **{option: value})
+        await transport.run(never_called, stop_when_empty=True, **{option: value})
 
     await assert_nothing_written(db, counter, before)
 

@@ -21,15 +21,17 @@ from mongoq.runtime.loop import error_text
 from mongoq.testing import CommandCounter, ManualClock, instrument
 from tests.support.helpers import rejects, utc
 from tests.support.outbox_helpers import (
+    LEASE,
     PREFIX,
-    SUBSCRIPTIONS,
+    bury_head,
     deliveries,
     delivery_of,
     drain,
+    entry,
     events,
     key_in_lane,
     keys_in_distinct_lanes,
-    lanes,
+    lane_docs,
     new_outbox,
     order,
     paid,
@@ -37,25 +39,10 @@ from tests.support.outbox_helpers import (
     stored,
 )
 
-LEASE = 30
-
-
-def entry(doc: dict[str, Any]) -> dict[str, Any]:
-    """The lane entry listing the delivery document `doc` at its current generation."""
-    listed = {"d": doc["_id"], "g": doc["claims"], "h": doc["handler"]}
-    if "key" in doc:
-        listed["k"] = doc["key"]
-    return listed
-
 
 def token(delivery: Delivery) -> tuple[int, int, int]:
     lane, epoch, claims = delivery.lease_token.split(":")
     return int(lane), int(epoch), int(claims)
-
-
-async def lane_docs(db: Any) -> dict[int, dict[str, Any]]:
-    """The 256 lane documents, by lane (the collection also keeps a requeue counter)."""
-    return {i: doc for i, doc in (await lanes(db)).items() if isinstance(i, int)}
 
 
 async def settle_stale(outbox: AsyncOutbox, delivery: Delivery) -> list[Any]:
@@ -382,9 +369,7 @@ async def test_a_rescheduled_head_blocks_its_key_until_it_is_due_and_done(
 
 async def test_a_buried_head_unblocks_its_followers(odb: Any, clock: ManualClock) -> None:
     outbox = await new_outbox(odb, clock)
-    await outbox.publish([paid("e1", "k"), paid("e2", "k"), paid("e3", "k")], session=None)
-    [head] = await outbox.claim("A")
-    assert await outbox.bury(head, error="poison")
+    await bury_head(outbox, error="poison")
     [follower] = await outbox.claim("A")
     assert (follower.event.id, follower.sequence) == ("e2", 2)
     dead = await delivery_of(odb, "e1", "stats")
@@ -399,9 +384,7 @@ async def test_a_requeued_head_that_was_not_overtaken_runs_before_its_followers(
     odb: Any, clock: ManualClock
 ) -> None:
     outbox = await new_outbox(odb, clock)
-    await outbox.publish([paid("e1", "k"), paid("e2", "k"), paid("e3", "k")], session=None)
-    [head] = await outbox.claim("A")
-    assert await outbox.bury(head)
+    await bury_head(outbox)
     clock.advance(1)
     assert await outbox.requeue("e1", "stats")
     doc = await delivery_of(odb, "e1", "stats")
@@ -418,9 +401,7 @@ async def test_a_requeued_head_does_not_start_while_a_later_delivery_of_its_key_
     odb: Any, clock: ManualClock
 ) -> None:
     outbox = await new_outbox(odb, clock)
-    await outbox.publish([paid("e1", "k"), paid("e2", "k"), paid("e3", "k")], session=None)
-    [head] = await outbox.claim("A")
-    assert await outbox.bury(head)
+    await bury_head(outbox)
     [overtaking] = await outbox.claim("A")
     assert overtaking.event.id == "e2"
     assert await outbox.requeue("e1", "stats")
@@ -520,9 +501,10 @@ async def test_reschedule_release_and_bury_write_what_they_say(
     assert await outbox.claim("A") == []  # the dead letter stays out
 
 
-async def test_invalid_settles_raise_before_any_database_call(odb: Any, clock: ManualClock) -> None:
-    counter = CommandCounter()
-    outbox = await new_outbox(instrument(odb, counter), clock, subscriptions=SUBSCRIPTIONS)
+async def test_invalid_settles_raise_before_any_database_call(
+    odb: Any, clock: ManualClock, counter: CommandCounter
+) -> None:
+    outbox = await new_outbox(instrument(odb, counter), clock)
     await outbox.publish(paid("x"), session=None)
     [x] = await outbox.claim("A")
     before = await stored(odb)

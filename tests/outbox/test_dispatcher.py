@@ -8,7 +8,7 @@ done; time moves only through the manual clock.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -18,26 +18,59 @@ import anyio.lowlevel
 import bson
 import pytest
 
-from mongoq import _driver
 from mongoq.errors import LeaseLost, PermanentError
-from mongoq.outbox import DeliveryContext, DispatchSummary, Event, OutboxDispatcher, lane_of
+from mongoq.outbox import (
+    AsyncOutbox,
+    DeliveryContext,
+    DispatchSummary,
+    Event,
+    OutboxDispatcher,
+    lane_of,
+)
 from mongoq.testing import FaultInjector, ManualClock, instrument, settle
 from tests.support.helpers import rejects, utc
-from tests.support.outbox_helpers import deliveries, delivery_of, events, lanes, new_outbox
+from tests.support.outbox_helpers import (
+    LEASE,
+    ONLY_H,
+    Handler,
+    deliveries,
+    delivery_of,
+    dispatcher,
+    event,
+    events,
+    faulty_outbox,
+    lanes,
+    new_outbox,
+    projecting,
+    projection_collection,
+)
 
-LEASE = 30.0
-ONLY_H = {"t": ["h"]}
-Handler = Callable[[Event, DeliveryContext], Awaitable[Any]]
+
+async def holding(
+    db: Any, clock: ManualClock, published: Event | list[Event], **options: Any
+) -> AsyncOutbox:
+    """An outbox of `ONLY_H` (one delivery to "h" per `event`) with `published` published."""
+    outbox = await new_outbox(db, clock, subscriptions=ONLY_H, **options)
+    await outbox.publish(published, session=None)
+    return outbox
 
 
-def event(n: int, key: str | None = None) -> Event:
-    return Event(id=f"e{n}", type="t", payload={"n": n}, key=key)
+async def e1_delivery(db: Any) -> dict[str, Any]:
+    """The stored delivery of e1 to "h", which must be there."""
+    stored = await delivery_of(db, "e1", "h")
+    assert stored is not None
+    return stored
 
 
-def dispatcher(outbox: Any, handlers: dict[str, Handler], **options: Any) -> OutboxDispatcher:
-    options.setdefault("owner", "w")
-    options.setdefault("backoff", lambda attempt: 10)
-    return OutboxDispatcher(outbox, handlers, **options)
+def recorder(seen: list[tuple[str, str, int]], name: str = "h") -> Handler:
+    """A handler that records (`name`, event id, attempt) in `seen`, yields once (so that
+    concurrent runs interleave) and completes."""
+
+    async def handle(event: Event, context: DeliveryContext) -> None:
+        seen.append((name, event.id, context.attempt))
+        await anyio.lowlevel.checkpoint()
+
+    return handle
 
 
 async def assert_lanes_handed_back(db: Any) -> None:
@@ -64,15 +97,8 @@ async def test_run_until_empty_runs_every_subscribed_handler_once_and_hands_lane
     await outbox.publish(published, session=None)
     seen: list[tuple[str, str, int]] = []
 
-    def recorder(name: str) -> Handler:
-        async def handle(event: Event, context: DeliveryContext) -> None:
-            seen.append((name, event.id, context.attempt))
-            await anyio.lowlevel.checkpoint()
-
-        return handle
-
     # A dispatcher runs only its own handlers: the stats deliveries wait for another one.
-    mail_only = await dispatcher(outbox, {"mail": recorder("mail")}).run(stop_when_empty=True)
+    mail_only = await dispatcher(outbox, {"mail": recorder(seen, "mail")}).run(stop_when_empty=True)
     assert mail_only == DispatchSummary(claimed=3, completed=3)
     assert sorted(d["event_id"] for d in await deliveries(odb)) == ["c0", "c1", "c2", "p0"]
     assert {d["handler"] for d in await deliveries(odb)} == {"stats"}
@@ -80,7 +106,7 @@ async def test_run_until_empty_runs_every_subscribed_handler_once_and_hands_lane
         "c0", "c1", "c2"
     }  # fmt: skip
 
-    handlers = {"mail": recorder("mail"), "stats": recorder("stats")}
+    handlers = {"mail": recorder(seen, "mail"), "stats": recorder(seen, "stats")}
     summary = await dispatcher(outbox, handlers, owner="w2").run(stop_when_empty=True)
     assert summary == DispatchSummary(claimed=4, completed=4)
     assert sorted(seen) == sorted(
@@ -129,15 +155,11 @@ async def test_concurrent_dispatch_keeps_per_key_order_and_never_runs_one_key_tw
 async def test_run_once_claims_one_batch_returns_its_own_summary_and_keeps_lanes(
     odb: Any, clock: ManualClock
 ) -> None:
-    outbox = await new_outbox(odb, clock, subscriptions=ONLY_H)
-    await outbox.publish([event(n) for n in range(3)], session=None)
-    ran: list[str] = []
-
-    async def handle(event: Event, context: DeliveryContext) -> None:
-        ran.append(event.id)
-
-    worker = dispatcher(outbox, {"h": handle}, concurrency=2)
+    outbox = await holding(odb, clock, [event(n) for n in range(3)])
+    seen: list[tuple[str, str, int]] = []
+    worker = dispatcher(outbox, {"h": recorder(seen)}, concurrency=2)
     assert await worker.run_once() == DispatchSummary(claimed=2, completed=2)
+    ran = [event_id for _, event_id, _ in seen]
     assert len(ran) == 2
     assert [d["event_id"] for d in await deliveries(odb)] == [
         e for e in ("e0", "e1", "e2") if e not in ran
@@ -145,7 +167,7 @@ async def test_run_once_claims_one_batch_returns_its_own_summary_and_keeps_lanes
     assert {lane["owner"] for lane in (await lanes(odb)).values()} == {None, "w"}
 
     assert await worker.run_once() == DispatchSummary(claimed=1, completed=1)
-    assert sorted(ran) == ["e0", "e1", "e2"]
+    assert sorted(seen) == [("h", "e0", 1), ("h", "e1", 1), ("h", "e2", 1)]
     assert worker.summary == DispatchSummary(claimed=3, completed=3)  # the running totals
     await assert_all_completed(odb, ["e0", "e1", "e2"])
     # Nothing left: the claim hands back the lanes that yield nothing and run nothing.
@@ -159,31 +181,29 @@ async def test_run_once_claims_one_batch_returns_its_own_summary_and_keeps_lanes
 async def test_a_failure_is_rescheduled_after_the_backoff_and_then_completes(
     odb: Any, clock: ManualClock
 ) -> None:
-    outbox = await new_outbox(odb, clock, subscriptions=ONLY_H)
-    await outbox.publish(event(1), session=None)
-    attempts: list[int] = []
+    outbox = await holding(odb, clock, event(1))
+    calls: list[tuple[str, int]] = []
 
     async def flaky(event: Event, context: DeliveryContext) -> None:
-        attempts.append(context.attempt)
+        calls.append((event.id, context.attempt))
         if context.attempt == 1:
             raise RuntimeError("flaky downstream")
 
     worker = dispatcher(outbox, {"h": flaky}, max_attempts=3)
     assert await worker.run(stop_when_empty=True) == DispatchSummary(claimed=1, retried=1)
-    stored = await delivery_of(odb, "e1", "h")
-    assert stored is not None
+    stored = await e1_delivery(odb)
     assert stored["status"] == "pending" and stored["attempts"] == 1
     assert utc(stored["due_at"]) == clock.now() + timedelta(seconds=10)
     assert "flaky downstream" in stored["last_error"]
 
     clock.advance(9)  # not due yet
     assert await worker.run_once() == DispatchSummary()
-    assert attempts == [1]
+    assert calls == [("e1", 1)]
     clock.advance(1)
     assert await worker.run(stop_when_empty=True) == DispatchSummary(
         claimed=2, completed=1, retried=1
     )
-    assert attempts == [1, 2]
+    assert calls == [("e1", 1), ("e1", 2)]
     await assert_all_completed(odb, ["e1"])
     await assert_lanes_handed_back(odb)
 
@@ -191,8 +211,7 @@ async def test_a_failure_is_rescheduled_after_the_backoff_and_then_completes(
 async def test_a_poison_delivery_is_buried_after_max_attempts_with_its_error(
     odb: Any, clock: ManualClock
 ) -> None:
-    outbox = await new_outbox(odb, clock, subscriptions=ONLY_H)
-    await outbox.publish(event(1), session=None)
+    outbox = await holding(odb, clock, event(1))
     attempts: list[int] = []
 
     async def poison(event: Event, context: DeliveryContext) -> None:
@@ -205,8 +224,7 @@ async def test_a_poison_delivery_is_buried_after_max_attempts_with_its_error(
         clock.advance(10)
     assert await worker.run(stop_when_empty=True) == DispatchSummary(claimed=3, retried=2, buried=1)
     assert attempts == [1, 2, 3]
-    stored = await delivery_of(odb, "e1", "h")
-    assert stored is not None
+    stored = await e1_delivery(odb)
     assert stored["status"] == "dead" and stored["attempts"] == 3
     assert "due_at" not in stored
     assert "ValueError: cannot parse payload {'n': 1}" in stored["last_error"]
@@ -217,8 +235,7 @@ async def test_a_poison_delivery_is_buried_after_max_attempts_with_its_error(
 async def test_permanent_error_buries_at_once_and_the_key_goes_on(
     odb: Any, clock: ManualClock
 ) -> None:
-    outbox = await new_outbox(odb, clock, subscriptions=ONLY_H)
-    await outbox.publish([event(1, "k"), event(2, "k")], session=None)
+    outbox = await holding(odb, clock, [event(1, "k"), event(2, "k")])
     ran: list[str] = []
 
     async def handle(event: Event, context: DeliveryContext) -> None:
@@ -238,8 +255,7 @@ async def test_permanent_error_buries_at_once_and_the_key_goes_on(
 async def test_requeue_runs_a_dead_letter_again_before_its_unclaimed_followers(
     odb: Any, clock: ManualClock
 ) -> None:
-    outbox = await new_outbox(odb, clock, subscriptions=ONLY_H)
-    await outbox.publish([event(1, "k"), event(2, "k")], session=None)
+    outbox = await holding(odb, clock, [event(1, "k"), event(2, "k")])
     ran: list[tuple[str, int]] = []
     broken = True
 
@@ -256,8 +272,7 @@ async def test_requeue_runs_a_dead_letter_again_before_its_unclaimed_followers(
 
     broken = False  # the handler is fixed; the operator requeues the dead letter
     assert await outbox.requeue("e1", "h") is True
-    stored = await delivery_of(odb, "e1", "h")
-    assert stored is not None
+    stored = await e1_delivery(odb)
     assert (stored["status"], stored["attempts"], stored["sequence"]) == ("pending", 0, 1)
     assert utc(stored["due_at"]) == clock.now()
     assert await outbox.requeue("e1", "h") is False  # not dead any more
@@ -271,8 +286,7 @@ async def test_requeue_runs_a_dead_letter_again_before_its_unclaimed_followers(
 async def test_requeued_dead_letter_waits_while_a_later_delivery_of_its_key_runs(
     odb: Any, clock: ManualClock
 ) -> None:
-    outbox = await new_outbox(odb, clock, subscriptions=ONLY_H)
-    await outbox.publish([event(1, "k"), event(2, "k")], session=None)
+    outbox = await holding(odb, clock, [event(1, "k"), event(2, "k")])
     gate = anyio.Event()
     ran: list[str] = []
 
@@ -300,23 +314,19 @@ async def test_requeued_dead_letter_waits_while_a_later_delivery_of_its_key_runs
 async def test_a_delivery_charged_past_max_attempts_by_takeovers_is_buried_unrun(
     odb: Any, clock: ManualClock
 ) -> None:
-    outbox = await new_outbox(odb, clock, subscriptions=ONLY_H, lease=LEASE)
-    await outbox.publish(event(1), session=None)
+    outbox = await holding(odb, clock, event(1), lease=LEASE)
     # Two workers crash while running it: each takeover charges the attempt they lost.
     for crashed in ("ghost1", "ghost2"):
         [claimed] = await outbox.claim(crashed, ["h"])
         clock.advance(LEASE + 1)
     assert claimed.attempt == 2
-    ran: list[int] = []
-
-    async def handle(event: Event, context: DeliveryContext) -> None:
-        ran.append(context.attempt)
-
-    summary = await dispatcher(outbox, {"h": handle}, max_attempts=2).run(stop_when_empty=True)
-    assert ran == []
+    seen: list[tuple[str, str, int]] = []
+    summary = await dispatcher(outbox, {"h": recorder(seen)}, max_attempts=2).run(
+        stop_when_empty=True
+    )
+    assert seen == []
     assert summary == DispatchSummary(claimed=1, buried=1)
-    stored = await delivery_of(odb, "e1", "h")
-    assert stored is not None
+    stored = await e1_delivery(odb)
     assert stored["status"] == "dead"
     # the two lost attempts, plus the third that ended as the burial
     assert stored["attempts"] == 3
@@ -330,8 +340,7 @@ async def test_a_delivery_charged_past_max_attempts_by_takeovers_is_buried_unrun
 async def test_stop_from_a_handler_lets_running_handlers_finish_and_claims_nothing_more(
     odb: Any, clock: ManualClock
 ) -> None:
-    outbox = await new_outbox(odb, clock, subscriptions=ONLY_H)
-    await outbox.publish([event(n) for n in range(5)], session=None)
+    outbox = await holding(odb, clock, [event(n) for n in range(5)])
     ran: list[str] = []
 
     async def handle(event: Event, context: DeliveryContext) -> None:
@@ -349,13 +358,9 @@ async def test_stop_from_a_handler_lets_running_handlers_finish_and_claims_nothi
     await assert_lanes_handed_back(odb)
 
     # The next dispatcher runs the rest, each on its first attempt.
-    ran.clear()
-
-    async def finish(event: Event, context: DeliveryContext) -> None:
-        ran.append(f"{event.id}@{context.attempt}")
-
-    await dispatcher(outbox, {"h": finish}, owner="w2").run(stop_when_empty=True)
-    assert sorted(ran) == sorted(f"{d['event_id']}@1" for d in left)
+    seen: list[tuple[str, str, int]] = []
+    await dispatcher(outbox, {"h": recorder(seen)}, owner="w2").run(stop_when_empty=True)
+    assert sorted(seen) == sorted(("h", d["event_id"], 1) for d in left)
     await assert_all_completed(odb, [f"e{n}" for n in range(5)])
 
 
@@ -379,8 +384,7 @@ async def test_cancelling_run_releases_the_running_delivery_uncharged_and_hands_
     odb: Any, clock: ManualClock
 ) -> None:
     brake, arm = claim_brake(allowed=2)
-    outbox = await new_outbox(instrument(odb, brake), clock, subscriptions=ONLY_H)
-    await outbox.publish(event(1, "k"), session=None)
+    outbox = await holding(instrument(odb, brake), clock, event(1, "k"))
     started: list[int] = []
     running = anyio.Event()
 
@@ -398,30 +402,24 @@ async def test_cancelling_run_releases_the_running_delivery_uncharged_and_hands_
         group.cancel_scope.cancel()
     assert started == [1]
     assert worker.summary == DispatchSummary(claimed=1, released=1)
-    stored = await delivery_of(odb, "e1", "h")
-    assert stored is not None
+    stored = await e1_delivery(odb)
     assert (stored["status"], stored["attempts"], stored["claims"]) == ("pending", 0, 1)
     assert utc(stored["due_at"]) == clock.now()
     assert brake.triggered == []
     brake.clear()
     await assert_lanes_handed_back(odb)
 
-    attempts: list[int] = []
-
-    async def finish(event: Event, context: DeliveryContext) -> None:
-        attempts.append(context.attempt)
-
-    await dispatcher(outbox, {"h": finish}, owner="w2").run(stop_when_empty=True)
-    assert attempts == [1]  # the released run was not charged by the next holder
+    seen: list[tuple[str, str, int]] = []
+    await dispatcher(outbox, {"h": recorder(seen)}, owner="w2").run(stop_when_empty=True)
+    assert seen == [("h", "e1", 1)]  # the released run was not charged by the next holder
     await assert_all_completed(odb, ["e1"])
 
 
 async def test_a_long_handler_keeps_its_lanes_renewed_and_its_key_to_itself(
     odb: Any, clock: ManualClock
 ) -> None:
-    outbox = await new_outbox(odb, clock, subscriptions=ONLY_H, lease=LEASE)
+    outbox = await holding(odb, clock, [event(1, "k"), event(2, "k")], lease=LEASE)
     other = await new_outbox(odb, clock, subscriptions=ONLY_H, lease=LEASE)  # another process
-    await outbox.publish([event(1, "k"), event(2, "k")], session=None)
     gate = anyio.Event()
     ran: list[str] = []
 
@@ -458,35 +456,11 @@ async def test_a_long_handler_keeps_its_lanes_renewed_and_its_key_to_itself(
 # ------------------------------------------------------------------ transactional handlers
 
 
-async def projection_collection(db: Any) -> Any:
-    await _driver.create_collections(db, ["projection"])  # not implicitly, in a transaction
-    return db["projection"]
-
-
-def projecting(db: Any, after_complete: Callable[[DeliveryContext], None] | None = None) -> Handler:
-    """A handler that writes its projection and completes its delivery in one transaction;
-    `after_complete` runs inside the transaction after the completion (and may raise)."""
-
-    async def project(event: Event, context: DeliveryContext) -> None:
-        async def work(session: Any) -> None:
-            await db["projection"].insert_one(
-                {"_id": event.id, "attempt": context.attempt}, session=session
-            )
-            await context.complete(session)
-            if after_complete is not None:
-                after_complete(context)
-
-        await _driver.run_in_transaction(db, work)
-
-    return project
-
-
 async def test_transactional_handler_completes_with_its_projection(
     txdb: Any, clock: ManualClock
 ) -> None:
-    outbox = await new_outbox(txdb, clock, subscriptions=ONLY_H)
+    outbox = await holding(txdb, clock, [event(1, "k"), event(2, "k")])
     projection = await projection_collection(txdb)
-    await outbox.publish([event(1, "k"), event(2, "k")], session=None)
     summary = await dispatcher(outbox, {"h": projecting(txdb)}).run(stop_when_empty=True)
     assert summary == DispatchSummary(claimed=2, completed=2)
     assert await projection.find({}, sort=[("_id", 1)]).to_list(None) == [
@@ -500,19 +474,14 @@ async def test_transactional_handler_completes_with_its_projection(
 async def test_transactional_handler_aborted_after_completing_is_retried_not_completed(
     txdb: Any, clock: ManualClock
 ) -> None:
-    outbox = await new_outbox(txdb, clock, subscriptions=ONLY_H)
+    outbox = await holding(txdb, clock, event(1))
     projection = await projection_collection(txdb)
-    await outbox.publish(event(1), session=None)
+    failure = RuntimeError("validation failed after completing")
 
-    def fail_first(context: DeliveryContext) -> None:
-        if context.attempt == 1:
-            raise RuntimeError("validation failed after completing")
-
-    worker = dispatcher(outbox, {"h": projecting(txdb, fail_first)})
+    worker = dispatcher(outbox, {"h": projecting(txdb, fail_first=failure)})
     assert await worker.run(stop_when_empty=True) == DispatchSummary(claimed=1, retried=1)
     assert await projection.count_documents({}) == 0
-    stored = await delivery_of(txdb, "e1", "h")
-    assert stored is not None
+    stored = await e1_delivery(txdb)
     assert (stored["status"], stored["attempts"]) == ("pending", 1)
     assert "validation failed after completing" in stored["last_error"]
     assert "completed_at" not in (await events(txdb))["e1"]
@@ -528,9 +497,8 @@ async def test_transactional_handler_that_lost_its_lane_raises_lease_lost_and_wr
 ) -> None:
     # The dispatcher's lane renewals fail (a partition), so its lease runs out mid-handler and
     # another worker takes the lane over, charging the lost attempt.
-    partition = FaultInjector()
+    outbox, partition = await faulty_outbox(txdb, clock, subscriptions=ONLY_H)
     partition.fail_before("update_many", collection="ob_lanes", times=1000)
-    outbox = await new_outbox(instrument(txdb, partition), clock, subscriptions=ONLY_H)
     other = await new_outbox(txdb, clock, subscriptions=ONLY_H)
     projection = await projection_collection(txdb)
     await outbox.publish(event(1), session=None)
@@ -553,8 +521,7 @@ async def test_transactional_handler_that_lost_its_lane_raises_lease_lost_and_wr
     assert outcomes == ["lease lost"]
     assert [(d.event.id, d.attempt) for d in taken] == [("e1", 2)]
     assert await projection.count_documents({}) == 0
-    stored = await delivery_of(txdb, "e1", "h")
-    assert stored is not None
+    stored = await e1_delivery(txdb)
     assert (stored["status"], stored["attempts"], stored["claims"]) == ("pending", 1, 1)
     lane = (await lanes(txdb))[taken[0].lane_id]
     assert lane["owner"] == "intruder"
@@ -588,8 +555,7 @@ async def noop(event: Event, context: DeliveryContext) -> None:
 async def test_bad_dispatcher_arguments_are_refused(
     odb: Any, clock: ManualClock, field: str, handlers: Any, options: dict[str, Any]
 ) -> None:
-    outbox = await new_outbox(odb, clock, subscriptions=ONLY_H)
-    await outbox.publish(event(1), session=None)
+    outbox = await holding(odb, clock, event(1))
     with rejects(field):
         OutboxDispatcher(outbox, handlers, owner="w", **options)
     [stored] = await deliveries(odb)

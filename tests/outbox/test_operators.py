@@ -11,28 +11,31 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from mongoq import _driver
 from mongoq.outbox import (
     AsyncOutbox,
     Delivery,
     DeliveryContext,
     DispatchSummary,
     Event,
-    OutboxDispatcher,
     OutboxStatistics,
     PublishResult,
     PurgeResult,
 )
 from mongoq.testing import CommandCounter, ManualClock, instrument
 from tests.support.helpers import rejects, utc
-from tests.support.outbox_helpers import PREFIX, deliveries, events, new_outbox, order
-
-LEASE = 30.0
-ONLY_H = {"t": ["h"]}
-
-
-def event(n: int, kind: str = "t") -> Event:
-    return Event(id=f"e{n}", type=kind, payload={"n": n})
+from tests.support.outbox_helpers import (
+    LEASE,
+    ONLY_H,
+    PREFIX,
+    deliveries,
+    dispatcher,
+    event,
+    events,
+    new_outbox,
+    order,
+    projecting,
+    projection_collection,
+)
 
 
 async def claim_all(outbox: AsyncOutbox, handler: str | None = None) -> dict[str, Delivery]:
@@ -97,7 +100,7 @@ async def test_completion_history_records_every_completion_for_statistics_and_li
     async def handle(event: Event, context: DeliveryContext) -> None:
         return None
 
-    worker = OutboxDispatcher(outbox, {"mail": handle, "stats": handle}, owner="w")
+    worker = dispatcher(outbox, {"mail": handle, "stats": handle})
     assert await worker.run(stop_when_empty=True) == DispatchSummary(claimed=3, completed=3)
     assert await deliveries(odb) == []
     records = await history(odb)
@@ -141,22 +144,14 @@ async def test_completion_history_of_a_transactional_handler_commits_or_aborts_w
     txdb: Any, clock: ManualClock
 ) -> None:
     outbox = await new_outbox(txdb, clock, subscriptions=ONLY_H, completion_history=True)
-    await _driver.create_collections(txdb, ["projection"])
+    projection = await projection_collection(txdb)
     await outbox.publish(event(1), session=None)
+    project = projecting(txdb, fail_first=RuntimeError("abort after completing"))
 
-    async def project(event: Event, context: DeliveryContext) -> None:
-        async def work(session: Any) -> None:
-            await txdb["projection"].insert_one({"_id": event.id}, session=session)
-            await context.complete(session)
-            if context.attempt == 1:
-                raise RuntimeError("abort after completing")
-
-        await _driver.run_in_transaction(txdb, work)
-
-    worker = OutboxDispatcher(outbox, {"h": project}, owner="w", backoff=lambda attempt: 10)
+    worker = dispatcher(outbox, {"h": project})
     await worker.run(stop_when_empty=True)
     assert await history(txdb) == []
-    assert await txdb["projection"].count_documents({}) == 0
+    assert await projection.count_documents({}) == 0
     assert (await outbox.statistics()).completed == 0
 
     clock.advance(10)
@@ -165,7 +160,7 @@ async def test_completion_history_of_a_transactional_handler_commits_or_aborts_w
     )
     [record] = await history(txdb)
     assert (record["event_id"], record["handler"], record["attempts"]) == ("e1", "h", 2)
-    assert await txdb["projection"].count_documents({}) == 1
+    assert await projection.find({}).to_list(None) == [{"_id": "e1", "attempt": 2}]
     assert await deliveries(txdb) == []
     assert (await outbox.statistics()).completed == 1
 
@@ -232,11 +227,12 @@ async def test_list_deliveries_filters_by_status_handler_and_type_oldest_first(
 
 
 async def test_operator_calls_refuse_bad_arguments_before_touching_anything(
-    odb: Any, clock: ManualClock
+    odb: Any, clock: ManualClock, counter: CommandCounter
 ) -> None:
-    outbox = await new_outbox(odb, clock, subscriptions=ONLY_H)
+    outbox = await new_outbox(instrument(odb, counter), clock, subscriptions=ONLY_H)
     await outbox.publish(event(1), session=None)
     before = await deliveries(odb)
+    counter.reset()
     with rejects("status"):
         await outbox.list_deliveries(status="running")
     with rejects("limit"):
@@ -251,6 +247,7 @@ async def test_operator_calls_refuse_bad_arguments_before_touching_anything(
         await outbox.purge(dead_before="yesterday")  # type: ignore[arg-type]
     with rejects("completed_before"):
         await outbox.purge(completed_before=1234)  # type: ignore[arg-type]
+    assert counter.total == 0, counter.counts
     assert await outbox.requeue("e1", "h") is False  # pending, not dead
     assert await outbox.requeue("nope", "h") is False
     assert await outbox.purge() == PurgeResult()  # no cutoff: nothing to do
@@ -379,9 +376,8 @@ async def test_purge_with_completion_history_removes_records_before_their_events
 
 
 async def test_purge_in_batches_smaller_than_the_data_deletes_exactly_what_qualifies(
-    odb: Any, clock: ManualClock
+    odb: Any, clock: ManualClock, counter: CommandCounter
 ) -> None:
-    counter = CommandCounter()
     outbox = AsyncOutbox(
         instrument(odb, counter), PREFIX, subscriptions=ONLY_H, clock=clock,
         completion_history=True, purge_batch_size=2,
@@ -391,7 +387,8 @@ async def test_purge_in_batches_smaller_than_the_data_deletes_exactly_what_quali
     # fall between deletable ones in every page.
     dead, done, waiting = range(5), range(5, 10), range(10, 13)
     # One instant for all: the pages break ties on _id. e13-e15 have no subscriber.
-    await outbox.publish([event(n, "t" if n < 13 else "nobody") for n in range(16)], session=None)
+    published = [event(n, kind="t" if n < 13 else "nobody") for n in range(16)]
+    await outbox.publish(published, session=None)
     claimed = await claim_all(outbox)
     for n in dead:
         assert await outbox.bury(claimed[f"e{n}/h"], error="poison")

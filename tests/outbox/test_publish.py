@@ -29,15 +29,17 @@ from mongoq._validation import MAX_PAYLOAD_BYTES
 from mongoq.errors import InvalidInput
 from mongoq.outbox import AsyncOutbox, Event, PublishResult, lane_of
 from mongoq.outbox import schema as schema_module
-from mongoq.testing import CommandCounter, FaultInjector, ManualClock, instrument
+from mongoq.testing import CommandCounter, FaultInjector, ManualClock
 from tests.conftest import EMBEDDED, SERVERS
 from tests.support.helpers import nth, utc
 from tests.support.outbox_helpers import (
     PREFIX,
     SUBSCRIPTIONS,
+    counted_outbox,
     deliveries,
     delivery_of,
     events,
+    faulty_outbox,
     lanes,
     new_outbox,
     order,
@@ -185,16 +187,9 @@ BAD_EVENTS: dict[str, tuple[str, Any]] = {
 
 
 @pytest.fixture
-def counter() -> CommandCounter:
-    return CommandCounter()
-
-
-@pytest.fixture
 async def watched(odb: Any, clock: ManualClock, counter: CommandCounter) -> AsyncOutbox:
     """An outbox whose commands are counted from after its setup."""
-    outbox = await new_outbox(instrument(odb, counter), clock)
-    counter.reset()
-    return outbox
+    return await counted_outbox(odb, clock, counter)
 
 
 async def assert_nothing_written(db: Any, counter: CommandCounter) -> None:
@@ -244,11 +239,9 @@ async def test_a_missing_session_is_refused_before_any_write(
 
 
 async def test_a_session_without_a_transaction_is_refused_before_any_write(
-    txdb: Any, clock: ManualClock
+    txdb: Any, clock: ManualClock, counter: CommandCounter
 ) -> None:
-    counter = CommandCounter()
-    outbox = await new_outbox(instrument(txdb, counter), clock)
-    counter.reset()
+    outbox = await counted_outbox(txdb, clock, counter)
     session = await open_session(txdb)
     try:
         with pytest.raises(InvalidInput) as raised:
@@ -554,6 +547,7 @@ FAULTS = {
     "handlers-lost": ("before", "bulk_write", f"{PREFIX}events", 1),
     "handlers-applied": ("after", "bulk_write", f"{PREFIX}events", 1),
 }
+every_fault = pytest.mark.parametrize("point", list(FAULTS))
 
 
 def inject(faults: FaultInjector, point: str) -> Any:
@@ -565,14 +559,12 @@ def inject(faults: FaultInjector, point: str) -> Any:
 
 
 @both_ways
-@pytest.mark.parametrize("point", list(FAULTS))
+@every_fault
 async def test_a_publish_that_crashed_is_repaired_by_publishing_again(
     odb: Any, way: str, clock: ManualClock, point: str
 ) -> None:
     """The publish without a transaction crashes; the retry runs with or without one."""
-    faults = FaultInjector()
-    db = instrument(odb, faults)
-    outbox = await new_outbox(db, clock)
+    outbox, faults = await faulty_outbox(odb, clock)
     await outbox.publish(order(3), session=None)  # replayed in the batch below
     batch = [order(1), order(2, kind="order.paid"), order(3)]
     with inject(faults, point):
@@ -581,14 +573,14 @@ async def test_a_publish_that_crashed_is_repaired_by_publishing_again(
     known = await events(odb)
     assert all(d["event_id"] in known for d in await deliveries(odb)), "a delivery without event"
 
-    result = await publish(db, outbox, batch, way)
+    result = await publish(outbox.db, outbox, batch, way)
     assert result.events_added <= 2 and result.deliveries_added <= 3
     expected = {"e1": ["mail", "stats"], "e2": ["stats"], "e3": ["mail", "stats"]}
     assert await handlers_by_event(odb) == expected
     stored = await events(odb)
     assert {e: sorted(doc["handlers"]) for e, doc in stored.items()} == expected
     snapshot = await deliveries(odb)
-    assert await publish(db, outbox, batch, way) == PublishResult(0, 0)
+    assert await publish(outbox.db, outbox, batch, way) == PublishResult(0, 0)
     assert await deliveries(odb) == snapshot
 
 
@@ -597,13 +589,11 @@ async def test_a_publish_that_crashed_is_repaired_by_publishing_again(
 async def test_a_retried_keyed_publish_keeps_its_place_in_the_key(
     odb: Any, way: str, clock: ManualClock, point: str
 ) -> None:
-    faults = FaultInjector()
-    db = instrument(odb, faults)
-    outbox = await new_outbox(db, clock)
+    outbox, faults = await faulty_outbox(odb, clock)
     await outbox.publish(order(1, "k"), session=None)
     with inject(faults, point):
         await outbox.publish(order(2, "k"), session=None)
-    await publish(db, outbox, order(2, "k"), way)
+    await publish(outbox.db, outbox, order(2, "k"), way)
     assert await handlers_by_event(odb) == {"e1": ["mail", "stats"], "e2": ["mail", "stats"]}
     # e1 was published first and is still pending: it must run first for each handler.
     assert [d.event.id for d in await outbox.claim("w", ["stats"])] == ["e1"]

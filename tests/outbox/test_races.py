@@ -24,44 +24,25 @@ from pymongo.errors import PyMongoError
 
 from mongoq.outbox import AsyncOutbox, Delivery, lane_of
 from mongoq.outbox.lanes import lane_document
-from mongoq.testing import (
-    CommandCounter,
-    FaultInjector,
-    Interleaving,
-    ManualClock,
-    all_interleavings,
-    instrument,
-)
+from mongoq.testing import CommandCounter, Interleaving, ManualClock, all_interleavings, instrument
 from tests.support.helpers import Actors, Trace, every_order, nth
 from tests.support.outbox_helpers import (
+    LEASE,
     PREFIX,
-    SUBSCRIPTIONS,
+    another,
+    attempts,
+    bury_head,
     deliveries,
     delivery_of,
     drain,
+    faulty_outbox,
     keys_in_distinct_lanes,
-    lanes,
+    lane_docs,
     new_outbox,
     paid,
+    ran,
     stored,
 )
-
-LEASE = 30
-
-
-def attempts(docs: list[dict[str, Any]]) -> dict[str, tuple[int, int]]:
-    """(attempts, claims) of each delivery, by event id."""
-    return {d["event_id"]: (d["attempts"], d["claims"]) for d in docs}
-
-
-def ran(batch: list[Delivery]) -> list[tuple[str, int]]:
-    return sorted((d.event.id, d.attempt) for d in batch)
-
-
-async def lane_docs(db: Any) -> dict[int, dict[str, Any]]:
-    """The 256 lane documents, by lane (the collection also keeps a requeue counter)."""
-    return {i: doc for i, doc in (await lanes(db)).items() if isinstance(i, int)}
-
 
 # ------------------------------------------------------------- faults on a takeover's writes
 
@@ -82,8 +63,7 @@ async def test_a_takeover_interrupted_anywhere_charges_each_lost_delivery_exactl
     """A crashed holding x, y and u; B takes the lanes over and fails at one of its writes.
     Then B claims again (its lanes are live: nobody else may), or B crashed too and C takes
     the lanes over after B's lease: either way each lost delivery is charged once in total."""
-    faults = FaultInjector()
-    outbox = await new_outbox(instrument(odb, faults), clock)
+    outbox, faults = await faulty_outbox(odb, clock)
     k1, k2 = keys_in_distinct_lanes(2)
     await outbox.publish([paid("x", k1), paid("x2", k1), paid("y", k2), paid("u")], session=None)
     crashed = await outbox.claim("A")
@@ -128,8 +108,7 @@ async def test_a_takeover_interrupted_anywhere_charges_each_lost_delivery_exactl
 async def lose_the_claims_reply(odb: Any, clock: ManualClock) -> tuple[AsyncOutbox, list[Any]]:
     """An outbox on which A's claim of x and y (keys in two lanes) recorded them on the lanes,
     then lost the reply and raised; returns it and the stored x and y."""
-    faults = FaultInjector()
-    outbox = await new_outbox(instrument(odb, faults), clock)
+    outbox, faults = await faulty_outbox(odb, clock)
     k1, k2 = keys_in_distinct_lanes(2)
     await outbox.publish([paid("x", k1), paid("x2", k1), paid("y", k2)], session=None)
     before = await stored(odb)
@@ -201,8 +180,7 @@ async def test_a_claim_failing_after_its_lane_record_strands_nothing_while_its_o
     """A runs w (a long handler: its dispatcher keeps renewing the lanes every lease/3 and
     claiming). A claim of x records x on its lane, then fails at its last command, the read of
     the requeue counter: x was never handed out, so a later claim must hand it out."""
-    faults = FaultInjector()
-    outbox = await new_outbox(instrument(odb, faults), clock)
+    outbox, faults = await faulty_outbox(odb, clock)
     k1, k2 = keys_in_distinct_lanes(2)
     await outbox.publish(paid("w", k1), session=None)
     [w] = await outbox.claim("A")
@@ -229,8 +207,7 @@ async def test_a_claim_failing_after_its_lane_record_strands_nothing_while_its_o
 async def test_complete_many_whose_reply_was_lost_runs_nothing_twice(
     odb: Any, clock: ManualClock
 ) -> None:
-    faults = FaultInjector()
-    outbox = await new_outbox(instrument(odb, faults), clock)
+    outbox, faults = await faulty_outbox(odb, clock)
     k1, k2 = keys_in_distinct_lanes(2)
     await outbox.publish([paid("a", k1), paid("b", k2), paid("c")], session=None)
     batch = await outbox.claim("A")
@@ -257,11 +234,6 @@ async def reset(db: Any) -> None:
     fresh = {name: value for name, value in lane_document(0).items() if name != "_id"}
     # A lane leaves its initial state only by being taken, which moves its epoch on.
     await db[f"{PREFIX}lanes"].update_many({"epoch": {"$gt": 0}}, {"$set": fresh})
-
-
-def outbox_on(db: Any, clock: ManualClock) -> AsyncOutbox:
-    """Another instance on the collections `new_outbox` set up."""
-    return AsyncOutbox(db, PREFIX, subscriptions=SUBSCRIPTIONS, lease=LEASE, clock=clock)
 
 
 def lane_orders(blocks: dict[str, tuple[int, int]]) -> list[list[str]]:
@@ -308,10 +280,40 @@ async def commands_of_claim(
     counter = CommandCounter()
     counter.record = True
     await reset(db)
-    actors = await setup(outbox_on(instrument(db, counter), clock))
+    actors = await setup(another(instrument(db, counter), clock))
     counter.reset()
     await actors[actor]()
     return [f"{op.collection}.{op.name}" for op in counter.operations]
+
+
+async def takeover_commands(
+    db: Any, clock: ManualClock, setup: Callable[[Any], Awaitable[Actors]]
+) -> list[str]:
+    """The commands of B's claim taking a lane over, alone: the lane read, the takeover write,
+    then the charge of what the lane's old holder lost (what the races below order against)."""
+    takeover = await commands_of_claim(db, clock, setup, "B")
+    assert takeover[:3] == [f"{PREFIX}lanes.find", f"{PREFIX}lanes.bulk_write",
+                            f"{PREFIX}deliveries.update_many"]  # fmt: skip
+    return takeover
+
+
+def fresh_outbox(db: Any, clock: ManualClock) -> Callable[[Any, str], Awaitable[AsyncOutbox]]:
+    """`every_order`'s `fresh`: another instance on the collections `new_outbox` set up, `reset`
+    first (all orders share them, cheaper than a new setup per order)."""
+
+    async def fresh(idb: Any, name: str) -> AsyncOutbox:
+        await reset(db)
+        return another(idb, clock)
+
+    return fresh
+
+
+async def held_past_its_lease(outbox: AsyncOutbox, clock: ManualClock) -> Delivery:
+    """x (key k, x2 behind it) claimed by A, whose lease then ran out."""
+    await outbox.publish([paid("x", "k"), paid("x2", "k")], session=None)
+    [x] = await outbox.claim("A")
+    clock.advance(LEASE)
+    return x
 
 
 @pytest.mark.parametrize(
@@ -337,8 +339,8 @@ async def test_concurrent_claims_never_share_a_delivery_or_a_key(
         counter = CommandCounter()
         counter.record = True
         await reset(db)
-        await outbox_on(db, clock).publish(work, session=None)
-        await outbox_on(instrument(db, counter), clock).claim(actor, limit=limit)
+        await another(db, clock).publish(work, session=None)
+        await another(instrument(db, counter), clock).claim(actor, limit=limit)
         # What `lane_orders` relies on: the lane read first, one write (the lane record), and
         # only reads besides (a claim writes no delivery document).
         names = [f"{op.collection}.{op.name}" for op in counter.operations]
@@ -351,8 +353,8 @@ async def test_concurrent_claims_never_share_a_delivery_or_a_key(
 
     async def setup(idb: Any) -> Actors:
         nonlocal before
-        one = outbox_on(idb, clock)
-        outboxes.update(A=one, B=one if shared else outbox_on(idb, clock))
+        one = another(idb, clock)
+        outboxes.update(A=one, B=one if shared else another(idb, clock))
         await one.publish(work, session=None)
         before = await stored(db)
         return {
@@ -409,14 +411,8 @@ async def test_a_takeover_racing_the_old_holders_completion_never_lets_both_succ
     completion returns False, x is charged once and B runs it; x2 waits behind it)."""
     await new_outbox(db, clock)
 
-    async def fresh(idb: Any, name: str) -> AsyncOutbox:
-        await reset(db)
-        return outbox_on(idb, clock)
-
     async def setup(outbox: AsyncOutbox) -> Actors:
-        await outbox.publish([paid("x", "k"), paid("x2", "k")], session=None)
-        [x] = await outbox.claim("A")
-        clock.advance(LEASE)
+        x = await held_past_its_lease(outbox, clock)
         return {"A": lambda: outbox.complete(x), "B": lambda: outbox.claim("B")}
 
     async def check(outbox: AsyncOutbox, results: dict[str, Any], trace: Trace) -> str:
@@ -440,13 +436,11 @@ async def test_a_takeover_racing_the_old_holders_completion_never_lets_both_succ
         assert [d.event.id for d in rest] == ([] if completed else ["x2"])
         return outcome
 
-    takeover = await commands_of_claim(db, clock, setup, "B")
-    assert takeover[:3] == [f"{PREFIX}lanes.find", f"{PREFIX}lanes.bulk_write",
-                            f"{PREFIX}deliveries.update_many"]  # fmt: skip
+    takeover = await takeover_commands(db, clock, setup)
     counts = {"A": 1, "B": len(takeover)}
     # A's delete lands before each of B's commands or after the last: before B's charge (its
     # third command) A wins.
-    outcomes = await every_order(db, counts, fresh, setup, check)
+    outcomes = await every_order(db, counts, fresh_outbox(db, clock), setup, check)
     assert outcomes == {"completed by its holder": 3, "taken over": counts["B"] - 2}
 
 
@@ -457,14 +451,8 @@ async def test_two_claimers_taking_over_one_lane_charge_its_lost_delivery_once(
     reads, takeover writes and charges: one of them takes the lane and charges x once."""
     await new_outbox(db, clock)
 
-    async def fresh(idb: Any, name: str) -> AsyncOutbox:
-        await reset(db)
-        return outbox_on(idb, clock)
-
     async def setup(outbox: AsyncOutbox) -> Actors:
-        await outbox.publish([paid("x", "k"), paid("x2", "k")], session=None)
-        await outbox.claim("A")
-        clock.advance(LEASE)
+        await held_past_its_lease(outbox, clock)
         return {"B": lambda: outbox.claim("B"), "C": lambda: outbox.claim("C")}
 
     async def check(outbox: AsyncOutbox, results: dict[str, Any], trace: Trace) -> str:
@@ -481,12 +469,10 @@ async def test_two_claimers_taking_over_one_lane_charge_its_lost_delivery_once(
         assert ran(await drain(outbox)) == [("x2", 1)]
         return f"{winner} took it over"
 
-    takeover = await commands_of_claim(db, clock, setup, "B")
-    assert takeover[:3] == [f"{PREFIX}lanes.find", f"{PREFIX}lanes.bulk_write",
-                            f"{PREFIX}deliveries.update_many"]  # fmt: skip
+    await takeover_commands(db, clock, setup)
     # Every order of both lane reads, takeover writes and charges (what runs after them sees
     # the lane taken).
-    outcomes = await every_order(db, {"B": 3, "C": 3}, fresh, setup, check)
+    outcomes = await every_order(db, {"B": 3, "C": 3}, fresh_outbox(db, clock), setup, check)
     assert set(outcomes) == {"B took it over", "C took it over"}
 
 
@@ -501,14 +487,8 @@ async def test_a_requeue_racing_a_claim_never_lets_a_later_delivery_overtake_it_
     Either way e1 never runs beside e2, and runs before e3."""
     await new_outbox(db, clock)
 
-    async def fresh(idb: Any, name: str) -> AsyncOutbox:
-        await reset(db)
-        return outbox_on(idb, clock)
-
     async def setup(outbox: AsyncOutbox) -> Actors:
-        await outbox.publish([paid("e1", "k"), paid("e2", "k"), paid("e3", "k")], session=None)
-        [head] = await outbox.claim("A")
-        assert await outbox.bury(head)
+        await bury_head(outbox)
         return {"A": lambda: outbox.claim("A"), "R": lambda: outbox.requeue("e1", "stats")}
 
     async def check(outbox: AsyncOutbox, results: dict[str, Any], trace: Trace) -> str:
@@ -544,5 +524,7 @@ async def test_a_requeue_racing_a_claim_never_lets_a_later_delivery_overtake_it_
         return outcome
 
     claim = await commands_of_claim(db, clock, setup, "A")
-    outcomes = await every_order(db, {"A": len(claim), "R": 3}, fresh, setup, check)
+    outcomes = await every_order(
+        db, {"A": len(claim), "R": 3}, fresh_outbox(db, clock), setup, check
+    )
     assert {"e1 first", "e2 given back"} <= set(outcomes), outcomes

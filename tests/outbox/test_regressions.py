@@ -22,53 +22,31 @@ from pymongo.errors import AutoReconnect, NetworkTimeout, OperationFailure, PyMo
 import mongoq.outbox.claim as claim_module
 from mongoq import _driver
 from mongoq.errors import LeaseLost
-from mongoq.outbox import (
-    AsyncOutbox,
-    Delivery,
-    DeliveryContext,
-    DispatchSummary,
-    Event,
-    OutboxDispatcher,
-    lane_of,
-)
-from mongoq.testing import FaultInjector, ManualClock, Operation, instrument
+from mongoq.outbox import AsyncOutbox, Delivery, DeliveryContext, DispatchSummary, Event, lane_of
+from mongoq.testing import ManualClock, Operation, instrument
 from tests.support.helpers import nth, utc
 from tests.support.outbox_helpers import (
-    PREFIX,
-    SUBSCRIPTIONS,
+    LEASE,
+    ONLY_H,
+    another,
+    attempts,
+    bury_head,
     deliveries,
     delivery_of,
+    dispatcher,
     drain,
+    entry,
     events,
+    faulty_outbox,
     keys_in_distinct_lanes,
     lanes,
     new_outbox,
     paid,
+    projecting,
+    projection_collection,
+    ran,
     stored,
 )
-
-LEASE = 30
-ONLY_H = {"t": ["h"]}
-
-
-def another(db: Any, clock: ManualClock, subscriptions: Any = SUBSCRIPTIONS) -> AsyncOutbox:
-    """Another instance (another process) on the collections `new_outbox` set up."""
-    return AsyncOutbox(db, PREFIX, subscriptions=subscriptions, lease=LEASE, clock=clock)
-
-
-def attempts(docs: list[dict[str, Any]]) -> dict[str, tuple[int, int]]:
-    """(attempts, claims) of each delivery, by event id."""
-    return {d["event_id"]: (d["attempts"], d["claims"]) for d in docs}
-
-
-def ran(batch: list[Delivery]) -> list[tuple[str, int]]:
-    return sorted((d.event.id, d.attempt) for d in batch)
-
-
-def entry(doc: dict[str, Any] | None) -> dict[str, Any]:
-    """The lane entry listing the delivery document `doc` at its current generation."""
-    assert doc is not None
-    return {"d": doc["_id"], "g": doc["claims"], "h": doc["handler"], "k": doc["key"]}
 
 
 async def lane_of_key(db: Any, key: str) -> dict[str, Any]:
@@ -119,9 +97,8 @@ async def test_a_delivery_nobody_will_settle_is_handed_out_again_by_its_owners_n
     ahead of it). A's next claim frees d (generation +1, no attempt charged) and hands it out;
     nobody else can meanwhile, and d2 stays behind d."""
     clock = FlakyClock()
-    faults = FaultInjector()
-    db = instrument(odb, faults)
-    outbox, other = await new_outbox(db, clock), another(db, clock)
+    outbox, faults = await faulty_outbox(odb, clock)
+    other = another(outbox.db, clock)
     k1, k2 = keys_in_distinct_lanes(2)
     await outbox.publish([paid("busy", k1), paid("d", k2), paid("d2", k2)], session=None)
     [busy] = await outbox.claim("A", limit=1)
@@ -167,10 +144,8 @@ async def test_a_takeover_applies_only_to_the_lane_state_it_judged_free(
     take lands, A renews, runs and completes e0, hands the lane back (same epoch, no owner) and
     e1 of K is published. B's take pins the lane's `rev`, so it matches nothing: B hands out
     neither the completed e0 nor, later, e1 beside it."""
-    faults = FaultInjector()
-    db = instrument(odb, faults)
-    crashed = await new_outbox(db, clock)
-    a, b = another(db, clock), another(db, clock)
+    crashed, faults = await faulty_outbox(odb, clock)
+    a, b = another(crashed.db, clock), another(crashed.db, clock)
     lane_id = lane_of("K")
     await crashed.publish(paid("e0", "K"), session=None)
     assert ran(await crashed.claim("Z")) == [("e0", 1)]
@@ -222,11 +197,8 @@ async def test_a_pick_a_requeue_overtook_during_its_claim_is_given_back_uncharge
     e1 is requeued before the claim records e2 (in the second case the requeue's counter write
     fails, and calling requeue again finishes it: True, the counter moves, the mark goes). The
     claim gives e2 back (generation +1, no attempt charged) and e1 runs first."""
-    faults = FaultInjector()
-    outbox = await new_outbox(instrument(odb, faults), clock)
-    await outbox.publish([paid("e1", "k"), paid("e2", "k"), paid("e3", "k")], session=None)
-    [e1] = await outbox.claim("A")
-    assert await outbox.bury(e1, error="boom")
+    outbox, faults = await faulty_outbox(odb, clock)
+    await bury_head(outbox, error="boom")
     pause = faults.pause_before("bulk_write", collection="ob_lanes")
     got: list[Delivery] = []
     async with anyio.create_task_group() as group:
@@ -305,8 +277,7 @@ async def test_a_claim_cancelled_while_parking_leaves_its_picks_to_the_next_clai
     """park_cancel: x0 of k1 runs on A and 33 more of k1 wait; A's claim records y (k2), then is
     cancelled while parking k1's backlog. y is not counted as running: A's next claim hands it
     out (generation +1, no attempt) and parks the backlog, which then runs in order."""
-    faults = FaultInjector()
-    outbox = await new_outbox(instrument(odb, faults), clock)
+    outbox, faults = await faulty_outbox(odb, clock)
     k1, k2 = keys_in_distinct_lanes(2)
     await outbox.publish(paid("x0", k1), session=None)
     [x0] = await outbox.claim("A")
@@ -340,11 +311,6 @@ async def test_a_claim_cancelled_while_parking_leaves_its_picks_to_the_next_clai
 # ------------------------------------------------------------------------------ dispatcher
 
 
-def dispatcher(outbox: AsyncOutbox, handler: Any, **options: Any) -> OutboxDispatcher:
-    options.setdefault("backoff", lambda attempt: 10)
-    return OutboxDispatcher(outbox, {"h": handler}, owner="w", **options)
-
-
 async def test_a_handlers_own_lease_lost_is_retried_with_backoff_then_buried(
     odb: Any, clock: ManualClock
 ) -> None:
@@ -360,7 +326,7 @@ async def test_a_handlers_own_lease_lost_is_retried_with_backoff_then_buried(
             worker.stop()  # ends a loop that would run it again at once
         raise LeaseLost("the task lease this handler used was lost")
 
-    worker = dispatcher(outbox, handler, max_attempts=3)
+    worker = dispatcher(outbox, {"h": handler}, max_attempts=3)
     for attempt in (1, 2):
         await worker.run(stop_when_empty=True)
         doc = await delivery_of(odb, "e1", "h")
@@ -381,9 +347,9 @@ async def test_lease_lost_from_context_complete_counts_as_lost_and_changes_nothi
 ) -> None:
     """The other side: `context.complete(session)` raising LeaseLost means another worker runs
     the delivery, so this dispatcher counts it lost and neither retries nor charges it."""
-    partition = FaultInjector()  # the lane renewals fail: the lease runs out mid-handler
+    outbox, partition = await faulty_outbox(txdb, clock, subscriptions=ONLY_H)
+    # The lane renewals fail: the lease runs out mid-handler.
     partition.fail_before("update_many", collection="ob_lanes", times=1000)
-    outbox = await new_outbox(instrument(txdb, partition), clock, subscriptions=ONLY_H)
     await outbox.publish(Event("e1", "t"), session=None)
     taken: list[Delivery] = []
 
@@ -392,7 +358,7 @@ async def test_lease_lost_from_context_complete_counts_as_lost_and_changes_nothi
         taken.extend(await another(txdb, clock, ONLY_H).claim("intruder", ["h"]))
         await _driver.run_in_transaction(txdb, context.complete)
 
-    summary = await dispatcher(outbox, handler).run(stop_when_empty=True)
+    summary = await dispatcher(outbox, {"h": handler}).run(stop_when_empty=True)
     assert summary == DispatchSummary(claimed=1, lost=1)
     assert ran(taken) == [("e1", 2)]
     [doc] = await deliveries(txdb)
@@ -423,7 +389,7 @@ async def test_a_backoff_without_a_usable_delay_falls_back_to_the_default_and_ke
         if calls == [("e1", 1)]:
             raise RuntimeError("flaky downstream")
 
-    worker = dispatcher(outbox, flaky, max_attempts=3, backoff=backoff)
+    worker = dispatcher(outbox, {"h": flaky}, max_attempts=3, backoff=backoff)
     assert await worker.run(stop_when_empty=True) == DispatchSummary(claimed=1, retried=1)
     first, second = await deliveries(odb)
     assert (first["status"], first["attempts"], first["claims"]) == ("pending", 1, 1)
@@ -453,7 +419,7 @@ async def test_a_flush_holding_two_claims_of_one_delivery_completes_it_by_the_ne
     async def noop(event: Event, context: DeliveryContext) -> None:
         return None
 
-    worker = dispatcher(outbox, noop)
+    worker = dispatcher(outbox, {"h": noop})
     worker._finished = [old, new] if stale == "first" else [new, old]
     await worker._flush()
     assert worker._finished == []
@@ -473,34 +439,27 @@ async def test_a_transactional_handler_returning_after_its_transaction_aborted_i
     swallows the error and returns. The delivery is rescheduled, not completed without the
     handler's writes; the next attempt commits both."""
     outbox = await new_outbox(txdb, clock, subscriptions=ONLY_H)
-    await _driver.create_collections(txdb, ["projection"])
+    projection = await projection_collection(txdb)
     await outbox.publish(Event("e1", "t"), session=None)
+    project = projecting(txdb, fail_first=Rollback())
 
     async def swallowing(event: Event, context: DeliveryContext) -> None:
-        async def work(session: Any) -> None:
-            await txdb["projection"].insert_one(
-                {"_id": event.id, "attempt": context.attempt}, session=session
-            )
-            await context.complete(session)
-            if context.attempt == 1:
-                raise Rollback
-
         with contextlib.suppress(Rollback):
-            await _driver.run_in_transaction(txdb, work)
+            await project(event, context)
 
-    worker = dispatcher(outbox, swallowing)
+    worker = dispatcher(outbox, {"h": swallowing})
     assert await worker.run(stop_when_empty=True) == DispatchSummary(claimed=1, retried=1)
     [doc] = await deliveries(txdb)
     assert (doc["status"], doc["attempts"], doc["claims"]) == ("pending", 1, 1)
     assert utc(doc["due_at"]) == clock.now() + timedelta(seconds=10)
     assert "did not commit the completion" in doc["last_error"]
-    assert await txdb["projection"].count_documents({}) == 0
+    assert await projection.count_documents({}) == 0
     assert "completed_at" not in (await events(txdb))["e1"]
 
     clock.advance(10)
     await worker.run(stop_when_empty=True)
     assert worker.summary == DispatchSummary(claimed=2, completed=1, retried=1)
-    assert await txdb["projection"].find({}).to_list(None) == [{"_id": "e1", "attempt": 2}]
+    assert await projection.find({}).to_list(None) == [{"_id": "e1", "attempt": 2}]
     assert await deliveries(txdb) == []
     assert "completed_at" in (await events(txdb))["e1"]
 
@@ -588,7 +547,7 @@ async def test_random_faults_never_hand_out_a_delivery_or_key_twice_at_once_and_
                 with contextlib.suppress(PyMongoError):
                     await outbox.extend_lease(owner)
             else:
-                dead = await db[f"{PREFIX}deliveries"].find({"status": "dead"}).to_list(None)
+                dead = [d for d in await deliveries(db) if d["status"] == "dead"]
                 if dead:
                     pick = rng.choice(dead)
                     with contextlib.suppress(PyMongoError):
@@ -640,8 +599,7 @@ async def test_a_settle_failing_during_a_claims_lookup_is_freed_and_its_late_wri
     While that lookup is in flight, x's settle fails. The claim frees x to the next claim
     generation (no attempt charged), so the failed settle's token, arriving late, is refused,
     and x's follower y never runs beside the new run of x."""
-    faults = FaultInjector()
-    outbox = await new_outbox(instrument(odb, faults), clock)
+    outbox, faults = await faulty_outbox(odb, clock)
     k1, k2 = keys_in_distinct_lanes(2)
     await outbox.publish([paid("x", k1), paid("y", k1), paid("z", k2)], session=None)
     [x] = await outbox.claim("A", limit=1)

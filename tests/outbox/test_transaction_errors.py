@@ -21,19 +21,19 @@ from typing import Any
 import bson
 
 from mongoq import _driver
-from mongoq.outbox import (
-    AsyncOutbox,
-    Delivery,
-    DeliveryContext,
-    DispatchSummary,
-    Event,
-    OutboxDispatcher,
-)
+from mongoq.outbox import AsyncOutbox, Delivery, DispatchSummary, Event
 from mongoq.testing import ManualClock
 from tests.support.helpers import utc
-from tests.support.outbox_helpers import PREFIX, deliveries, events, new_outbox
-
-ONLY_H = {"t": ["h"]}
+from tests.support.outbox_helpers import (
+    ONLY_H,
+    PREFIX,
+    deliveries,
+    dispatcher,
+    events,
+    new_outbox,
+    projecting,
+    projection_collection,
+)
 
 
 async def history(db: Any) -> list[dict[str, Any]]:
@@ -72,63 +72,56 @@ async def assert_completed_once(
         assert (record["event_id"], record["handler"]) == (delivery.event.id, delivery.handler)
 
 
-async def claimed(outbox: AsyncOutbox, count: int = 1) -> list[Delivery]:
+async def planted_outbox(
+    db: Any, clock: ManualClock, count: int = 1, plant: int = 0
+) -> tuple[AsyncOutbox, list[Delivery]]:
+    """An outbox with completion history, its `count` deliveries (of e1, e2, ... to "h")
+    claimed, and the history record of the `plant`-th of them already there."""
+    outbox = await new_outbox(db, clock, subscriptions=ONLY_H, completion_history=True)
     await outbox.publish([Event(f"e{n}", "t") for n in range(1, count + 1)], session=None)
     batch = await outbox.claim("w", ["h"], limit=count)
     assert len(batch) == count
-    return batch
+    await plant_history_record(db, batch[plant], clock)
+    return outbox, batch
 
 
 async def test_completing_in_the_handlers_transaction_over_an_existing_history_record_commits(
     txdb: Any, clock: ManualClock
 ) -> None:
-    outbox = await new_outbox(txdb, clock, subscriptions=ONLY_H, completion_history=True)
-    await _driver.create_collections(txdb, ["projection"])
-    [delivery] = await claimed(outbox)
-    await plant_history_record(txdb, delivery, clock)
+    outbox, [delivery] = await planted_outbox(txdb, clock)
+    projection = await projection_collection(txdb)
     clock.advance(1)
     runs = 0
 
     async def work(session: Any) -> bool:
         nonlocal runs
         runs += 1
-        await txdb["projection"].insert_one({"_id": delivery.event.id}, session=session)
+        await projection.insert_one({"_id": delivery.event.id}, session=session)
         return await outbox.complete(delivery, session=session)
 
     assert await _driver.run_in_transaction(txdb, work) is True
     assert runs == 1  # committed at once, not retried
-    assert await txdb["projection"].count_documents({}) == 1  # the handler's write committed
+    assert await projection.count_documents({}) == 1  # the handler's write committed
     await assert_completed_once(txdb, clock, [delivery])
 
 
 async def test_a_dispatched_handler_completing_over_an_existing_history_record_commits(
     txdb: Any, clock: ManualClock
 ) -> None:
-    outbox = await new_outbox(txdb, clock, subscriptions=ONLY_H, completion_history=True)
-    await _driver.create_collections(txdb, ["projection"])
-    [delivery] = await claimed(outbox)
-    await plant_history_record(txdb, delivery, clock)
+    outbox, [delivery] = await planted_outbox(txdb, clock)
+    projection = await projection_collection(txdb)
     assert await outbox.release(delivery)
 
-    async def project(event: Event, context: DeliveryContext) -> None:
-        async def work(session: Any) -> None:
-            await txdb["projection"].insert_one({"_id": event.id}, session=session)
-            await context.complete(session)
-
-        await _driver.run_in_transaction(txdb, work)
-
-    worker = OutboxDispatcher(outbox, {"h": project}, owner="w", backoff=lambda attempt: 10)
+    worker = dispatcher(outbox, {"h": projecting(txdb)})
     assert await worker.run(stop_when_empty=True) == DispatchSummary(claimed=1, completed=1)
-    assert await txdb["projection"].count_documents({}) == 1
+    assert await projection.find({}).to_list(None) == [{"_id": "e1", "attempt": 1}]
     await assert_completed_once(txdb, clock, [delivery])
 
 
 async def test_completing_in_the_outboxs_own_transaction_over_an_existing_history_record(
     txdb: Any, clock: ManualClock
 ) -> None:
-    outbox = await new_outbox(txdb, clock, subscriptions=ONLY_H, completion_history=True)
-    [delivery] = await claimed(outbox)
-    await plant_history_record(txdb, delivery, clock)
+    outbox, [delivery] = await planted_outbox(txdb, clock)
     clock.advance(1)
     assert await outbox.complete(delivery) is True
     await assert_completed_once(txdb, clock, [delivery])
@@ -137,9 +130,7 @@ async def test_completing_in_the_outboxs_own_transaction_over_an_existing_histor
 async def test_a_batch_completion_with_one_existing_history_record_commits_them_all(
     txdb: Any, clock: ManualClock
 ) -> None:
-    outbox = await new_outbox(txdb, clock, subscriptions=ONLY_H, completion_history=True)
-    batch = await claimed(outbox, 3)
-    await plant_history_record(txdb, batch[1], clock)
+    outbox, batch = await planted_outbox(txdb, clock, 3, plant=1)
     clock.advance(1)
     assert await outbox.complete_many(batch) == [True, True, True]
     await assert_completed_once(txdb, clock, batch)
@@ -149,9 +140,7 @@ async def test_a_completion_on_any_backend_keeps_an_existing_history_record_and_
     odb: Any, clock: ManualClock
 ) -> None:
     """With transactions or without (the embedded backend): one record per delivery."""
-    outbox = await new_outbox(odb, clock, subscriptions=ONLY_H, completion_history=True)
-    first, second = await claimed(outbox, 2)
-    await plant_history_record(odb, first, clock)
+    outbox, (first, second) = await planted_outbox(odb, clock, 2)
     clock.advance(1)
     assert await outbox.complete_many([first, second]) == [True, True]
     await assert_completed_once(odb, clock, [first, second])

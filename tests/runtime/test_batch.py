@@ -4,13 +4,15 @@ The task queue and the group transport adapt it (`mongoq.tasks.batch`, `mongoq.g
 their own suites check the adapters' fencing against the database. Here: what the slot itself
 promises, whatever the holder does: an item found lost is never started nor settled, an item
 starts only while its lease is known to hold, every item is counted exactly once, finished
-items are completed together, a cancellation counts the item cut short and gives back the rest.
+items are completed together, a cancellation counts the item cut short and gives back the rest,
+and a settle under way when the batch is cancelled still applies.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -25,6 +27,10 @@ LEASE = 30.0
 
 
 class FakeHolder:
+    """Records every call the slot makes, and counts what the slot reports. An item in `lost`
+    is refused by renewals and completions; `gate` holds an item's handler until set; `fail`
+    makes a handler raise; `settling`, when given, holds every failure settle until set."""
+
     done = "completed"
 
     def __init__(self, clock: ManualClock, *, lost: frozenset[str] = frozenset()) -> None:
@@ -32,9 +38,14 @@ class FakeHolder:
         self.until = clock.now() + timedelta(seconds=LEASE)
         self.lost = set(lost)
         self.calls: list[tuple[str, Any]] = []
+        self.counts: Counter[str] = Counter()
         self.fail: dict[str, Exception] = {}
         self.gate: dict[str, anyio.Event] = {}
+        self.settling: anyio.Event | None = None
         self.broken_settle = False
+
+    def count(self, outcome: str, n: int) -> None:
+        self.counts[outcome] += n
 
     def lease_end(self, item: str) -> datetime:
         return self.until
@@ -57,6 +68,8 @@ class FakeHolder:
 
     async def settle_failure(self, item: str, error: Exception) -> str:
         self.calls.append(("failure", item))
+        if self.settling is not None:
+            await self.settling.wait()
         if self.broken_settle:
             raise AutoReconnect("injected")
         return "retried"
@@ -74,22 +87,39 @@ class FakeHolder:
         return "released"
 
 
-def counter() -> tuple[Counter[str], Any]:
-    counts: Counter[str] = Counter()
-
-    def count(outcome: str, n: int) -> None:
-        counts[outcome] += n
-
-    return counts, count
+async def run(holder: FakeHolder, items: Sequence[str] = "abc", **options: Any) -> None:
+    """`run_batch` over `items` (one letter each) with `holder`, counting into it."""
+    await run_batch(
+        holder, list(items), clock=holder.clock, lease=LEASE, count=holder.count, **options
+    )
 
 
+@asynccontextmanager
+async def running(holder: FakeHolder) -> AsyncIterator[anyio.CancelScope]:
+    """`run` over a, b and c in the background, let go until it waits (on a gate, a settle);
+    yields the scope that cancels it. Leaving the block waits for the batch to end."""
+    async with anyio.create_task_group() as group:
+        group.start_soon(run, holder)
+        await settle()
+        yield group.cancel_scope
+
+
+@pytest.mark.parametrize(
+    ("lost", "counts"),
+    [
+        (frozenset(), Counter(completed=2, retried=1)),
+        (frozenset({"c"}), Counter(completed=1, retried=1, lost=1)),
+    ],
+    ids=["all-held", "one-lost-at-completion"],
+)
 async def test_finished_items_are_completed_together_and_failures_settled_at_once(
-    clock: ManualClock,
+    clock: ManualClock, lost: frozenset[str], counts: Counter[str]
 ) -> None:
-    holder = FakeHolder(clock)
+    """One completion for every item finished, even one the holder then says it lost (the
+    completion's answer is what counts it)."""
+    holder = FakeHolder(clock, lost=lost)
     holder.fail["b"] = RuntimeError("b failed")
-    counts, count = counter()
-    await run_batch(holder, ["a", "b", "c"], clock=clock, lease=LEASE, count=count)
+    await run(holder)
     assert holder.calls == [
         ("handle", "a"),
         ("handle", "b"),
@@ -97,44 +127,56 @@ async def test_finished_items_are_completed_together_and_failures_settled_at_onc
         ("handle", "c"),
         ("complete", [("a", "result a"), ("c", "result c")]),
     ]
-    assert counts == Counter(completed=2, retried=1)
+    assert holder.counts == counts
 
 
 async def test_a_lease_too_old_is_renewed_before_the_handler_starts_and_a_lost_one_never_runs(
     clock: ManualClock,
 ) -> None:
-    holder = FakeHolder(clock, lost={"b"})
-    counts, count = counter()
+    holder = FakeHolder(clock, lost=frozenset({"b"}))
 
     async def advance_then_handle(item: str) -> Any:
         clock.set(holder.until)  # the claim's lease has run out by the next item
         return f"result {item}"
 
     holder.handle = advance_then_handle  # type: ignore[method-assign]
-    await run_batch(holder, ["a", "b", "c"], clock=clock, lease=LEASE, count=count)
+    await run(holder)
     assert ("renew_one", "b") in holder.calls and ("renew_one", "c") in holder.calls
     completed = [call for call in holder.calls if call[0] == "complete"]
     assert completed == [("complete", [("a", "result a"), ("c", "result c")])]
     assert not any(call in holder.calls for call in [("failure", "b"), ("give_back", "b")])
-    assert counts == Counter(completed=2, lost=1)
+    assert holder.counts == Counter(completed=2, lost=1)
 
 
-async def test_a_renewal_that_finds_an_item_lost_leaves_it_alone(clock: ManualClock) -> None:
+@pytest.mark.parametrize(
+    ("lost", "outcome"),
+    [("b", "returns"), ("a", "returns"), ("a", "raises")],
+    ids=["not-started-yet", "under-its-handler-which-returns", "under-its-handler-which-raises"],
+)
+async def test_a_renewal_that_finds_an_item_lost_leaves_it_alone(
+    clock: ManualClock, lost: str, outcome: str
+) -> None:
+    """While a's handler runs, the keep-alive renews every item and finds one lost: b, not
+    started yet, never starts; a is not settled, whether its handler then returns or raises.
+    Either way it counts lost once, no lease is re-checked (the others' renewal is recent),
+    and the others complete together."""
     holder = FakeHolder(clock)
     holder.gate["a"] = anyio.Event()
-    counts, count = counter()
-    async with anyio.create_task_group() as group:
-        group.start_soon(
-            lambda: run_batch(holder, ["a", "b", "c"], clock=clock, lease=LEASE, count=count)
-        )
-        await settle()
-        holder.lost = {"b"}
+    if outcome == "raises":
+        holder.fail["a"] = RuntimeError("a failed")
+    async with running(holder):
+        holder.lost = {lost}
         clock.advance(LEASE / 3)  # the keep-alive renews every item still held
         await settle()
         holder.gate["a"].set()
-    assert ("renew", ["a", "b", "c"]) in holder.calls
-    assert ("handle", "b") not in holder.calls
-    assert counts == Counter(completed=2, lost=1)
+    rest = [item for item in "abc" if item != lost]
+    assert holder.calls == [
+        ("handle", "a"),
+        ("renew", ["a", "b", "c"]),
+        *[("handle", item) for item in rest if item != "a"],
+        ("complete", [(item, f"result {item}") for item in rest]),
+    ]
+    assert holder.counts == Counter(completed=2, lost=1)
 
 
 async def test_a_cancellation_counts_the_item_cut_short_and_gives_back_the_rest(
@@ -142,19 +184,38 @@ async def test_a_cancellation_counts_the_item_cut_short_and_gives_back_the_rest(
 ) -> None:
     holder = FakeHolder(clock)
     holder.gate["b"] = anyio.Event()
-    counts, count = counter()
-    async with anyio.create_task_group() as group:
-        group.start_soon(
-            lambda: run_batch(holder, ["a", "b", "c"], clock=clock, lease=LEASE, count=count)
-        )
-        await settle()
-        group.cancel_scope.cancel()
+    async with running(holder) as batch:
+        batch.cancel()
     assert holder.calls[-3:] == [
         ("complete", [("a", "result a")]),
         ("cut_short", "b"),
         ("give_back", "c"),
     ]
-    assert counts == Counter(completed=1, retried=1, released=1)
+    assert holder.counts == Counter(completed=1, retried=1, released=1)
+
+
+async def test_a_failure_settle_under_way_when_the_batch_is_cancelled_still_applies(
+    clock: ManualClock,
+) -> None:
+    """The cancellation comes while a's failure settle waits on the server: shielded, the
+    settle ends and counts; the cancellation then cuts b short at its handler's first wait,
+    and c, never started, is given back."""
+    holder = FakeHolder(clock)
+    holder.fail["a"] = RuntimeError("a failed")
+    holder.settling = anyio.Event()
+    holder.gate["b"] = anyio.Event()  # never set: only the cancellation ends b's handler
+    async with running(holder) as batch:
+        assert holder.calls == [("handle", "a"), ("failure", "a")]
+        batch.cancel()
+        holder.settling.set()
+    assert holder.calls == [
+        ("handle", "a"),
+        ("failure", "a"),
+        ("handle", "b"),
+        ("cut_short", "b"),
+        ("give_back", "c"),
+    ]
+    assert holder.counts == Counter(retried=2, released=1)
 
 
 async def test_a_settle_that_fails_counts_unknown_and_the_batch_goes_on(
@@ -163,11 +224,8 @@ async def test_a_settle_that_fails_counts_unknown_and_the_batch_goes_on(
     holder = FakeHolder(clock)
     holder.fail["a"] = RuntimeError("a failed")
     holder.broken_settle = True
-    counts, count = counter()
-    await run_batch(
-        holder, ["a", "b"], clock=clock, lease=LEASE, count=count, describe=lambda i: f"item {i}"
-    )
-    assert counts == Counter(unknown=1, completed=1)
+    await run(holder, "ab", describe=lambda i: f"item {i}")
+    assert holder.counts == Counter(unknown=1, completed=1)
     assert any(
         r.getMessage() == "settling item a failed; its lease will expire" for r in caplog.records
     )
@@ -175,6 +233,5 @@ async def test_a_settle_that_fails_counts_unknown_and_the_batch_goes_on(
 
 async def test_an_empty_batch_does_nothing(clock: ManualClock) -> None:
     holder = FakeHolder(clock)
-    counts, count = counter()
-    await run_batch(holder, [], clock=clock, lease=LEASE, count=count)
-    assert holder.calls == [] and not counts
+    await run(holder, [])
+    assert holder.calls == [] and not holder.counts

@@ -10,11 +10,12 @@ all the work. Assertions read the stored documents, and count the handlers runni
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import anyio.lowlevel
 
-from mongoq import GroupLease, NewMessage, NewTask, Task
+from mongoq import AsyncGroupTransport, AsyncTaskQueue, NewMessage, NewTask
 from mongoq.testing import ManualClock
 from tests.support.group_helpers import assert_empty, new_transport
 from tests.support.helpers import new_queue, read_all
@@ -52,38 +53,43 @@ class Busy:
             self.now -= 1
 
 
-async def test_every_task_slot_is_busy_at_once(db: Any, clock: ManualClock) -> None:
-    queue = await new_queue(db, clock)
-    await queue.put_many(NewTask(f"t{i}", i) for i in range(ITEMS))
+async def run_with_every_slot_busy(
+    runner: AsyncTaskQueue | AsyncGroupTransport, item: Callable[[Any], Any]
+) -> Any:
+    """`runner.run` to the end with every slot and batches, each handler working on
+    `item(what it was handed)`; asserts that all slots were busy at once and every one of the
+    `ITEMS` was handled once, and returns the run's summary."""
     busy = Busy()
 
-    async def handle(task: Task) -> None:
-        await busy.work(task.id)
+    async def handle(handed: Any) -> None:
+        await busy.work(item(handed))
 
-    summary = await queue.run(
+    summary = await runner.run(
         handle, concurrency=SLOTS, batch_size=BATCH, stop_when_empty=True, worker_id="w"
     )
     assert busy.most == SLOTS
+    assert set(busy.seen.values()) == {1} and len(busy.seen) == ITEMS
+    return summary
+
+
+async def test_every_task_slot_is_busy_at_once(db: Any, clock: ManualClock) -> None:
+    queue = await new_queue(db, clock)
+    await queue.put_many(NewTask(f"t{i}", i) for i in range(ITEMS))
+
+    summary = await run_with_every_slot_busy(queue, lambda task: task.id)
+
     assert summary.completed == ITEMS
     stored = await read_all(db)
     assert len(stored) == ITEMS
     assert {doc["status"] for doc in stored.values()} == {"done"}
     assert all(doc["attempts"] == 1 for doc in stored.values())  # each claimed once
-    assert set(busy.seen.values()) == {1}
 
 
 async def test_every_group_slot_is_busy_at_once(db: Any, clock: ManualClock) -> None:
     transport = await new_transport(db, clock)
     await transport.publish_many(NewMessage(f"g{i}", i) for i in range(ITEMS))
-    busy = Busy()
 
-    async def handle(lease: GroupLease) -> None:
-        await busy.work(lease.event)
+    summary = await run_with_every_slot_busy(transport, lambda lease: lease.event)
 
-    summary = await transport.run(
-        handle, concurrency=SLOTS, batch_size=BATCH, stop_when_empty=True, worker_id="w"
-    )
-    assert busy.most == SLOTS
     assert summary.acked == ITEMS
-    assert set(busy.seen.values()) == {1} and len(busy.seen) == ITEMS
     await assert_empty(db)  # every message acked, every group dropped

@@ -8,7 +8,8 @@ assertions see what is stored, with every datetime made UTC-aware.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,8 +17,8 @@ import anyio.lowlevel
 import bson
 
 from mongoq import AsyncGroupTransport, GroupLease, NewMessage, PermanentError
-from mongoq.testing import ManualClock, settle
-from tests.support.helpers import Actors, Trace, every_order, later, utc
+from mongoq.testing import CommandCounter, ManualClock, instrument, settle
+from tests.support.helpers import Actors, Trace, every_order, indexed, later, utc
 
 #: The visibility of the tests' transports: a lease lasts 30 s, run() renews it every 10 s.
 VISIBILITY = 30.0
@@ -30,12 +31,22 @@ KINDS = ("messages", "locks", "counters", "dead")
 async def new_transport(
     db: Any, clock: ManualClock, prefix: str = PREFIX, **options: Any
 ) -> AsyncGroupTransport:
-    """A transport driven by the test's clock, with the tests' visibility, and its indexes
-    (claims hint their indexes: a real server refuses a hint to a missing one)."""
-    options.setdefault("visibility", VISIBILITY)
-    transport = AsyncGroupTransport(db, prefix, clock=clock, **options)
-    await transport.ensure_indexes()
-    return transport
+    """A transport driven by the test's clock, with the tests' visibility, and its indexes."""
+    return await indexed(
+        AsyncGroupTransport, db, prefix, clock, **{"visibility": VISIBILITY, **options}
+    )
+
+
+async def counted_transport(
+    db: Any, clock: ManualClock, *, record: bool = False, **options: Any
+) -> tuple[AsyncGroupTransport, CommandCounter]:
+    """`new_transport` whose commands a `CommandCounter` counts (and, with `record`, keeps),
+    from after the index set-up."""
+    counter = CommandCounter()
+    counter.record = record
+    transport = await new_transport(instrument(db, counter), clock, **options)
+    counter.reset()
+    return transport, counter
 
 
 async def docs(db: Any, kind: str, prefix: str = PREFIX) -> dict[Any, dict[str, Any]]:
@@ -61,21 +72,39 @@ async def lock(db: Any, group_id: Any, prefix: str = PREFIX) -> dict[str, Any] |
     return None if doc is None else utc(dict(doc))
 
 
+def assert_fields(
+    doc: dict[str, Any] | None, what: str, expected: dict[str, Any]
+) -> dict[str, Any]:
+    """`doc` exists and holds the `expected` value in each of those fields; `doc`."""
+    assert doc is not None, f"no {what}"
+    found = {field: doc[field] for field in expected}
+    assert found == expected, f"{what}: {doc}"
+    return doc
+
+
+async def assert_lock(
+    db: Any, group_id: Any, prefix: str = PREFIX, **fields: Any
+) -> dict[str, Any]:
+    """The group's lock is there with these `fields`; the lock, for further checks."""
+    return assert_fields(await lock(db, group_id, prefix), f"lock of {group_id!r}", fields)
+
+
 async def assert_released(
     db: Any, group_id: Any, at: datetime, prefix: str = PREFIX
 ) -> dict[str, Any]:
     """The group's lock is there, held by nobody, claimable from `at` (a released group); the
     lock, for further checks."""
-    stored = await lock(db, group_id, prefix)
-    assert stored is not None, f"no lock for {group_id!r}"
-    released = (stored["available_at"], stored["token"])
-    assert released == (at, None), f"{group_id!r} not released at {at}: {stored}"
-    return stored
+    return await assert_lock(db, group_id, prefix, available_at=at, token=None)
 
 
 async def message(db: Any, seq: int, prefix: str = PREFIX) -> dict[str, Any] | None:
     doc = await db[f"{prefix}_messages"].find_one({"_id": seq})
     return None if doc is None else utc(dict(doc))
+
+
+async def assert_message(db: Any, seq: int, prefix: str = PREFIX, **fields: Any) -> dict[str, Any]:
+    """Message `seq` is stored with these `fields`; the message, for further checks."""
+    return assert_fields(await message(db, seq, prefix), f"message {seq}", fields)
 
 
 async def counter_value(db: Any, prefix: str = PREFIX) -> int | None:
@@ -92,12 +121,27 @@ async def snapshot(db: Any, prefix: str = PREFIX) -> dict[str, dict[Any, bytes]]
     }
 
 
+@asynccontextmanager
+async def unchanged(db: Any, prefix: str = PREFIX) -> AsyncIterator[None]:
+    """The block must write nothing: the `snapshot` after it equals the one before."""
+    before = await snapshot(db, prefix)
+    yield
+    assert await snapshot(db, prefix) == before, "the block changed what is stored"
+
+
 async def group_messages(db: Any, prefix: str = PREFIX) -> dict[Any, list[Any]]:
     """The stored events of each group, in seq (FIFO) order."""
     by_group: dict[Any, list[Any]] = defaultdict(list)
     for _, doc in sorted((await messages(db, prefix)).items()):
         by_group[doc["group_id"]].append(doc["event"])
     return dict(by_group)
+
+
+async def publish_each(
+    transport: AsyncGroupTransport, group_id: Any, *events: Any, priority: int = 0
+) -> list[int]:
+    """Publish `events` to `group_id` one `publish` after the other; their seqs."""
+    return [await transport.publish(group_id, event, priority=priority) for event in events]
 
 
 async def claim_one(
@@ -115,6 +159,15 @@ async def claim_one(
         assert lease.group_id == group, f"claimed {lease.group_id!r}, expected {group!r}"
     if event is not None:
         assert lease.event == event, f"got {lease.event!r}, expected {event!r}"
+    return lease
+
+
+async def claim_and_ack(
+    transport: AsyncGroupTransport, worker: str = "w", *, group: Any = None, event: Any = None
+) -> GroupLease:
+    """`claim_one`, then ack the lease at once (it must still be held)."""
+    lease = await claim_one(transport, worker, group=group, event=event)
+    assert await transport.ack(lease), f"{worker} lost {lease.group_id!r} before its ack"
     return lease
 
 
@@ -207,6 +260,20 @@ async def race(
         return await new_transport(db, clock, prefix=prefix)
 
     return await every_order(db, counts, fresh, setup, check)
+
+
+def assert_outcomes(seen: Counter[str], orders: int, outcomes: set[str]) -> None:
+    """A race ran all its `orders` orders and they ended in exactly these `outcomes`."""
+    assert sum(seen.values()) == orders, seen
+    assert set(seen) == outcomes, seen
+
+
+#: How the ack of a group's last message ends while a publish to the group races it: its
+#: check saw the new message (it releases), or it dropped the lock (the publish's ready makes a
+#: new one), or the ready moved the version first, so the drop matched nothing (it releases).
+SEEN_BY_THE_CHECK = "seen by the check, released"
+RECREATED = "dropped, re-created by the publish"
+DROP_REFUSED = "drop refused, released"
 
 
 #: The two ways to publish g1 to group "g" (the actor of a race).

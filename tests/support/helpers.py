@@ -12,14 +12,16 @@ import re
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio.lowlevel
 import bson
 import pytest
 
-from mongoq import AsyncTaskQueue, InvalidInput, Task
+from mongoq import AsyncTaskQueue, InvalidInput, NewTask, Task
 from mongoq.testing import (
+    CommandCounter,
+    FaultInjector,
     Interleaving,
     ManualClock,
     Operation,
@@ -41,15 +43,46 @@ Trace = list[tuple[str, str, str]]
 Subject = TypeVar("Subject")
 
 
+class Indexed(Protocol):
+    async def ensure_indexes(self) -> Any: ...
+
+
+IndexedT = TypeVar("IndexedT", bound=Indexed)
+
+
+async def indexed(
+    kind: Callable[..., IndexedT], db: Any, name: str, clock: ManualClock, **options: Any
+) -> IndexedT:
+    """`kind(db, name, clock=clock, **options)` (a queue or a transport) with its indexes
+    created: claims name their index, and a real server refuses a hint to a missing one."""
+    subject = kind(db, name, clock=clock, **options)
+    await subject.ensure_indexes()
+    return subject
+
+
 async def new_queue(
     db: Any, clock: ManualClock, name: str = QUEUE, **options: Any
 ) -> AsyncTaskQueue:
-    """A task queue on `db` driven by the test's clock, with the tests' lease, and its indexes
-    (claims name their index: a real server refuses a hint to a missing one)."""
-    options.setdefault("lease_ttl", LEASE_TTL)
-    queue = AsyncTaskQueue(db, name, clock=clock, **options)
-    await queue.ensure_indexes()
-    return queue
+    """A task queue on `db` driven by the test's clock, with the tests' lease, and its indexes."""
+    return await indexed(AsyncTaskQueue, db, name, clock, **{"lease_ttl": LEASE_TTL, **options})
+
+
+async def counted_queue(
+    db: Any, clock: ManualClock, **options: Any
+) -> tuple[AsyncTaskQueue, CommandCounter]:
+    """`new_queue` whose commands a `CommandCounter` counts, from after the index set-up."""
+    counter = CommandCounter()
+    queue = await new_queue(instrument(db, counter), clock, **options)
+    counter.reset()
+    return queue, counter
+
+
+async def faulty_queue(
+    db: Any, clock: ManualClock, **options: Any
+) -> tuple[AsyncTaskQueue, FaultInjector]:
+    """`new_queue` whose commands go through a `FaultInjector` with no rule yet."""
+    faults = FaultInjector()
+    return await new_queue(instrument(db, faults), clock, **options), faults
 
 
 async def claim_one(queue: AsyncTaskQueue, worker: str = "w", expect: Any = None) -> Task:
@@ -58,6 +91,21 @@ async def claim_one(queue: AsyncTaskQueue, worker: str = "w", expect: Any = None
     assert task is not None, "nothing was claimable"
     if expect is not None:
         assert task.id == expect, f"claimed {task.id!r}, expected {expect!r}"
+    return task
+
+
+async def put_and_claim(queue: AsyncTaskQueue, worker: str = "w", payload: Any = None) -> Task:
+    """Put t1 and have `worker` claim it."""
+    await queue.put("t1", payload)
+    return await claim_one(queue, worker, expect="t1")
+
+
+async def expired_claim(
+    queue: AsyncTaskQueue, clock: ManualClock, worker: str = "w", payload: Any = None
+) -> Task:
+    """Put t1, have `worker` claim it, and let that lease expire: the claim is now stale."""
+    task = await put_and_claim(queue, worker, payload)
+    clock.advance(LEASE_TTL + 1)
     return task
 
 
@@ -82,6 +130,19 @@ async def read(db: Any, task_id: Any, name: str = QUEUE) -> dict[str, Any] | Non
     """The stored document of a task, read straight from the collection."""
     doc = await db[name].find_one({"_id": task_id})
     return None if doc is None else utc(dict(doc))
+
+
+async def stored_fields(db: Any, task_id: Any, *fields: str, name: str = QUEUE) -> tuple[Any, ...]:
+    """The values of `fields` in the stored document of a task, which must exist."""
+    doc = await read(db, task_id, name)
+    assert doc is not None, f"no stored task {task_id!r}"
+    return tuple(doc[field] for field in fields)
+
+
+async def assert_completes(db: Any, queue: AsyncTaskQueue, task: Task, result: Any) -> None:
+    """The claim `task` still holds its task: completing it stores the task done with `result`."""
+    assert await queue.complete(task, result)
+    assert await stored_fields(db, task.id, "status", "result") == ("done", result)
 
 
 async def read_all(db: Any, name: str = QUEUE) -> dict[Any, dict[str, Any]]:
@@ -165,6 +226,13 @@ async def race(
     return await every_order(db, counts, fresh, setup, check_results)
 
 
+def assert_outcomes(outcomes: Counter[str], orders: int, expected: set[str]) -> None:
+    """A race (`race`, `every_order`) ran `orders` orders and saw exactly the outcomes
+    `expected`."""
+    assert sum(outcomes.values()) == orders
+    assert set(outcomes) == expected
+
+
 def nth(index: int) -> Callable[[Operation], bool]:
     """A fault rule's `match` that picks the `index`-th (from 0) matching command it sees."""
     seen = itertools.count()
@@ -212,3 +280,34 @@ class Bookkeeping:
             return {"attempt": task.attempts}
         finally:
             self.in_flight.discard(task.id)
+
+    def attempts(self, task_id: Any) -> int:
+        """The attempts `task_id` takes: two if it is flaky, else one."""
+        return 2 if task_id in self.flaky else 1
+
+    async def assert_all_done(self, db: Any, ids: list[Any], name: str = QUEUE) -> None:
+        """Exactly the tasks `ids` are stored, each done with the result of the attempt that
+        finished it and no lease, having run that many times and never twice at once."""
+        assert self.overlaps == []
+        assert self.runs == {task_id: self.attempts(task_id) for task_id in ids}
+        docs = await read_all(db, name)
+        assert sorted(docs) == sorted(ids)
+        for task_id, doc in docs.items():
+            attempts = self.attempts(task_id)
+            assert (doc["status"], doc["attempts"]) == ("done", attempts), task_id
+            assert (doc["result"], doc["lease_until"]) == ({"attempt": attempts}, None), task_id
+
+
+async def flaky_tasks(
+    db: Any, clock: ManualClock, count: int
+) -> tuple[AsyncTaskQueue, list[str], Bookkeeping]:
+    """A queue whose commands all yield first (so slots interleave command by command) with a
+    1 to 1.5 s backoff, holding `count` tasks t00, t01... of priorities 0 to 2, and the
+    `Bookkeeping` handler that fails the first attempt of every seventh."""
+    faults = FaultInjector(yield_between=True)
+    queue = await new_queue(instrument(db, faults), clock, backoff_base=1, backoff_cap=1)
+    ids = [f"t{i:02}" for i in range(count)]
+    await queue.put_many(
+        [NewTask(task_id, {"n": task_id}, priority=i % 3) for i, task_id in enumerate(ids)]
+    )
+    return queue, ids, Bookkeeping(set(ids[::7]))

@@ -1,23 +1,28 @@
-"""Shared helpers of the outbox tests: building an outbox on a manual clock, reading its
-collections back, and publishing inside a transaction of the test engine or a real server."""
+"""Shared helpers of the outbox tests: building an outbox on a manual clock (plain, counted or
+with injected faults), reading its collections back, dispatching to transactional handlers, and
+publishing inside a transaction of the test engine or a real server."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import bson
 import pytest
 
 from mongoq import _driver
-from mongoq.outbox import AsyncOutbox, Delivery, Event, lane_of
-from mongoq.testing import ManualClock
+from mongoq.outbox import AsyncOutbox, Delivery, DeliveryContext, Event, OutboxDispatcher, lane_of
+from mongoq.testing import CommandCounter, FaultInjector, ManualClock, instrument
 
 PREFIX = "ob_"
 SUBSCRIPTIONS: dict[str, list[str]] = {
     "order.created": ["mail", "stats"],
     "order.paid": ["stats"],
 }
+#: One handler, "h", for events of type "t".
+ONLY_H: dict[str, list[str]] = {"t": ["h"]}
+LEASE = 30
+Handler = Callable[[Event, DeliveryContext], Awaitable[Any]]
 
 
 async def new_outbox(
@@ -25,7 +30,7 @@ async def new_outbox(
     clock: ManualClock,
     *,
     subscriptions: Mapping[str, Iterable[str]] | None = None,
-    lease: float = 30,
+    lease: float = LEASE,
     completion_history: bool = False,
 ) -> AsyncOutbox:
     outbox = AsyncOutbox(
@@ -40,7 +45,36 @@ async def new_outbox(
     return outbox
 
 
+def another(db: Any, clock: ManualClock, subscriptions: Any = SUBSCRIPTIONS) -> AsyncOutbox:
+    """Another instance (another process) on the collections `new_outbox` set up."""
+    return AsyncOutbox(db, PREFIX, subscriptions=subscriptions, lease=LEASE, clock=clock)
+
+
+async def counted_outbox(
+    db: Any, clock: ManualClock, counter: CommandCounter, **options: Any
+) -> AsyncOutbox:
+    """An outbox whose commands `counter` counts from after its setup."""
+    outbox = await new_outbox(instrument(db, counter), clock, **options)
+    counter.reset()
+    return outbox
+
+
+async def faulty_outbox(
+    db: Any, clock: ManualClock, **options: Any
+) -> tuple[AsyncOutbox, FaultInjector]:
+    """An outbox whose commands pass through a new `FaultInjector` (nothing armed yet), with
+    that injector. ``outbox.db`` is the instrumented database: instances built on it (`another`)
+    meet the same faults."""
+    faults = FaultInjector()
+    return await new_outbox(instrument(db, faults), clock, **options), faults
+
+
 def order(n: int, key: str | None = None, kind: str = "order.created") -> Event:
+    return Event(id=f"e{n}", type=kind, payload={"n": n}, key=key)
+
+
+def event(n: int, key: str | None = None, kind: str = "t") -> Event:
+    """An event of type "t" by default: with `ONLY_H`, one delivery to "h"."""
     return Event(id=f"e{n}", type=kind, payload={"n": n}, key=key)
 
 
@@ -82,6 +116,16 @@ def pairs(batch: Sequence[Delivery]) -> list[tuple[str, str]]:
     return [(d.event.id, d.handler) for d in batch]
 
 
+def ran(batch: Sequence[Delivery]) -> list[tuple[str, int]]:
+    """(event id, attempt) of each delivery, sorted."""
+    return sorted((d.event.id, d.attempt) for d in batch)
+
+
+def attempts(docs: list[dict[str, Any]]) -> dict[str, tuple[int, int]]:
+    """(attempts, claims) of each delivery document, by event id."""
+    return {d["event_id"]: (d["attempts"], d["claims"]) for d in docs}
+
+
 # ---------------------------------------------- lanes and claims (test_outbox_claims/_races)
 
 
@@ -97,6 +141,20 @@ def keys_in_distinct_lanes(count: int, stem: str = "k") -> list[str]:
             if len(keys) == count:
                 return keys
     raise AssertionError("not enough lanes")
+
+
+async def lane_docs(db: Any, prefix: str = PREFIX) -> dict[int, dict[str, Any]]:
+    """The 256 lane documents, by lane (the collection also keeps a requeue counter)."""
+    return {i: doc for i, doc in (await lanes(db, prefix)).items() if isinstance(i, int)}
+
+
+def entry(doc: dict[str, Any] | None) -> dict[str, Any]:
+    """The lane entry listing the delivery document `doc` at its current generation."""
+    assert doc is not None
+    listed = {"d": doc["_id"], "g": doc["claims"], "h": doc["handler"]}
+    if "key" in doc:
+        listed["k"] = doc["key"]
+    return listed
 
 
 def key_in_lane(lane: int, stem: str = "n") -> str:
@@ -129,3 +187,49 @@ async def drain(outbox: AsyncOutbox, owner: str = "drainer") -> list[Delivery]:
 def paid(event_id: str, key: str | None = None) -> Event:
     """An event with one subscriber, "stats"."""
     return Event(id=event_id, type="order.paid", key=key)
+
+
+async def bury_head(outbox: AsyncOutbox, error: str | None = None) -> Delivery:
+    """Publish e1, e2 and e3 of key k (one delivery each, to "stats") and bury e1, the head,
+    claimed by A: e2 and e3 wait behind a dead letter."""
+    await outbox.publish([paid("e1", "k"), paid("e2", "k"), paid("e3", "k")], session=None)
+    [head] = await outbox.claim("A")
+    assert (head.event.id, head.handler) == ("e1", "stats")
+    assert await outbox.bury(head, error=error)
+    return head
+
+
+# ------------------------------------------------------------------------------ dispatching
+
+
+def dispatcher(
+    outbox: AsyncOutbox, handlers: dict[str, Handler], **options: Any
+) -> OutboxDispatcher:
+    """A dispatcher owned by "w" whose retries wait 10 s, unless `options` say otherwise."""
+    options.setdefault("owner", "w")
+    options.setdefault("backoff", lambda attempt: 10)
+    return OutboxDispatcher(outbox, handlers, **options)
+
+
+async def projection_collection(db: Any) -> Any:
+    await _driver.create_collections(db, ["projection"])  # not implicitly, in a transaction
+    return db["projection"]
+
+
+def projecting(db: Any, fail_first: BaseException | None = None) -> Handler:
+    """A handler that writes its projection ``{_id: event id, attempt}`` and completes its
+    delivery in one transaction; `fail_first` is raised inside the transaction after the
+    completion, on the first attempt, so that it aborts both."""
+
+    async def project(event: Event, context: DeliveryContext) -> None:
+        async def work(session: Any) -> None:
+            await db["projection"].insert_one(
+                {"_id": event.id, "attempt": context.attempt}, session=session
+            )
+            await context.complete(session)
+            if fail_first is not None and context.attempt == 1:
+                raise fail_first
+
+        await _driver.run_in_transaction(db, work)
+
+    return project

@@ -18,7 +18,7 @@ import anyio.to_thread
 import mongoq_sync
 from mongoq import AsyncGroupTransport, AsyncTaskQueue, NewMessage, NewTask, PermanentError
 from mongoq.testing import ManualClock, settle
-from tests.support.helpers import utc
+from tests.support.helpers import indexed, read_all
 
 LEASE = 30.0
 
@@ -77,11 +77,6 @@ class Env:
         raise NotImplementedError
 
 
-async def _read_all(db: Any, collection: str) -> dict[Any, dict[str, Any]]:
-    docs = await db[collection].find({}).to_list(None)
-    return {doc["_id"]: utc(dict(doc)) for doc in docs}
-
-
 class AsyncEnv(Env):
     kind = "async"
 
@@ -90,17 +85,13 @@ class AsyncEnv(Env):
         self.clock = clock
 
     async def task_queue(self, name: str, **options: Any) -> Any:
-        queue = AsyncTaskQueue(self.db, name, clock=self.clock, **options)
-        await queue.ensure_indexes()
-        return queue
+        return await indexed(AsyncTaskQueue, self.db, name, self.clock, **options)
 
     async def group_transport(self, prefix: str, **options: Any) -> Any:
-        transport = AsyncGroupTransport(self.db, prefix, clock=self.clock, **options)
-        await transport.ensure_indexes()
-        return transport
+        return await indexed(AsyncGroupTransport, self.db, prefix, self.clock, **options)
 
     async def documents(self, collection: str) -> dict[Any, dict[str, Any]]:
-        return await _read_all(self.db, collection)
+        return await read_all(self.db, collection)
 
     async def settle(self) -> None:
         await settle()
@@ -114,26 +105,23 @@ class SyncEnv(Env):
         self.clock = clock
 
     async def task_queue(self, name: str, **options: Any) -> Any:
-        queue = await anyio.to_thread.run_sync(
-            functools.partial(
-                mongoq_sync.TaskQueue, self.database, name, clock=self.clock, **options
-            )
-        )
-        await anyio.to_thread.run_sync(queue.ensure_indexes)
-        return AsyncView(queue)
+        return await self._indexed(mongoq_sync.TaskQueue, name, options)
 
     async def group_transport(self, prefix: str, **options: Any) -> Any:
-        transport = await anyio.to_thread.run_sync(
-            functools.partial(
-                mongoq_sync.GroupTransport, self.database, prefix, clock=self.clock, **options
-            )
+        return await self._indexed(mongoq_sync.GroupTransport, prefix, options)
+
+    async def _indexed(self, kind: Callable[..., Any], name: str, options: dict[str, Any]) -> Any:
+        """A blocking `kind` made, and its indexes created, in a worker thread as a script
+        would, seen through `AsyncView`."""
+        subject = await anyio.to_thread.run_sync(
+            functools.partial(kind, self.database, name, clock=self.clock, **options)
         )
-        await anyio.to_thread.run_sync(transport.ensure_indexes)
-        return AsyncView(transport)
+        await anyio.to_thread.run_sync(subject.ensure_indexes)
+        return AsyncView(subject)
 
     async def documents(self, collection: str) -> dict[Any, dict[str, Any]]:
         db = self.database.async_database
-        return await anyio.to_thread.run_sync(self.database.call, _read_all, db, collection)
+        return await anyio.to_thread.run_sync(self.database.call, read_all, db, collection)
 
     async def settle(self) -> None:
         await anyio.to_thread.run_sync(self.database.call, settle)

@@ -713,54 +713,38 @@ INDEXES: dict[str, Keys] = {
 }
 
 
-@pytest.mark.parametrize(
-    ("filter", "sort", "hint", "expected"),
-    [
-        ({"_id": "t1", "status": "processing", "worker_id": "w"}, (), None, "_id_"),
-        ({"_id": {"$in": [1, 2]}, "lease_token": "x"}, (), None, "_id_"),
-        ({"status": "pending"}, (), None, "status_lease"),
-        ({"status": "pending", "lease_until": {"$lte": 1}}, (), None, "status_lease"),
-        ({"status": {"$in": ["a", "b"]}}, [("lease_until", -1)], None, "status_lease"),
-        ({"lease_until": {"$lte": 1}}, [("priority", -1), ("lease_until", 1)], "claim", "claim"),
-        ({"lease_until": {"$lte": 1}}, [("priority", 1), ("lease_until", -1)], None, "claim"),
-        ({"$or": [{"_id": 1, "token": "a"}, {"_id": 2, "token": "b"}]}, (), None, "$or: _id_"),
-        ({"$and": [{"status": "done"}, {"payload": {"$ne": None}}]}, (), None, "status_lease"),
-        # An equality on a key after the range (or the sort) is tested in the index scan.
-        ({"priority": {"$gte": 1}, "lease_until": 2}, (), None, "claim"),
-        ({"lease_until": 2}, [("priority", -1)], None, "claim"),
-    ],
-)
-def test_the_matcher_accepts_what_an_index_serves(
-    filter: dict[str, Any], sort: Any, hint: Any, expected: str
-) -> None:
-    assert served_by(INDEXES, filter, sort, hint) == expected
+#: (filter, sort, hint, the index that serves it) against `INDEXES`.
+SERVED: list[Any] = [
+    ({"_id": "t1", "status": "processing", "worker_id": "w"}, (), None, "_id_"),
+    ({"_id": {"$in": [1, 2]}, "lease_token": "x"}, (), None, "_id_"),
+    ({"status": "pending"}, (), None, "status_lease"),
+    ({"status": "pending", "lease_until": {"$lte": 1}}, (), None, "status_lease"),
+    ({"status": {"$in": ["a", "b"]}}, [("lease_until", -1)], None, "status_lease"),
+    ({"lease_until": {"$lte": 1}}, [("priority", -1), ("lease_until", 1)], "claim", "claim"),
+    ({"lease_until": {"$lte": 1}}, [("priority", 1), ("lease_until", -1)], None, "claim"),
+    ({"$or": [{"_id": 1, "token": "a"}, {"_id": 2, "token": "b"}]}, (), None, "$or: _id_"),
+    ({"$and": [{"status": "done"}, {"payload": {"$ne": None}}]}, (), None, "status_lease"),
+    # An equality on a key after the range (or the sort) is tested in the index scan.
+    ({"priority": {"$gte": 1}, "lease_until": 2}, (), None, "claim"),
+    ({"lease_until": 2}, [("priority", -1)], None, "claim"),
+]
 
-
-@pytest.mark.parametrize(
-    ("filter", "sort", "hint"),
-    [
-        pytest.param({"payload.n": 1}, (), None, id="unindexed field"),
-        pytest.param({}, (), None, id="empty filter: a collection scan"),
-        pytest.param({"worker_id": "w"}, (), None, id="field not leading any index"),
-        pytest.param({"lease_until": {"$lte": 1}}, (), None, id="range on a second key"),
-        pytest.param({"status": "done", "worker_id": "w"}, (), None, id="equality not covered"),
-        pytest.param({"status": "done"}, [("priority", -1)], None, id="sort not in the index"),
-        pytest.param(
-            {}, [("priority", -1), ("lease_until", -1)], None, id="sort in mixed directions"
-        ),
-        pytest.param({"status": "done"}, (), "nope", id="hint names no index"),
-        pytest.param({"status": "done"}, (), "claim", id="hinted index does not serve it"),
-        pytest.param({"$or": [{"_id": 1}, {"worker_id": "w"}]}, (), None, id="unindexed branch"),
-        pytest.param({"status": {"$ne": "done"}}, (), None, id="$ne picks no index"),
-        pytest.param({"lease_until": 5}, (), None, id="equality on a later key alone"),
-        pytest.param({"lease_until": 5}, (), "status_lease", id="hinted, a later key alone"),
-    ],
-)
-def test_the_matcher_rejects_what_no_index_serves(
-    filter: dict[str, Any], sort: Any, hint: Any
-) -> None:
-    assert served_by(INDEXES, filter, sort, hint) is None
-
+#: (filter, sort, hint) that no index of `INDEXES` serves.
+UNSERVED: list[Any] = [
+    pytest.param({"payload.n": 1}, (), None, id="unindexed field"),
+    pytest.param({}, (), None, id="empty filter: a collection scan"),
+    pytest.param({"worker_id": "w"}, (), None, id="field not leading any index"),
+    pytest.param({"lease_until": {"$lte": 1}}, (), None, id="range on a second key"),
+    pytest.param({"status": "done", "worker_id": "w"}, (), None, id="equality not covered"),
+    pytest.param({"status": "done"}, [("priority", -1)], None, id="sort not in the index"),
+    pytest.param({}, [("priority", -1), ("lease_until", -1)], None, id="sort in mixed directions"),
+    pytest.param({"status": "done"}, (), "nope", id="hint names no index"),
+    pytest.param({"status": "done"}, (), "claim", id="hinted index does not serve it"),
+    pytest.param({"$or": [{"_id": 1}, {"worker_id": "w"}]}, (), None, id="unindexed branch"),
+    pytest.param({"status": {"$ne": "done"}}, (), None, id="$ne picks no index"),
+    pytest.param({"lease_until": 5}, (), None, id="equality on a later key alone"),
+    pytest.param({"lease_until": 5}, (), "status_lease", id="hinted, a later key alone"),
+]
 
 #: The outbox's deliveries indexes (`mongoq.outbox.store`), partial ones included.
 PARTIAL_INDEXES: dict[str, Index] = {
@@ -781,82 +765,99 @@ BY_DUE = [("due_at", 1), ("_id", 1)]
 AFTER = {"$or": [{"due_at": {"$gt": 1}}, {"due_at": 1, "_id": {"$gt": 0}}]}
 HEAD = {"handler": "h", "key": "k", "due_at": {"$exists": True}}
 
+#: (filter, sort, hint, the index that serves it) against `PARTIAL_INDEXES`.
+PARTIAL_SERVED: list[Any] = [
+    pytest.param(CLAIM_SCAN, BY_DUE, "claim", "claim", id="claim scan"),
+    pytest.param(CLAIM_SCAN, BY_DUE, None, "claim", id="claim scan unhinted"),
+    pytest.param(
+        {**CLAIM_SCAN, "handler": {"$in": ["a", "b"]}}, BY_DUE, "claim", "claim",
+        id="claim scan, handler filtered on the last key",
+    ),
+    pytest.param({**CLAIM_SCAN, **AFTER}, BY_DUE, "claim", "claim", id="claim scan, next page"),
+    pytest.param(
+        {"lane_id": 3, "lane": "ready", "due_at": {"$lte": 9}, "handler": "h"}, (), None,
+        "claim", id="handler after the range key",
+    ),
+    pytest.param({"lane": "ready", "lane_id": 3}, (), None, "claim", id="pinned and a key"),
+    pytest.param(HEAD, [("sequence", 1)], "ordering", "ordering", id="head of a key"),
+    pytest.param({"lane": "parked"}, (), "parked", "parked", id="hinted: the pin narrows"),
+    pytest.param(
+        {"lane": "parked", "handler": {"$in": ["h"]}}, (), "parked", "parked",
+        id="parked, by handler",
+    ),
+    pytest.param(
+        {"due_at": {"$exists": True}}, [("due_at", 1)], "due", "due", id="oldest due"
+    ),
+    pytest.param(
+        {"due_at": {"$exists": True, "$lte": 5}}, (), None, "due", id="$exists with a range"
+    ),
+    pytest.param(
+        {"$and": [{"lane": "ready"}, {"lane_id": 3}]}, (), None, "claim", id="$and"
+    ),
+    pytest.param(
+        {"lane": "ready", "$or": [{"lane_id": 1}, {"lane_id": 2}]}, (), None, "$or: claim",
+        id="$or branches with the pin outside",
+    ),
+]  # fmt: skip
+
+#: (filter, sort, hint) that no index of `PARTIAL_INDEXES` serves.
+PARTIAL_UNSERVED: list[Any] = [
+    pytest.param(
+        {"lane_id": {"$in": [1]}, "due_at": {"$lte": 9}}, BY_DUE, "claim",
+        id="claim scan without the partial's lane",
+    ),
+    pytest.param({**CLAIM_SCAN, "lane": "parked"}, BY_DUE, "claim", id="another value"),
+    pytest.param({**CLAIM_SCAN, "lane": {"$ne": "parked"}}, BY_DUE, "claim", id="$ne"),
+    pytest.param({**CLAIM_SCAN, "lane": {"$in": ["ready", "parked"]}}, BY_DUE, None, id="$in"),
+    pytest.param(
+        {"lane_id": 1, "lane": "ready"}, (), "parked", id="hinted index it does not imply"
+    ),
+    pytest.param(
+        {"handler": "h", "key": "k"}, [("sequence", 1)], "ordering", id="no $exists: true"
+    ),
+    pytest.param(
+        {**HEAD, "key": None}, [("sequence", 1)], "ordering", id="null does not exist"
+    ),
+    pytest.param(
+        {**HEAD, "key": {"$exists": False}}, [("sequence", 1)], None, id="$exists: false"
+    ),
+    pytest.param({"lane": "parked"}, (), None, id="the pin alone, unhinted: never planned"),
+    pytest.param({"lane": "ready", "handler": "h"}, (), None, id="a later key alone"),
+    pytest.param({"lane": "ready", "event_id": "e"}, (), "claim", id="a field not a key"),
+    pytest.param({"lane": "ready"}, [("_id", 1)], "claim", id="sort past a key"),
+    pytest.param({}, [("due_at", 1)], "due", id="sort alone does not imply the filter"),
+]  # fmt: skip
+
+
+def against(indexes: Mapping[str, Index], cases: list[Any]) -> list[Any]:
+    """`cases` (tuples or `pytest.param`s) with the indexes to match them against first."""
+    params = []
+    for case in cases:
+        if hasattr(case, "marks"):  # a pytest.param: keep its id
+            params.append(pytest.param(indexes, *case.values, id=case.id, marks=case.marks))
+        else:
+            params.append(pytest.param(indexes, *case))
+    return params
+
 
 @pytest.mark.parametrize(
-    ("filter", "sort", "hint", "expected"),
-    [
-        pytest.param(CLAIM_SCAN, BY_DUE, "claim", "claim", id="claim scan"),
-        pytest.param(CLAIM_SCAN, BY_DUE, None, "claim", id="claim scan unhinted"),
-        pytest.param(
-            {**CLAIM_SCAN, "handler": {"$in": ["a", "b"]}}, BY_DUE, "claim", "claim",
-            id="claim scan, handler filtered on the last key",
-        ),
-        pytest.param({**CLAIM_SCAN, **AFTER}, BY_DUE, "claim", "claim", id="claim scan, next page"),
-        pytest.param(
-            {"lane_id": 3, "lane": "ready", "due_at": {"$lte": 9}, "handler": "h"}, (), None,
-            "claim", id="handler after the range key",
-        ),
-        pytest.param({"lane": "ready", "lane_id": 3}, (), None, "claim", id="pinned and a key"),
-        pytest.param(HEAD, [("sequence", 1)], "ordering", "ordering", id="head of a key"),
-        pytest.param({"lane": "parked"}, (), "parked", "parked", id="hinted: the pin narrows"),
-        pytest.param(
-            {"lane": "parked", "handler": {"$in": ["h"]}}, (), "parked", "parked",
-            id="parked, by handler",
-        ),
-        pytest.param(
-            {"due_at": {"$exists": True}}, [("due_at", 1)], "due", "due", id="oldest due"
-        ),
-        pytest.param(
-            {"due_at": {"$exists": True, "$lte": 5}}, (), None, "due", id="$exists with a range"
-        ),
-        pytest.param(
-            {"$and": [{"lane": "ready"}, {"lane_id": 3}]}, (), None, "claim", id="$and"
-        ),
-        pytest.param(
-            {"lane": "ready", "$or": [{"lane_id": 1}, {"lane_id": 2}]}, (), None, "$or: claim",
-            id="$or branches with the pin outside",
-        ),
-    ],
-)  # fmt: skip
-def test_the_matcher_accepts_what_a_partial_index_serves(
-    filter: dict[str, Any], sort: Any, hint: Any, expected: str
+    ("indexes", "filter", "sort", "hint", "expected"),
+    [*against(INDEXES, SERVED), *against(PARTIAL_INDEXES, PARTIAL_SERVED)],
+)
+def test_the_matcher_accepts_what_an_index_serves(
+    indexes: Mapping[str, Index], filter: dict[str, Any], sort: Any, hint: Any, expected: str
 ) -> None:
-    assert served_by(PARTIAL_INDEXES, filter, sort, hint) == expected
+    assert served_by(indexes, filter, sort, hint) == expected
 
 
 @pytest.mark.parametrize(
-    ("filter", "sort", "hint"),
-    [
-        pytest.param(
-            {"lane_id": {"$in": [1]}, "due_at": {"$lte": 9}}, BY_DUE, "claim",
-            id="claim scan without the partial's lane",
-        ),
-        pytest.param({**CLAIM_SCAN, "lane": "parked"}, BY_DUE, "claim", id="another value"),
-        pytest.param({**CLAIM_SCAN, "lane": {"$ne": "parked"}}, BY_DUE, "claim", id="$ne"),
-        pytest.param({**CLAIM_SCAN, "lane": {"$in": ["ready", "parked"]}}, BY_DUE, None, id="$in"),
-        pytest.param(
-            {"lane_id": 1, "lane": "ready"}, (), "parked", id="hinted index it does not imply"
-        ),
-        pytest.param(
-            {"handler": "h", "key": "k"}, [("sequence", 1)], "ordering", id="no $exists: true"
-        ),
-        pytest.param(
-            {**HEAD, "key": None}, [("sequence", 1)], "ordering", id="null does not exist"
-        ),
-        pytest.param(
-            {**HEAD, "key": {"$exists": False}}, [("sequence", 1)], None, id="$exists: false"
-        ),
-        pytest.param({"lane": "parked"}, (), None, id="the pin alone, unhinted: never planned"),
-        pytest.param({"lane": "ready", "handler": "h"}, (), None, id="a later key alone"),
-        pytest.param({"lane": "ready", "event_id": "e"}, (), "claim", id="a field not a key"),
-        pytest.param({"lane": "ready"}, [("_id", 1)], "claim", id="sort past a key"),
-        pytest.param({}, [("due_at", 1)], "due", id="sort alone does not imply the filter"),
-    ],
-)  # fmt: skip
-def test_the_matcher_rejects_what_a_partial_index_does_not_serve(
-    filter: dict[str, Any], sort: Any, hint: Any
+    ("indexes", "filter", "sort", "hint"),
+    [*against(INDEXES, UNSERVED), *against(PARTIAL_INDEXES, PARTIAL_UNSERVED)],
+)
+def test_the_matcher_rejects_what_no_index_serves(
+    indexes: Mapping[str, Index], filter: dict[str, Any], sort: Any, hint: Any
 ) -> None:
-    assert served_by(PARTIAL_INDEXES, filter, sort, hint) is None
+    assert served_by(indexes, filter, sort, hint) is None
 
 
 async def test_the_audit_reports_a_query_on_an_unindexed_field() -> None:
@@ -921,13 +922,34 @@ def _stages(plan: Any) -> Iterator[str]:
             yield from _stages(value)
 
 
+def explain_recorders(
+    db: Any, request: pytest.FixtureRequest
+) -> tuple[ChainRecorder, CommandCounter]:
+    """What `collection_scans` needs recorded: the recorder and the counter to wrap `db` in.
+    Skips the test on the embedded lanes, which have no explain."""
+    if request.node.callspec.params["db"] in ("memory", "interleaved"):
+        pytest.skip("explain needs a real server: set MONGOQ_TEST_URI")
+    return ChainRecorder(db), CommandCounter()
+
+
+async def collection_scans(
+    db: Any, recorder: ChainRecorder, operations: Sequence[Operation]
+) -> list[str]:
+    """Those of `operations` that the server's plan answers with a collection scan."""
+    scans = []
+    for op in operations:
+        plan = await db.command(
+            {"explain": _explain_command(op, recorder), "verbosity": "queryPlanner"}
+        )
+        if "COLLSCAN" in set(_stages(plan)):
+            scans.append(f"{op.collection}.{op.name} {op.filter!r}")
+    return scans
+
+
 async def test_claim_queries_do_not_scan_the_collection_on_a_real_server(
     db: Any, request: pytest.FixtureRequest
 ) -> None:
-    if request.node.callspec.params["db"] in ("memory", "interleaved"):
-        pytest.skip("explain needs a real server: set MONGOQ_TEST_URI")
-    recorder = ChainRecorder(db)
-    counter = CommandCounter()
+    recorder, counter = explain_recorders(db, request)
     wrapped = instrument(recorder, counter)
     clock = ManualClock()
     queue = AsyncTaskQueue(wrapped, TASKS, clock=clock)
@@ -947,13 +969,7 @@ async def test_claim_queries_do_not_scan_the_collection_on_a_real_server(
     assert await transport.claim_many(10, "w")
     counter.record = False
 
-    scans = []
-    for op in counter.operations:
-        explained = await db.command(
-            {"explain": _explain_command(op, recorder), "verbosity": "queryPlanner"}
-        )
-        if "COLLSCAN" in set(_stages(explained)):
-            scans.append(f"{op.collection}.{op.name} {op.filter!r}")
+    scans = await collection_scans(db, recorder, counter.operations)
     assert len(counter.operations) >= 10
     assert not scans, "claim queries that scan the collection:\n" + "\n".join(scans)
 
@@ -965,10 +981,7 @@ _EXPLAINED = frozenset({"find", "aggregate", "find_one_and_update", "update_one"
 async def test_outbox_claim_queries_do_not_scan_the_collection_on_a_real_server(
     db: Any, request: pytest.FixtureRequest
 ) -> None:
-    if request.node.callspec.params["db"] in ("memory", "interleaved"):
-        pytest.skip("explain needs a real server: set MONGOQ_TEST_URI")
-    recorder = ChainRecorder(db)
-    counter = CommandCounter()
+    recorder, counter = explain_recorders(db, request)
     outbox = AsyncOutbox(
         instrument(recorder, counter), subscriptions={"t": ["h", "i"]}, clock=ManualClock()
     )
@@ -985,17 +998,12 @@ async def test_outbox_claim_queries_do_not_scan_the_collection_on_a_real_server(
     assert await outbox.claim("v", ["h"], limit=8)
     counter.record = False
 
-    scans = []
-    explained = 0
-    for op in counter.operations:
+    queries = [
+        op
+        for op in counter.operations
         # The 256 lane documents are read whole on purpose (outbox/lanes.py): not a query.
-        if op.name not in _EXPLAINED or op.collection in ("$cmd", outbox.lanes.name):
-            continue
-        plan = await db.command(
-            {"explain": _explain_command(op, recorder), "verbosity": "queryPlanner"}
-        )
-        explained += 1
-        if "COLLSCAN" in set(_stages(plan)):
-            scans.append(f"{op.collection}.{op.name} {op.filter!r}")
-    assert explained >= 4
+        if op.name in _EXPLAINED and op.collection not in ("$cmd", outbox.lanes.name)
+    ]
+    scans = await collection_scans(db, recorder, queries)
+    assert len(queries) >= 4
     assert not scans, "outbox claim queries that scan the collection:\n" + "\n".join(scans)

@@ -163,12 +163,19 @@ def assert_no_such_transaction(error: BaseException) -> None:
     assert error.has_error_label("TransientTransactionError")
 
 
+async def transaction_over_one(db: TxDatabase) -> TxSession:
+    """A session with a transaction started, once _id 1 is stored in ``a`` for a write in it
+    to collide with. Leaving the session (``async with``) ends it."""
+    await db.a.insert_one({"_id": 1})
+    session = db.client.start_session()
+    await session.start_transaction()
+    return session
+
+
 async def test_a_swallowed_duplicate_key_aborts_the_transaction_as_on_a_server(
     db: TxDatabase,
 ) -> None:
-    await db.a.insert_one({"_id": 1})
-    async with db.client.start_session() as session:
-        await session.start_transaction()
+    async with await transaction_over_one(db) as session:
         await db.a.insert_one({"_id": 2}, session=session)
         await db.b.insert_one({"_id": 2}, session=session)
         with pytest.raises(DuplicateKeyError) as dup:
@@ -205,9 +212,7 @@ async def test_a_swallowed_duplicate_key_aborts_the_transaction_as_on_a_server(
 async def test_a_swallowed_bulk_write_error_aborts_and_an_abort_then_succeeds(
     db: TxDatabase,
 ) -> None:
-    await db.a.insert_one({"_id": 1})
-    async with db.client.start_session() as session:
-        await session.start_transaction()
+    async with await transaction_over_one(db) as session:
         with pytest.raises(BulkWriteError):
             await db.a.insert_many(
                 [{"_id": 2}, {"_id": 1}, {"_id": 3}], ordered=False, session=session
@@ -233,53 +238,56 @@ async def test_a_write_error_outside_a_transaction_leaves_the_session_usable(
     assert await ids(db, "a") == [1, 2]
 
 
+class Swallowing:
+    """A transaction callback that inserts ``try{n}`` on its n-th attempt, then, on the attempts
+    up to `swallows` (all when None), inserts the existing _id 1 and catches the
+    DuplicateKeyError without re-raising it. Expects _id 1 in collection ``a``."""
+
+    def __init__(self, db: TxDatabase, swallows: int | None = None) -> None:
+        self.db = db
+        self.swallows = swallows
+        self.attempts = 0
+
+    async def __call__(self, session: TxSession) -> str:
+        self.attempts += 1
+        await self.db.a.insert_one({"_id": f"try{self.attempts}"}, session=session)
+        if self.swallows is None or self.attempts <= self.swallows:
+            with pytest.raises(DuplicateKeyError):  # caught, not re-raised
+                await self.db.a.insert_one({"_id": 1}, session=session)
+        return "committed"
+
+
 async def test_with_transaction_swallowing_a_write_error_gives_up_after_max_attempts() -> None:
     """The commit fails with NoSuchTransaction, which with_transaction retries: on a server
     until its 120 s run out; here after `max_attempts`, raising what PyMongo raises then."""
     db = transactional_database(max_attempts=3)
     await db.a.insert_one({"_id": 1})
-    attempts = 0
-
-    async def swallowing(session: TxSession) -> None:
-        nonlocal attempts
-        attempts += 1
-        await db.a.insert_one({"_id": f"try{attempts}"}, session=session)
-        with pytest.raises(DuplicateKeyError):  # caught, not re-raised
-            await db.a.insert_one({"_id": 1}, session=session)
+    swallowing = Swallowing(db)
 
     loop = asyncio.get_running_loop()
     started = loop.time()
     with pytest.raises(NetworkTimeout) as gave_up:
         await _driver.run_in_transaction(db, swallowing)
     assert loop.time() - started < 5
-    assert attempts == 3
+    assert swallowing.attempts == 3
     assert gave_up.value.has_error_label("TransientTransactionError")
     assert gave_up.value.__cause__ is not None
     assert_no_such_transaction(gave_up.value.__cause__)
     assert await ids(db, "a") == [1]
 
     db.client.retry_time_limit = 0  # the time limit binds too
-    attempts = 0
+    swallowing.attempts = 0
     with pytest.raises(NetworkTimeout):
         await _driver.run_in_transaction(db, swallowing)
-    assert attempts == 1
+    assert swallowing.attempts == 1
 
 
 async def test_with_transaction_retries_a_transient_commit_failure(db: TxDatabase) -> None:
     await db.a.insert_one({"_id": 1})
-    attempts = 0
-
-    async def first_swallows(session: TxSession) -> str:
-        nonlocal attempts
-        attempts += 1
-        await db.a.insert_one({"_id": f"try{attempts}"}, session=session)
-        if attempts == 1:
-            with pytest.raises(DuplicateKeyError):
-                await db.a.insert_one({"_id": 1}, session=session)
-        return "committed"
+    first_swallows = Swallowing(db, swallows=1)
 
     assert await _driver.run_in_transaction(db, first_swallows) == "committed"
-    assert attempts == 2
+    assert first_swallows.attempts == 2
     assert await ids(db, "a") == [1, "try2"]
 
 

@@ -115,6 +115,16 @@ def _gave_up(error: BaseException) -> NetworkTimeout:
     return timeout
 
 
+def _public(owner: object, name: str, noun: str) -> str:
+    """`name`, to look up as a child of `owner` (``db.orders``, ``client.mongoq``, as in PyMongo).
+    A private name raises AttributeError instead: probes such as copy's, or ``_inner`` read
+    before it is set, must not make a collection or recurse."""
+    if name.startswith("_"):
+        kind = type(owner).__name__
+        raise AttributeError(f"{kind} has no attribute {name!r}; use {noun}[{name!r}]")
+    return name
+
+
 def transactional_database(
     name: str = "mongoq",
     *,
@@ -438,9 +448,7 @@ class TxDatabase:
         return self.get_collection(name)
 
     def __getattr__(self, name: str) -> TxCollection:
-        if name.startswith("_"):
-            raise AttributeError(f"TxDatabase has no attribute {name!r}; use database[{name!r}]")
-        return self.get_collection(name)
+        return self.get_collection(_public(self, name, "database"))
 
     def __repr__(self) -> str:
         return f"TxDatabase({self.name!r})"
@@ -516,9 +524,7 @@ class TxClient:
         return self.get_database(name)
 
     def __getattr__(self, name: str) -> TxDatabase:
-        if name.startswith("_"):
-            raise AttributeError(f"TxClient has no attribute {name!r}; use client[{name!r}]")
-        return self.get_database(name)
+        return self.get_database(_public(self, name, "client"))
 
     def get_database(self, name: str) -> TxDatabase:
         if name not in self._databases:

@@ -7,8 +7,17 @@ from typing import Any
 import pytest
 
 from mongoq import AsyncTaskQueue, NewTask, PutManyResult, ReclaimResult, Task, _driver
-from mongoq.testing import CommandCounter, ManualClock, instrument
-from tests.support.helpers import LEASE_TTL, claim_one, encoded, later, new_queue, read, read_all
+from mongoq.testing import ManualClock
+from tests.support.helpers import (
+    LEASE_TTL,
+    claim_one,
+    counted_queue,
+    encoded,
+    later,
+    new_queue,
+    read,
+    read_all,
+)
 
 
 @pytest.fixture
@@ -178,9 +187,7 @@ async def test_dollar_strings_in_values_are_stored_literally(
 
 
 async def test_put_many_is_one_command_and_idempotent(db: Any, clock: ManualClock) -> None:
-    counter = CommandCounter()
-    queue = await new_queue(instrument(db, counter), clock)
-    counter.reset()  # the index set-up
+    queue, counter = await counted_queue(db, clock)
     batch = [NewTask(f"t{i}", {"i": i}, revision=1, priority=i % 2) for i in range(5)]
 
     assert await queue.put_many(batch) == PutManyResult(inserted=5, updated=0, unchanged=0)
@@ -211,9 +218,7 @@ async def test_put_many_is_one_command_and_idempotent(db: Any, clock: ManualCloc
 
 
 async def test_put_many_of_nothing_sends_no_command(db: Any, clock: ManualClock) -> None:
-    counter = CommandCounter()
-    queue = await new_queue(instrument(db, counter), clock)
-    counter.reset()  # the index set-up
+    queue, counter = await counted_queue(db, clock)
 
     assert await queue.put_many([]) == PutManyResult(0, 0, 0)
 
@@ -471,9 +476,7 @@ async def test_stats_of_an_empty_queue(db: Any, queue: AsyncTaskQueue) -> None:
 async def test_stats_costs_the_same_few_commands_whatever_the_queue_size(
     db: Any, clock: ManualClock
 ) -> None:
-    counter = CommandCounter()
-    queue = await new_queue(instrument(db, counter), clock)
-    counter.reset()  # the index set-up
+    queue, counter = await counted_queue(db, clock)
     await queue.stats()
     empty_cost = counter.total
     await queue.put_many([NewTask(f"t{i}") for i in range(30)])

@@ -6,11 +6,17 @@ every guarantee of the single forms: claim order, one holder per task under ever
 of two claimers' commands, settles fenced on the claim (a batch that lost some leases completes
 only the ones it holds and says which), the revision race, and recovery after a command failed
 before it applied or applied with its reply lost. Assertions read the stored documents.
+
+What the batch slot of `run(batch_size=N)` promises whatever the primitive (lost items never
+started nor settled, every item counted once, a cancellation settling what it holds) is tested
+once against a fake holder in tests/runtime/test_batch.py; here, the task queue's side of it:
+which fenced commands it sends, what they write to the tasks, and the counts `run` reports.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
@@ -32,6 +38,7 @@ from mongoq._validation import MAX_BATCH
 from mongoq.testing import (
     CommandCounter,
     FaultInjector,
+    Hook,
     ManualClock,
     Operation,
     instrument,
@@ -96,6 +103,59 @@ async def drain_batched(
     raise AssertionError("drain did not end")
 
 
+async def counted_queue(
+    db: Any, clock: ManualClock, *hooks: Hook, record: bool = False, **options: Any
+) -> tuple[AsyncTaskQueue, CommandCounter]:
+    """A queue on `db` (`options` as for `new_queue`) whose commands go through `hooks`, then a
+    counter returned with it (which keeps the commands too, with `record`)."""
+    counter = CommandCounter()
+    counter.record = record
+    return await new_queue(instrument(db, *hooks, counter), clock, **options), counter
+
+
+async def faulty_queue(
+    db: Any, clock: ManualClock, **options: Any
+) -> tuple[AsyncTaskQueue, FaultInjector]:
+    """A queue on `db` (`options` as for `new_queue`) whose commands a fault injector can fail."""
+    faults = FaultInjector()
+    return await new_queue(instrument(db, faults), clock, **options), faults
+
+
+#: Where an injected fault strikes a command: before it applied, or after (its reply lost).
+WHEN = pytest.mark.parametrize("when", ["before", "after"])
+
+
+def inject(faults: FaultInjector, when: str, name: str, **rule: Any) -> type[Exception]:
+    """Fail the next `name` command (`rule` as for `FaultInjector.fail_before`) `when` it says:
+    "before" it applied or "after". The error its caller then sees."""
+    if when == "before":
+        faults.fail_before(name, **rule)
+        return AutoReconnect
+    faults.fail_after(name, **rule)
+    return NetworkTimeout
+
+
+async def put_and_claim(
+    queue: AsyncTaskQueue, clock: ManualClock, count: int, worker: str = "w"
+) -> list[Task]:
+    """`count` tasks put as by `put_ids`, all claimed by `worker` in one batch."""
+    await put_ids(queue, clock, count)
+    batch = await queue.claim_many(count, worker)
+    assert len(batch) == count
+    return batch
+
+
+async def snapshot(db: Any) -> dict[Any, bytes]:
+    """Every stored task, byte for byte, by id."""
+    return {key: encoded(doc) for key, doc in (await read_all(db)).items()}
+
+
+async def assert_unchanged(db: Any, stored: dict[Any, bytes]) -> None:
+    """The tasks of `stored` (by id) are stored byte for byte as they were."""
+    for task_id, before in stored.items():
+        assert encoded(await read(db, task_id)) == before, task_id
+
+
 def assert_held(doc: dict[str, Any] | None, task: Task) -> None:
     """The stored task is processing under `task`'s claim, exactly as the claim returned it."""
     assert doc is not None
@@ -111,8 +171,7 @@ def assert_held(doc: dict[str, Any] | None, task: Task) -> None:
 async def test_claim_many_costs_three_commands_whatever_n(
     db: Any, clock: ManualClock, n: int
 ) -> None:
-    counter = CommandCounter()
-    queue = await new_queue(instrument(db, counter), clock)
+    queue, counter = await counted_queue(db, clock)
     names = await put_ids(queue, clock, 60)
     clock.advance(1)
     counter.reset()
@@ -139,8 +198,7 @@ async def test_claim_many_costs_three_commands_whatever_n(
 async def test_claim_many_with_nothing_due_costs_one_command_and_writes_nothing(
     db: Any, clock: ManualClock
 ) -> None:
-    counter = CommandCounter()
-    queue = await new_queue(instrument(db, counter), clock)
+    queue, counter = await counted_queue(db, clock)
     await queue.put("later", delay=60)
     before = await read(db, "later")
     counter.reset()
@@ -154,10 +212,8 @@ async def test_claim_many_with_nothing_due_costs_one_command_and_writes_nothing(
 async def test_complete_many_costs_one_command_when_every_task_is_held(
     db: Any, clock: ManualClock
 ) -> None:
-    counter = CommandCounter()
-    queue = await new_queue(instrument(db, counter), clock)
-    await put_ids(queue, clock, 20)
-    batch = await queue.claim_many(20, "w")
+    queue, counter = await counted_queue(db, clock)
+    batch = await put_and_claim(queue, clock, 20)
     clock.advance(7)
     counter.reset()
 
@@ -177,10 +233,8 @@ async def test_heartbeat_many_costs_one_command_and_extends_every_lease(
     db: Any, clock: ManualClock
 ) -> None:
     """Every lease still held: one update, and no read to tell which."""
-    counter = CommandCounter()
-    queue = await new_queue(instrument(db, counter), clock)
-    await put_ids(queue, clock, 5)
-    batch = await queue.claim_many(5, "w")
+    queue, counter = await counted_queue(db, clock)
+    batch = await put_and_claim(queue, clock, 5)
     clock.advance(HEARTBEAT)
     counter.reset()
 
@@ -192,38 +246,27 @@ async def test_heartbeat_many_costs_one_command_and_extends_every_lease(
         assert doc["updated_at"] == clock.now()
 
 
-async def test_empty_batches_cost_nothing(db: Any, clock: ManualClock) -> None:
-    counter = CommandCounter()
-    queue = await new_queue(instrument(db, counter), clock)
-    counter.reset()
-
-    assert await queue.complete_many([]) == []
-    assert await queue.heartbeat_many([]) == []
-
-    assert counter.total == 0
-
-
 @pytest.mark.parametrize("call", ["complete_many", "heartbeat_many"])
-async def test_a_batch_over_the_limit_is_refused_before_any_command(
+async def test_an_empty_batch_costs_nothing_and_one_over_the_limit_is_refused_before_any_command(
     db: Any, clock: ManualClock, call: str
 ) -> None:
-    """MAX_BATCH + 1 tasks (the same claimed task repeated: the size alone is refused) raise
-    InvalidInput naming the argument, and nothing is sent; MAX_BATCH itself is accepted."""
-    counter = CommandCounter()
-    queue = await new_queue(instrument(db, counter), clock)
-    await put_ids(queue, clock, 1)
-    (task,) = await queue.claim_many(1, "w")
-    before = {key: encoded(doc) for key, doc in (await read_all(db)).items()}
+    """An empty batch sends nothing. MAX_BATCH + 1 tasks (the same claimed task repeated: the
+    size alone is refused) raise InvalidInput naming the argument, and nothing is sent;
+    MAX_BATCH itself is accepted."""
+    queue, counter = await counted_queue(db, clock)
+    (task,) = await put_and_claim(queue, clock, 1)
+    before = await snapshot(db)
     method = getattr(queue, call)
     counter.reset()
 
+    assert await method([]) == []
     with pytest.raises(
         InvalidInput, match=f"^tasks: at most {MAX_BATCH} per call, got {MAX_BATCH + 1}$"
     ):
         await method([task] * (MAX_BATCH + 1))
 
     assert counter.total == 0
-    assert {key: encoded(doc) for key, doc in (await read_all(db)).items()} == before
+    assert await snapshot(db) == before
     clock.advance(1)
     assert await method([task] * MAX_BATCH) == [True] * MAX_BATCH
     doc = await read(db, task.id)
@@ -233,8 +276,7 @@ async def test_a_batch_over_the_limit_is_refused_before_any_command(
 async def test_a_batched_lifecycle_costs_at_most_a_tenth_of_a_command_per_task(
     db: Any, clock: ManualClock
 ) -> None:
-    counter = CommandCounter()
-    queue = await new_queue(instrument(db, counter), clock)
+    queue, counter = await counted_queue(db, clock)
     counter.reset()
 
     names = await put_ids(queue, clock, 100)
@@ -406,97 +448,87 @@ async def test_a_batch_claimer_and_a_single_claimer_never_share_a_task_in_any_or
     assert outcomes == {"A t2t3t4 / S t1": 1, "A t2t3 / S t1": 1, "A t1t2t3 / S t4": 2}
 
 
-async def test_an_expired_batch_completing_while_a_batch_claimer_takes_over_has_one_owner(
-    db: Any, clock: ManualClock
+#: A's call on its expired batch: the call, the commands it sends, and in how many orders of the
+#: race A is told True for all three tasks (B took none) or for one (B took two).
+STALE_BATCH_CALLS: dict[
+    str, tuple[Callable[[AsyncTaskQueue, list[Task]], Awaitable[list[bool]]], int, dict[str, int]]
+] = {
+    # B takes t1 and t2 only if both its read and its claim come before A's bulk write.
+    "complete_many": (
+        lambda queue, stale: queue.complete_many(stale, ["A"] * 3),
+        3,
+        {"A told True for 3, B took 0": 16, "A told True for 1, B took 2": 4},
+    ),
+    # B takes two only if its read and its claim both come before A's update (3 orders of 10).
+    "heartbeat_many": (
+        lambda queue, stale: queue.heartbeat_many(stale),
+        2,
+        {"A told True for 3, B took 0": 7, "A told True for 1, B took 2": 3},
+    ),
+}
+
+
+@pytest.mark.parametrize("call", list(STALE_BATCH_CALLS))
+async def test_an_expired_batch_settling_while_a_batch_claimer_takes_over_tells_which(
+    db: Any, clock: ManualClock, call: str
 ) -> None:
-    """A's leases on t1..t3 expired; A completes them while B claims two. Each task ends
-    completed by A (reported True) or held by B (A told False), never both, never neither."""
+    """A's leases on t1..t3 expired; A completes (or heartbeats) them while B claims two. Per
+    task, A's answer is True exactly when A's call took effect (the task completed by A, or
+    A's lease extended) and B does not hold the task: never both, never neither."""
+    settle_stale, commands, expected = STALE_BATCH_CALLS[call]
 
     async def setup(queue: AsyncTaskQueue) -> Actors:
         await queue.put_many([NewTask(f"t{i}") for i in (1, 2, 3)])
         stale = await queue.claim_many(3, "A")
         clock.advance(LEASE_TTL + 1)
 
-        async def complete() -> tuple[list[Task], list[bool]]:
-            return stale, await queue.complete_many(stale, ["A"] * 3)
+        async def settle() -> tuple[list[Task], list[bool]]:
+            return stale, await settle_stale(queue, stale)
 
-        return {"A": complete, "B": lambda: queue.claim_many(2, "B")}
+        return {"A": settle, "B": lambda: queue.claim_many(2, "B")}
 
     async def check(queue: AsyncTaskQueue, results: dict[str, Any]) -> str:
-        stale, done = results["A"]
+        stale, answers = results["A"]
         taken: list[Task] = results["B"]
         docs = await read_all(db, queue.name)
         by_b = {task.id: task for task in taken}
-        for task, ok in zip(stale, done, strict=True):
+        for task, ok in zip(stale, answers, strict=True):
             doc = docs[task.id]
-            if ok:
-                assert task.id not in by_b
+            if not ok:
+                assert task.id in by_b, f"{task.id}: A told False, B does not hold it"
+                assert_held(doc, by_b[task.id])
+                assert (doc["attempts"], doc["result"]) == (2, None)
+                continue
+            assert task.id not in by_b
+            if call == "complete_many":
                 assert (doc["status"], doc["result"], doc["lease_token"]) == (
                     "done",
                     "A",
                     task.lease_token,
                 )
             else:
-                assert task.id in by_b, f"{task.id}: A told False, B does not hold it"
-                assert_held(doc, by_b[task.id])
-                assert (doc["attempts"], doc["result"]) == (2, None)
-        return f"A completed {sum(done)}, B took {len(taken)}"
-
-    outcomes = await race(db, clock, {"A": 3, "B": 3}, setup, check)
-    # B takes t1 and t2 only if both its read and its claim come before A's bulk write.
-    assert outcomes == {"A completed 3, B took 0": 16, "A completed 1, B took 2": 4}
-
-
-async def test_an_expired_batch_heartbeating_while_a_batch_claimer_takes_over_tells_which(
-    db: Any, clock: ManualClock
-) -> None:
-    """A's leases on t1..t3 expired; A heartbeats them while B claims two. Per task, A's
-    answer is True exactly when A's lease was extended and B does not hold the task."""
-
-    async def setup(queue: AsyncTaskQueue) -> Actors:
-        await queue.put_many([NewTask(f"t{i}") for i in (1, 2, 3)])
-        stale = await queue.claim_many(3, "A")
-        clock.advance(LEASE_TTL + 1)
-
-        async def heartbeat() -> tuple[list[Task], list[bool]]:
-            return stale, await queue.heartbeat_many(stale)
-
-        return {"A": heartbeat, "B": lambda: queue.claim_many(2, "B")}
-
-    async def check(queue: AsyncTaskQueue, results: dict[str, Any]) -> str:
-        stale, held = results["A"]
-        taken: list[Task] = results["B"]
-        docs = await read_all(db, queue.name)
-        by_b = {task.id: task for task in taken}
-        for task, ok in zip(stale, held, strict=True):
-            doc = docs[task.id]
-            if ok:
-                assert task.id not in by_b
                 assert (doc["status"], doc["lease_token"], doc["attempts"]) == (
                     "processing",
                     task.lease_token,
                     1,
                 )
                 assert doc["lease_until"] == later(clock, LEASE_TTL)
-            else:
-                assert task.id in by_b, f"{task.id}: A told False, B does not hold it"
-                assert_held(doc, by_b[task.id])
-                assert doc["attempts"] == 2
-        return f"A held {sum(held)}, B took {len(taken)}"
+        return f"A told True for {sum(answers)}, B took {len(taken)}"
 
-    outcomes = await race(db, clock, {"A": 2, "B": 3}, setup, check)
-    # B takes two only if its read and its claim both come before A's update (3 orders of 10).
-    assert outcomes == {"A held 3, B took 0": 7, "A held 1, B took 2": 3}
+    outcomes = await race(db, clock, {"A": commands, "B": 3}, setup, check)
+    assert outcomes == expected
 
 
 # ---------------------------------------------------------------------- a batch losing leases
 
 
 async def lose_two_of_four(
-    db: Any, clock: ManualClock, queue: AsyncTaskQueue
-) -> tuple[list[Task], dict[str, bytes]]:
+    db: Any, clock: ManualClock
+) -> tuple[AsyncTaskQueue, CommandCounter, list[Task], dict[Any, bytes]]:
     """A claims t1..t4; its leases expire; B takes two of them over and completes one.
-    Returns A's batch and the stored bytes of the two stolen tasks."""
+    Returns the queue, its command counter (reset once all that is done), A's batch and the
+    stored bytes of the two stolen tasks."""
+    queue, counter = await counted_queue(db, clock)
     await put_in_order(queue, clock, ["t1", "t2", "t3", "t4"])
     batch = await queue.claim_many(4, "A")
     assert ids(batch) == ["t1", "t2", "t3", "t4"]
@@ -506,24 +538,21 @@ async def lose_two_of_four(
     assert await queue.complete(thief[0], "B's result")
     clock.advance(1)
     stolen = {task.id: encoded(await read(db, task.id)) for task in thief}
-    return batch, stolen
+    counter.reset()
+    return queue, counter, batch, stolen
 
 
 async def test_a_batch_that_lost_some_leases_completes_only_the_ones_it_holds(
     db: Any, clock: ManualClock
 ) -> None:
-    counter = CommandCounter()
-    queue = await new_queue(instrument(db, counter), clock)
-    batch, stolen = await lose_two_of_four(db, clock, queue)
-    counter.reset()
+    queue, counter, batch, stolen = await lose_two_of_four(db, clock)
 
     done = await queue.complete_many(batch, ["A1", "A2", "A3", "A4"])
 
     assert done == [task.id not in stolen for task in batch]
     # The bulk write, a read to tell which took effect, one fenced requeue (matching nothing).
     assert counter.total <= 3, counter.counts
-    for task_id, stored in stolen.items():
-        assert encoded(await read(db, task_id)) == stored
+    await assert_unchanged(db, stolen)
     for task, result in zip(batch, ["A1", "A2", "A3", "A4"], strict=True):
         if task.id in stolen:
             continue
@@ -539,17 +568,12 @@ async def test_heartbeat_many_tells_which_leases_are_held_and_extends_only_those
     db: Any, clock: ManualClock
 ) -> None:
     """Some leases lost: the update, then one read to tell which tasks are still held."""
-    counter = CommandCounter()
-    queue = await new_queue(instrument(db, counter), clock)
-    batch, stolen = await lose_two_of_four(db, clock, queue)
-    counter.reset()
+    queue, counter, batch, stolen = await lose_two_of_four(db, clock)
 
     assert await queue.heartbeat_many(batch) == [task.id not in stolen for task in batch]
 
     assert counter.counts == {"tasks.update_many": 1, "tasks.find": 1}
-
-    for task_id, stored in stolen.items():
-        assert encoded(await read(db, task_id)) == stored
+    await assert_unchanged(db, stolen)
     for task in batch:
         if task.id in stolen:
             continue
@@ -569,12 +593,12 @@ async def test_a_batch_whose_tasks_were_all_taken_changes_nothing(
     assert await queue.remove("t3")
     clock.advance(LEASE_TTL + 1)
     assert sorted(ids(await queue.claim_many(3, "B"))) == ["t1", "t2"]
-    before = {key: encoded(doc) for key, doc in (await read_all(db)).items()}
+    before = await snapshot(db)
 
     assert await queue.heartbeat_many(batch) == [False, False, False]
     assert await queue.complete_many(batch) == [False, False, False]
 
-    assert {key: encoded(doc) for key, doc in (await read_all(db)).items()} == before
+    assert await snapshot(db) == before
 
 
 # ---------------------------------------------------------------------------- revision race
@@ -625,27 +649,24 @@ CLAIM_MANY = {
 }
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
+@WHEN
 @pytest.mark.parametrize("command", list(CLAIM_MANY))
 async def test_a_claim_many_that_failed_on_any_command_is_recoverable(
     db: Any, clock: ManualClock, command: str, when: str
 ) -> None:
-    faults = FaultInjector()
-    queue = await new_queue(instrument(db, faults), clock)
+    queue, faults = await faulty_queue(db, clock)
     names = await put_ids(queue, clock, 5)
-    before = {key: encoded(doc) for key, doc in (await read_all(db)).items()}
+    before = await snapshot(db)
     name, match = CLAIM_MANY[command]
-    (faults.fail_before if when == "before" else faults.fail_after)(
-        name, collection="tasks", match=match
-    )
+    error = inject(faults, when, name, collection="tasks", match=match)
 
-    with pytest.raises(AutoReconnect if when == "before" else NetworkTimeout):
+    with pytest.raises(error):
         await queue.claim_many(3, "A")
 
     applied = command == "read-back" or (command == "claim" and when == "after")
     docs = await read_all(db)
     if not applied:
-        assert {key: encoded(doc) for key, doc in docs.items()} == before
+        assert await snapshot(db) == before
     else:
         # A holds three tasks without knowing it: nobody takes them before the lease ends.
         orphaned = names[:3]
@@ -672,24 +693,23 @@ async def test_a_claim_many_that_failed_on_any_command_is_recoverable(
         assert doc["attempts"] == (2 if orphaned_here else 1), task_id
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
+@WHEN
 async def test_a_complete_many_that_failed_is_recoverable(
     db: Any, clock: ManualClock, when: str
 ) -> None:
-    faults = FaultInjector()
-    queue = await new_queue(instrument(db, faults), clock)
+    queue, faults = await faulty_queue(db, clock)
     names = await put_ids(queue, clock, 4)
     batch = await queue.claim_many(4, "A")
-    before = {key: encoded(doc) for key, doc in (await read_all(db)).items()}
+    before = await snapshot(db)
     clock.advance(5)
-    (faults.fail_before if when == "before" else faults.fail_after)("bulk_write")
+    error = inject(faults, when, "bulk_write")
 
-    with pytest.raises(AutoReconnect if when == "before" else NetworkTimeout):
+    with pytest.raises(error):
         await queue.complete_many(batch, ["A"] * 4)
 
     docs = await read_all(db)
     if when == "before":
-        assert {key: encoded(doc) for key, doc in docs.items()} == before
+        assert await snapshot(db) == before
         clock.advance(LEASE_TTL)
         rescued = await drain_batched(queue)
         assert sorted(ids(rescued)) == names
@@ -698,40 +718,39 @@ async def test_a_complete_many_that_failed_is_recoverable(
         assert all((doc["status"], doc["result"]) == ("done", "rescued") for doc in docs.values())
         return
     assert all((doc["status"], doc["result"]) == ("done", "A") for doc in docs.values())
-    stored = {key: encoded(doc) for key, doc in docs.items()}
+    stored = await snapshot(db)
     # Sent again, the completion tells that this claim completed them, and writes nothing.
     assert await queue.complete_many(batch, ["A"] * 4) == [True] * 4
-    assert {key: encoded(doc) for key, doc in (await read_all(db)).items()} == stored
+    assert await snapshot(db) == stored
     clock.advance(LEASE_TTL + 1)
     assert await queue.claim_many(10, "B") == []
 
 
 #: complete_many's commands when a task of the batch changed revision (fresh matchers per test:
 #: `nth` counts)
-COMPLETE_MANY_RACED = {
+COMPLETE_MANY_RACED: dict[str, tuple[str, Callable[[], Callable[[Operation], bool] | None]]] = {
     "complete": ("bulk_write", lambda: nth(0)),
     "which": ("find", lambda: None),
     "requeue": ("bulk_write", lambda: nth(1)),
 }
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
+@WHEN
 @pytest.mark.parametrize("command", list(COMPLETE_MANY_RACED))
 async def test_a_complete_many_racing_a_revision_that_failed_on_any_command_is_recoverable(
     db: Any, clock: ManualClock, command: str, when: str
 ) -> None:
     """Whichever command failed, t1 and t3 end done once, and t2's new revision runs with
     fresh attempts: at once if the requeue applied, after the lease (a take-over) if not."""
-    faults = FaultInjector()
-    queue = await new_queue(instrument(db, faults), clock)
+    queue, faults = await faulty_queue(db, clock)
     await put_in_order(queue, clock, ["t1", "t2", "t3"], payload={"v": 1}, revision="r1")
     batch = await queue.claim_many(3, "A")
     assert await queue.put("t2", {"v": 2}, revision="r2") == "updated"
     clock.advance(5)
     name, matcher = COMPLETE_MANY_RACED[command]
-    (faults.fail_before if when == "before" else faults.fail_after)(name, match=matcher())
+    error = inject(faults, when, name, match=matcher())
 
-    with pytest.raises(AutoReconnect if when == "before" else NetworkTimeout):
+    with pytest.raises(error):
         await queue.complete_many(batch, ["A"] * 3)
 
     completed = not (command == "complete" and when == "before")
@@ -762,10 +781,8 @@ async def test_a_complete_many_racing_a_revision_that_failed_on_any_command_is_r
 async def test_a_heartbeat_many_whose_reply_was_lost_extended_the_leases(
     db: Any, clock: ManualClock
 ) -> None:
-    faults = FaultInjector()
-    queue = await new_queue(instrument(db, faults), clock)
-    await put_ids(queue, clock, 3)
-    batch = await queue.claim_many(3, "A")
+    queue, faults = await faulty_queue(db, clock)
+    batch = await put_and_claim(queue, clock, 3, "A")
     clock.advance(HEARTBEAT)
     faults.fail_after("update_many")
 
@@ -780,6 +797,30 @@ async def test_a_heartbeat_many_whose_reply_was_lost_extended_the_leases(
 # ------------------------------------------------------------------------- run(batch_size=N)
 
 
+def is_heartbeat_many(op: Operation) -> bool:
+    """heartbeat_many's extension: only the lease's end and updated_at change."""
+    update = op.args[1].get("$set", {}) if op.name == "update_many" else {}
+    return set(update) == {"lease_until", "updated_at"}
+
+
+def is_heartbeat(op: Operation) -> bool:
+    """A single heartbeat: fenced on the lease (not the revision), extends it."""
+    return (
+        op.name == "update_one"
+        and "revision" not in op.filter
+        and set(op.args[1].get("$set", {})) == {"lease_until", "updated_at"}
+    )
+
+
+def is_reclaim(op: Operation) -> bool:
+    return op.name == "update_many" and "attempts" in op.filter
+
+
+def is_retry(op: Operation) -> bool:
+    """release_for_retry's settle: fenced on the revision, back to pending with the error."""
+    return op.name == "update_one" and "revision" in op.filter and "error" in op.args[1]["$set"]
+
+
 async def run_until_empty(queue: AsyncTaskQueue, handler: Any, **options: Any) -> RunSummary:
     options.setdefault("worker_id", "w")
     return await queue.run(handler, stop_when_empty=True, **options)
@@ -792,15 +833,12 @@ async def echo(task: Task) -> Any:
 async def test_run_with_batches_processes_everything_in_fewer_commands(
     db: Any, clock: ManualClock
 ) -> None:
-    counters = {"batched": CommandCounter(), "single": CommandCounter()}
-    queues = {
-        kind: await new_queue(instrument(db, counter), clock, name=kind)
-        for kind, counter in counters.items()
-    }
-    for queue in queues.values():
-        await put_ids(queue, clock, 30)
-    for counter in counters.values():
-        counter.reset()
+    queues: dict[str, AsyncTaskQueue] = {}
+    counters: dict[str, CommandCounter] = {}
+    for kind in ("batched", "single"):
+        queues[kind], counters[kind] = await counted_queue(db, clock, name=kind)
+        await put_ids(queues[kind], clock, 30)
+        counters[kind].reset()
 
     batched = await run_until_empty(queues["batched"], echo, batch_size=10)
     single = await run_until_empty(queues["single"], echo)
@@ -868,7 +906,7 @@ async def test_run_with_batches_retries_and_fails_per_task(db: Any, clock: Manua
     queue = await new_queue(db, clock, max_attempts=2, backoff_base=1, backoff_cap=1)
     names = ["ok", "flaky", "permanent", "always", "unstorable", "ok2"]
     await put_in_order(queue, clock, names)
-    runs: list[tuple[str, int]] = []
+    runs: list[tuple[Any, int]] = []
 
     async def handler(task: Task) -> Any:
         runs.append((task.id, task.attempts))
@@ -936,46 +974,55 @@ async def test_run_with_batches_reports_a_task_lost_mid_batch_and_completes_the_
 async def test_a_cancelled_batch_completes_the_finished_and_releases_the_rest(
     db: Any, clock: ManualClock
 ) -> None:
-    """Cancelling `run` mid-batch: the tasks handled are completed, the one cut short is
-    released for retry (an attempt, with backoff), the ones not started are released at once
+    """Cancelling `run` mid-batch while the release for retry of t2 (which failed) is on its
+    way: the release still applies (an attempt, with backoff and the error), and t1, handled,
+    is completed. The cancellation then cuts t3 short at its handler's first await (released
+    for retry: an attempt, with backoff, no error), and t4, never started, is released at once
     without counting an attempt."""
-    queue = await new_queue(db, clock, backoff_base=10, backoff_cap=10)
+    queue, faults = await faulty_queue(db, clock, backoff_base=10, backoff_cap=10)
     await put_in_order(queue, clock, ["t1", "t2", "t3", "t4"])
-    started: list[str] = []
+    settling = faults.pause_before("update_one", collection="tasks", match=is_retry)
+    started: list[Any] = []
 
     async def handler(task: Task) -> Any:
         started.append(task.id)
-        if task.id == "t2":
-            await anyio.sleep_forever()
-        return f"done {task.id}"
+        if task.id == "t1":
+            clock.advance(3)  # the settles then write a time other than the claim's
+            return "done t1"
+        await anyio.lowlevel.checkpoint()
+        raise RuntimeError(f"{task.id} failed")
 
     async with anyio.create_task_group() as group:
         group.start_soon(lambda: queue.run(handler, batch_size=4, worker_id="w"))
-        await wait_for(lambda: started == ["t1", "t2"], "the batch to reach t2")
-        clock.advance(3)
+        await wait_for(settling.reached.is_set, "t2's release")
         group.cancel_scope.cancel()
+        settling.release()
 
+    assert started == ["t1", "t2", "t3"]
     docs = await read_all(db)
     assert (docs["t1"]["status"], docs["t1"]["result"], docs["t1"]["attempts"]) == (
         "done",
         "done t1",
         1,
     )
-    t2 = docs["t2"]
-    assert (t2["status"], t2["attempts"], t2["lease_token"], t2["worker_id"]) == (
-        "pending",
-        1,
-        None,
-        None,
-    )
-    assert later(clock, 10) <= t2["lease_until"] < later(clock, 15)
-    for task_id in ("t3", "t4"):
+    for task_id in ("t2", "t3"):
         doc = docs[task_id]
-        assert (doc["status"], doc["attempts"], doc["lease_token"]) == ("pending", 0, None)
-        assert doc["lease_until"] == clock.now()
-    assert sorted(ids(await queue.claim_many(10, "w"))) == ["t3", "t4"]
+        assert (doc["status"], doc["attempts"], doc["lease_token"], doc["worker_id"]) == (
+            "pending",
+            1,
+            None,
+            None,
+        )
+        assert later(clock, 10) <= doc["lease_until"] < later(clock, 15)
+    assert docs["t2"]["error"].endswith("RuntimeError: t2 failed")
+    assert docs["t3"]["error"] is None
+    t4 = docs["t4"]
+    assert (t4["status"], t4["attempts"], t4["lease_token"]) == ("pending", 0, None)
+    assert t4["lease_until"] == clock.now()
+    assert ids(await queue.claim_many(10, "w")) == ["t4"]
     clock.advance(15)
-    assert [(task.id, task.attempts) for task in await queue.claim_many(10, "w")] == [("t2", 2)]
+    retried = await queue.claim_many(10, "w")
+    assert sorted((task.id, task.attempts) for task in retried) == [("t2", 2), ("t3", 2)]
 
 
 async def test_a_batch_longer_than_the_lease_keeps_every_lease_through_heartbeats(
@@ -985,12 +1032,10 @@ async def test_a_batch_longer_than_the_lease_keeps_every_lease_through_heartbeat
     heartbeat renews every lease (the finished ones too, until they are completed together)
     every 10 s, so another worker never takes any of them over."""
     in_flight = InFlight()
-    counter = CommandCounter()
-    counter.record = True
-    queue = await new_queue(instrument(db, in_flight, counter), clock)
+    queue, counter = await counted_queue(db, clock, in_flight, record=True)
     rival = await new_queue(db, clock)  # another process
     await queue.put_many([NewTask(f"t{i}") for i in (1, 2, 3)])
-    handled: list[str] = []
+    handled: list[Any] = []
     summaries: list[RunSummary] = []
 
     async def handler(task: Task) -> Any:
@@ -1025,39 +1070,11 @@ async def test_a_batch_longer_than_the_lease_keeps_every_lease_through_heartbeat
     assert (summary.claimed, summary.completed, summary.lost, summary.unknown) == (3, 3, 0, 0)
     docs = await read_all(db)
     assert {(doc["status"], doc["attempts"]) for doc in docs.values()} == {("done", 1)}
-    heartbeats = [
-        op
-        for op in counter.operations
-        if op.name == "update_many" and set(op.args[1]["$set"]) == {"lease_until", "updated_at"}
-    ]
+    heartbeats = [op for op in counter.operations if is_heartbeat_many(op)]
     assert len(heartbeats) == 7  # at 10, 20, ... 70 s: one command each for the whole batch
 
 
 # ------------------------------------------------- run(batch_size=N): leases lost mid-batch
-
-
-def is_heartbeat_many(op: Operation) -> bool:
-    """heartbeat_many's extension: only the lease's end and updated_at change."""
-    update = op.args[1].get("$set", {}) if op.name == "update_many" else {}
-    return set(update) == {"lease_until", "updated_at"}
-
-
-def is_heartbeat(op: Operation) -> bool:
-    """A single heartbeat: fenced on the lease (not the revision), extends it."""
-    return (
-        op.name == "update_one"
-        and "revision" not in op.filter
-        and set(op.args[1].get("$set", {})) == {"lease_until", "updated_at"}
-    )
-
-
-def is_reclaim(op: Operation) -> bool:
-    return op.name == "update_many" and "attempts" in op.filter
-
-
-def is_retry(op: Operation) -> bool:
-    """release_for_retry's settle: fenced on the revision, back to pending with the error."""
-    return op.name == "update_one" and "revision" in op.filter and "error" in op.args[1]["$set"]
 
 
 @pytest.mark.parametrize("taken_over", [False, True], ids=["still-held", "taken-over"])
@@ -1069,9 +1086,7 @@ async def test_a_batch_past_its_last_renewal_rechecks_each_lease_before_starting
     (nobody took it), the task runs; taken over by another worker, it never starts under the
     lost lease and counts as lost, and the new holder's claim is untouched."""
     faults = FaultInjector()
-    counter = CommandCounter()
-    counter.record = True
-    queue = await new_queue(instrument(db, faults, counter), clock)
+    queue, counter = await counted_queue(db, clock, faults, record=True)
     rival = await new_queue(db, clock)  # another process
     renewal = faults.pause_before("update_many", collection="tasks", match=is_heartbeat_many)
     # Only the rival takes over here: this worker's own reclaim of expired leases fails.
@@ -1110,118 +1125,16 @@ async def test_a_batch_past_its_last_renewal_rechecks_each_lease_before_starting
         assert (docs[task.id]["attempts"], docs[task.id]["result"]) == (2, None)
 
 
-async def run_through_one_renewal(
-    queue: AsyncTaskQueue, clock: ManualClock, in_flight: InFlight, handler: Any
-) -> RunSummary:
-    """`run(batch_size=3)` until nothing is due, `handler` sleeping 15 s on the clock in t1:
-    once the worker naps (nothing in flight), the clock moves on to the batch's renewal (10 s),
-    then, once the renewal is done, to the end of t1's handler. The run's summary."""
-    summaries: list[RunSummary] = []
-
-    async def worker() -> None:
-        summaries.append(await run_until_empty(queue, handler, batch_size=3))
-
-    def napping() -> bool:  # the handler, the heartbeat and the reclaim timer sleep
-        return clock.sleepers == 3 and in_flight.count == 0
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(worker)
-        await wait_for(napping, "t1 to run")
-        clock.advance(10)  # the renewal
-        await wait_for(napping, "the renewal")
-        clock.advance(5)  # t1's handler ends
-
-    (summary,) = summaries
-    return summary
-
-
-async def test_a_renewal_that_finds_tasks_lost_keeps_the_batch_from_starting_them(
-    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
-) -> None:
-    """While t1 runs an operator removes t2 and t3; the batch's renewal (on time) finds them
-    no longer held: they are counted lost once and never started (no re-check is even sent),
-    and t1 completes."""
-    in_flight = InFlight()
-    counter = CommandCounter()
-    counter.record = True
-    queue = await new_queue(instrument(db, in_flight, counter), clock)
-    operator = await new_queue(db, clock)
-    await put_in_order(queue, clock, ["t1", "t2", "t3"])
-    started: list[Any] = []
-
-    async def handler(task: Task) -> Any:
-        started.append(task.id)
-        if task.id == "t1":
-            assert await operator.remove("t2")
-            assert await operator.remove("t3")
-            await clock.sleep(15)
-        return f"done {task.id}"
-
-    with caplog.at_level(logging.WARNING):
-        summary = await run_through_one_renewal(queue, clock, in_flight, handler)
-
-    assert started == ["t1"]
-    assert (summary.claimed, summary.completed, summary.lost, summary.unknown) == (3, 1, 2, 0)
-    assert not unexpected_errors(caplog)
-    assert [op for op in counter.operations if is_heartbeat(op)] == []
-    assert len([op for op in counter.operations if is_heartbeat_many(op)]) == 1
-    docs = await read_all(db)
-    assert (docs["t1"]["status"], docs["t1"]["result"]) == ("done", "done t1")
-    assert {docs[t]["status"] for t in ("t2", "t3")} == {"tombstone"}
-
-
-@pytest.mark.parametrize("outcome", ["returns", "raises"])
-async def test_a_task_a_renewal_finds_lost_under_its_handler_counts_once_and_the_rest_runs(
-    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture, outcome: str
-) -> None:
-    """An operator removes t1 while its handler runs; the batch's renewal finds t1 lost. When
-    the handler then returns (or raises), t1 is counted lost once, nothing escapes the batch,
-    and t2 and t3 still run and complete under the batch's claim."""
-    in_flight = InFlight()
-    queue = await new_queue(instrument(db, in_flight), clock)
-    operator = await new_queue(db, clock)
-    await put_in_order(queue, clock, ["t1", "t2", "t3"])
-    started: list[Any] = []
-
-    async def handler(task: Task) -> Any:
-        started.append(task.id)
-        if task.id == "t1":
-            assert await operator.remove("t1")
-            await clock.sleep(15)
-            if outcome == "raises":
-                raise RuntimeError("t1 failed")
-        return f"done {task.id}"
-
-    with caplog.at_level(logging.WARNING):
-        summary = await run_through_one_renewal(queue, clock, in_flight, handler)
-
-    assert not unexpected_errors(caplog)
-    assert started == ["t1", "t2", "t3"]
-    assert (summary.claimed, summary.completed, summary.lost) == (3, 2, 1)
-    assert summary.retried + summary.failed + summary.released + summary.unknown == 0
-    docs = await read_all(db)
-    assert docs["t1"]["status"] == "tombstone"
-    for task_id in ("t2", "t3"):
-        assert (docs[task_id]["status"], docs[task_id]["attempts"], docs[task_id]["result"]) == (
-            "done",
-            1,
-            f"done {task_id}",
-        )
-
-
-@pytest.mark.parametrize("when", ["before", "after"])
+@WHEN
 async def test_a_failure_settle_that_raised_a_driver_error_counts_unknown_and_the_batch_goes_on(
     db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture, when: str
 ) -> None:
     """t1's handler fails and its release for retry raises a driver error (applied or not):
     counted unknown, logged, and t2 and t3 still run and complete. t1 is released (reply
     lost) or still held until its lease ends; either way it runs again."""
-    faults = FaultInjector()
-    queue = await new_queue(instrument(db, faults), clock, backoff_base=1, backoff_cap=1)
+    queue, faults = await faulty_queue(db, clock, backoff_base=1, backoff_cap=1)
     await put_in_order(queue, clock, ["t1", "t2", "t3"])
-    (faults.fail_before if when == "before" else faults.fail_after)(
-        "update_one", collection="tasks", match=is_retry
-    )
+    inject(faults, when, "update_one", collection="tasks", match=is_retry)
 
     async def handler(task: Task) -> Any:
         if task.id == "t1" and task.attempts == 1:
@@ -1251,40 +1164,3 @@ async def test_a_failure_settle_that_raised_a_driver_error_counts_unknown_and_th
         clock.advance(2)  # past the backoff
 
     assert [(task.id, task.attempts) for task in await drain_batched(queue)] == [("t1", 2)]
-
-
-async def test_a_failure_settle_in_a_cancelled_batch_is_shielded(
-    db: Any, clock: ManualClock
-) -> None:
-    """The run is cancelled while t1's release for retry is on its way: the release still
-    applies (an attempt, with backoff and the error). The cancellation then cuts t2 short at
-    its handler's first await (an attempt, no error), and t3, never started, is released
-    without counting one."""
-    faults = FaultInjector()
-    queue = await new_queue(instrument(db, faults), clock, backoff_base=10, backoff_cap=10)
-    await put_in_order(queue, clock, ["t1", "t2", "t3"])
-    settling = faults.pause_before("update_one", collection="tasks", match=is_retry)
-    started: list[Any] = []
-
-    async def handler(task: Task) -> Any:
-        started.append(task.id)
-        await anyio.lowlevel.checkpoint()
-        raise RuntimeError(f"{task.id} failed")
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(lambda: queue.run(handler, batch_size=3, worker_id="w"))
-        await wait_for(settling.reached.is_set, "t1's release")
-        group.cancel_scope.cancel()
-        settling.release()
-
-    assert started == ["t1", "t2"]
-    docs = await read_all(db)
-    for task_id in ("t1", "t2"):
-        doc = docs[task_id]
-        assert (doc["status"], doc["attempts"], doc["lease_token"]) == ("pending", 1, None)
-        assert later(clock, 10) <= doc["lease_until"] < later(clock, 15)
-    assert docs["t1"]["error"].endswith("RuntimeError: t1 failed")
-    assert docs["t2"]["error"] is None
-    t3 = docs["t3"]
-    assert (t3["status"], t3["attempts"], t3["lease_token"]) == ("pending", 0, None)
-    assert t3["lease_until"] == clock.now()

@@ -20,15 +20,20 @@ from mongoq.testing import FaultInjector, ManualClock, instrument
 from tests.support.helpers import (
     LEASE_TTL,
     Actors,
-    Bookkeeping,
     InFlight,
+    assert_completes,
+    assert_outcomes,
     claim_one,
     encoded,
+    expired_claim,
+    flaky_tasks,
     later,
     new_queue,
+    put_and_claim,
     race,
     read,
     read_all,
+    stored_fields,
     wait_for,
 )
 
@@ -45,6 +50,23 @@ def claimer(queue: AsyncTaskQueue, worker: str) -> Callable[[], Awaitable[Any]]:
         return task, await queue.complete(task, worker)
 
     return act
+
+
+async def expired_holder(
+    queue: AsyncTaskQueue, clock: ManualClock
+) -> Callable[[], Awaitable[tuple[bool, bool]]]:
+    """Worker A's actor on t1 once A's lease has expired: it heartbeats, then completes it."""
+    task = await expired_claim(queue, clock, "A")
+
+    async def holder() -> tuple[bool, bool]:
+        held = await queue.heartbeat(task)
+        return held, await queue.complete(task, "A")
+
+    return holder
+
+
+#: Three actors of two commands each: 6! / (2! 2! 2!) orders.
+THREE = {"A": 2, "B": 2, "C": 2}
 
 
 async def test_claimers_never_share_a_task_in_any_order(db: Any, clock: ManualClock) -> None:
@@ -64,9 +86,8 @@ async def test_claimers_never_share_a_task_in_any_order(db: Any, clock: ManualCl
         (empty_handed,) = set(results) - set(claimed)
         return f"{empty_handed} got nothing"
 
-    outcomes = await race(db, clock, {"A": 2, "B": 2, "C": 2}, setup, check)
-    assert sum(outcomes.values()) == 90
-    assert set(outcomes) == {"A got nothing", "B got nothing", "C got nothing"}
+    outcomes = await race(db, clock, THREE, setup, check)
+    assert_outcomes(outcomes, 90, {"A got nothing", "B got nothing", "C got nothing"})
 
 
 async def test_an_expired_holder_and_two_claimers_leave_exactly_one_holder(
@@ -76,14 +97,7 @@ async def test_an_expired_holder_and_two_claimers_leave_exactly_one_holder(
     over: whoever gets in first holds the task, and only that one's result is kept."""
 
     async def setup(queue: AsyncTaskQueue) -> Actors:
-        await queue.put("t1")
-        old = await claim_one(queue, "A")
-        clock.advance(LEASE_TTL + 1)
-
-        async def holder() -> tuple[bool, bool]:
-            held = await queue.heartbeat(old)
-            return held, await queue.complete(old, "A")
-
+        holder = await expired_holder(queue, clock)
         return {"A": holder, "B": claimer(queue, "B"), "C": claimer(queue, "C")}
 
     async def check(queue: AsyncTaskQueue, results: dict[str, Any]) -> str:
@@ -100,9 +114,7 @@ async def test_an_expired_holder_and_two_claimers_leave_exactly_one_holder(
         assert doc["attempts"] == (1 if winner == "A" else 2)
         return f"{winner} won"
 
-    outcomes = await race(db, clock, {"A": 2, "B": 2, "C": 2}, setup, check)
-    assert sum(outcomes.values()) == 90
-    assert set(outcomes) == {"A won", "B won", "C won"}
+    assert_outcomes(await race(db, clock, THREE, setup, check), 90, {"A won", "B won", "C won"})
 
 
 async def test_a_revision_put_racing_two_workers_is_never_done_for_the_old_revision(
@@ -140,15 +152,7 @@ async def test_reclaim_racing_a_late_heartbeat_leaves_one_owner(
     db: Any, clock: ManualClock
 ) -> None:
     async def setup(queue: AsyncTaskQueue) -> Actors:
-        await queue.put("t1")
-        task = await claim_one(queue, "A")
-        clock.advance(LEASE_TTL + 1)
-
-        async def holder() -> tuple[bool, bool]:
-            held = await queue.heartbeat(task)
-            return held, await queue.complete(task, "A")
-
-        return {"A": holder, "R": queue.reclaim_expired}
+        return {"A": await expired_holder(queue, clock), "R": queue.reclaim_expired}
 
     async def check(queue: AsyncTaskQueue, results: dict[str, Any]) -> str:
         held, completed = results["A"]
@@ -175,15 +179,7 @@ async def test_reclaim_racing_a_late_heartbeat_leaves_one_owner(
 async def test_concurrent_run_slots_never_process_one_task_twice_at_once(
     db: Any, clock: ManualClock
 ) -> None:
-    faults = FaultInjector(yield_between=True)
-    queue = await new_queue(instrument(db, faults), clock, backoff_base=1, backoff_cap=1)
-    ids = [f"t{i:02}" for i in range(40)]
-    flaky = set(ids[::7])
-    await queue.put_many(
-        [NewTask(task_id, {"n": task_id}, priority=i % 3) for i, task_id in enumerate(ids)]
-    )
-    books = Bookkeeping(flaky)
-
+    queue, ids, books = await flaky_tasks(db, clock, 40)
     summaries: list[RunSummary] = []
 
     async def worker(worker_id: str, concurrency: int) -> None:
@@ -201,18 +197,10 @@ async def test_concurrent_run_slots_never_process_one_task_twice_at_once(
         group.start_soon(worker, "w3", 4)
         group.start_soon(worker, "w4", 4)
 
-    assert books.overlaps == []
-    assert books.runs == {task_id: 2 if task_id in flaky else 1 for task_id in ids}
+    await books.assert_all_done(db, ids)
     assert sum(s.completed for s in summaries) == len(ids)
-    assert sum(s.retried for s in summaries) == len(flaky)
+    assert sum(s.retried for s in summaries) == len(books.flaky)
     assert sum(s.lost + s.failed + s.released for s in summaries) == 0
-    docs = await read_all(db)
-    assert sorted(docs) == ids
-    for task_id, doc in docs.items():
-        attempts = 2 if task_id in flaky else 1
-        assert (doc["status"], doc["attempts"]) == ("done", attempts), task_id
-        assert doc["result"] == {"attempt": attempts}
-        assert doc["lease_until"] is None
 
 
 # ------------------------------------------------------------------------- faults on commands
@@ -247,10 +235,39 @@ async def recover(db: Any, queue: AsyncTaskQueue, clock: ManualClock) -> None:
         assert await queue.reclaim_expired() == ReclaimResult(failed=0, requeued=0)
         assert encoded(await read(db, "t1")) == encoded(before)
         return
-    task = await claim_one(queue, "rescuer", expect="t1")
-    assert await queue.complete(task, "rescued")
-    doc = await read(db, "t1")
-    assert doc is not None and (doc["status"], doc["result"]) == ("done", "rescued")
+    await assert_completes(db, queue, await claim_one(queue, "rescuer", expect="t1"), "rescued")
+
+
+async def claimed(db: Any, queue: AsyncTaskQueue) -> tuple[Task, dict[str, Any] | None]:
+    """t1, put and claimed, and its stored document as the claim left it."""
+    task = await put_and_claim(queue)
+    return task, await read(db, "t1")
+
+
+async def unchanged_then_recovered(
+    db: Any, queue: AsyncTaskQueue, clock: ManualClock, snapshot: dict[str, Any] | None
+) -> None:
+    """The failed command wrote nothing since `snapshot`, and the lease still recovers t1."""
+    assert encoded(await read(db, "t1")) == encoded(snapshot)
+    await recover(db, queue, clock)
+
+
+async def settle_failing(
+    db: Any, queue: AsyncTaskQueue, clock: ManualClock, faults: FaultInjector, call: str, when: str
+) -> dict[str, Any] | None:
+    """Claim t1 and, 5 s later, settle it by `call` with its update failing `when` it applied:
+    "before" (the connection broke first) or "after" (its reply was lost). Returns the stored
+    document as the claim left it."""
+    task, snapshot = await claimed(db, queue)
+    clock.advance(5)
+    if when == "before":
+        faults.fail_before("update_one")
+    else:
+        faults.fail_after("update_one")
+
+    with pytest.raises(AutoReconnect if when == "before" else NetworkTimeout):
+        await SETTLES[call](queue, task)
+    return snapshot
 
 
 async def test_a_claim_whose_reply_was_lost_is_taken_over_after_the_lease(
@@ -273,7 +290,7 @@ async def test_a_claim_whose_reply_was_lost_is_taken_over_after_the_lease(
     task = await claim_one(queue, "w", expect="t1")
     assert task.attempts == 2
     assert await queue.complete(task, "ok")
-    assert (await read(db, "t1") or {})["status"] == "done"
+    assert await stored_fields(db, "t1", "status", "attempts", "result") == ("done", 2, "ok")
 
 
 async def test_a_claim_that_failed_before_applying_changes_nothing(
@@ -310,13 +327,7 @@ async def test_a_settle_whose_reply_was_lost_took_effect_and_is_recoverable(
     status: str,
     attempts: int,
 ) -> None:
-    await queue.put("t1")
-    task = await claim_one(queue)
-    clock.advance(5)
-    faults.fail_after("update_one")
-
-    with pytest.raises(NetworkTimeout):
-        await SETTLES[call](queue, task)
+    await settle_failing(db, queue, clock, faults, call, "after")
 
     doc = await read(db, "t1")
     assert doc is not None
@@ -332,18 +343,10 @@ async def test_a_settle_whose_reply_was_lost_took_effect_and_is_recoverable(
 async def test_a_settle_that_failed_before_applying_leaves_the_task_to_its_lease(
     db: Any, queue: AsyncTaskQueue, clock: ManualClock, faults: FaultInjector, call: str
 ) -> None:
-    await queue.put("t1")
-    task = await claim_one(queue)
-    snapshot = await read(db, "t1")
-    clock.advance(5)
-    faults.fail_before("update_one")
+    snapshot = await settle_failing(db, queue, clock, faults, call, "before")
 
-    with pytest.raises(AutoReconnect):
-        await SETTLES[call](queue, task)
-
-    assert encoded(await read(db, "t1")) == encoded(snapshot)
-    await recover(db, queue, clock)
-    assert (await read(db, "t1") or {})["attempts"] == 2
+    await unchanged_then_recovered(db, queue, clock, snapshot)
+    assert await stored_fields(db, "t1", "attempts") == (2,)
 
 
 async def test_a_put_whose_reply_was_lost_can_be_replayed(
@@ -377,44 +380,36 @@ async def test_a_put_many_whose_reply_was_lost_can_be_replayed(
     assert {k: encoded(v) for k, v in after.items()} == {k: encoded(v) for k, v in stored.items()}
 
 
-async def test_a_failed_completion_at_the_end_of_a_block_surfaces_and_the_lease_recovers(
-    db: Any, queue: AsyncTaskQueue, clock: ManualClock, faults: FaultInjector
+@pytest.mark.parametrize(
+    "handler_error",
+    [None, "the handler's error"],
+    ids=["a failed completion surfaces", "a failed release keeps the block's own exception"],
+)
+async def test_a_settle_failing_at_the_end_of_a_block_leaves_the_task_to_its_lease(
+    db: Any,
+    queue: AsyncTaskQueue,
+    clock: ManualClock,
+    faults: FaultInjector,
+    handler_error: str | None,
 ) -> None:
-    await queue.put("t1")
-    task = await claim_one(queue)
-    snapshot = await read(db, "t1")
+    task, snapshot = await claimed(db, queue)
     faults.fail_before("update_one")
 
-    with pytest.raises(AutoReconnect):
+    with pytest.raises(AutoReconnect if handler_error is None else RuntimeError) as raised:
         async with queue.leased(task):
-            pass
+            if handler_error is not None:
+                raise RuntimeError(handler_error)
 
-    assert encoded(await read(db, "t1")) == encoded(snapshot)
-    await recover(db, queue, clock)
-
-
-async def test_a_failed_release_keeps_the_blocks_own_exception(
-    db: Any, queue: AsyncTaskQueue, clock: ManualClock, faults: FaultInjector
-) -> None:
-    await queue.put("t1")
-    task = await claim_one(queue)
-    snapshot = await read(db, "t1")
-    faults.fail_before("update_one")
-
-    with pytest.raises(RuntimeError, match="the handler's error"):
-        async with queue.leased(task):
-            raise RuntimeError("the handler's error")
-
+    if handler_error is not None:
+        assert str(raised.value) == handler_error
     assert len(faults.triggered) == 1
-    assert encoded(await read(db, "t1")) == encoded(snapshot)
-    await recover(db, queue, clock)
+    await unchanged_then_recovered(db, queue, clock, snapshot)
 
 
 async def test_a_failed_heartbeat_is_retried_and_the_lease_kept(
     db: Any, queue: AsyncTaskQueue, clock: ManualClock, faults: FaultInjector
 ) -> None:
-    await queue.put("t1")
-    task = await claim_one(queue)
+    task, _ = await claimed(db, queue)
     faults.fail_before("update_one")
 
     async with queue.leased(task) as lease:

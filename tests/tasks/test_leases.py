@@ -11,8 +11,21 @@ import anyio
 import pytest
 
 from mongoq import AsyncTaskQueue, LeaseLost, PermanentError, ReclaimResult, Task, TaskLease
-from mongoq.testing import FaultInjector, ManualClock, instrument, settle
-from tests.support.helpers import LEASE_TTL, claim_one, encoded, later, new_queue, read, wait_for
+from mongoq.runtime.loop import WORKER_STOPPED
+from mongoq.testing import ManualClock, settle
+from tests.support.helpers import (
+    LEASE_TTL,
+    assert_completes,
+    claim_one,
+    encoded,
+    expired_claim,
+    faulty_queue,
+    later,
+    new_queue,
+    put_and_claim,
+    read,
+    wait_for,
+)
 
 HEARTBEAT = LEASE_TTL / 3
 
@@ -24,9 +37,7 @@ async def queue(db: Any, clock: ManualClock) -> AsyncTaskQueue:
 
 async def taken_over(queue: AsyncTaskQueue, clock: ManualClock) -> tuple[Task, Task]:
     """Worker "old" claims t1, its lease expires, worker "new" takes the task over."""
-    await queue.put("t1", {"v": 1})
-    old = await claim_one(queue, "old")
-    clock.advance(LEASE_TTL + 1)
+    old = await expired_claim(queue, clock, "old", {"v": 1})
     new = await claim_one(queue, "new", expect="t1")
     assert new.lease_token != old.lease_token
     return old, new
@@ -57,25 +68,20 @@ async def test_a_holder_whose_task_was_taken_over_changes_nothing(
     assert await STALE_CALLS[call](queue, old) is False
 
     assert encoded(await read(db, "t1")) == encoded(snapshot)
-    assert await queue.complete(new, "fresh result")
-    doc = await read(db, "t1")
-    assert doc is not None and (doc["status"], doc["result"]) == ("done", "fresh result")
+    await assert_completes(db, queue, new, "fresh result")
 
 
 async def test_the_same_worker_id_does_not_revive_a_lost_claim(
     db: Any, queue: AsyncTaskQueue, clock: ManualClock
 ) -> None:
     """Slots of one worker share its id: the fence is the per-claim token, not the id."""
-    await queue.put("t1")
-    first = await claim_one(queue, "w")
-    clock.advance(LEASE_TTL + 1)
+    first = await expired_claim(queue, clock, "w")
     second = await claim_one(queue, "w", expect="t1")
     snapshot = await read(db, "t1")
 
     assert await queue.complete(first, "from the first claim") is False
     assert encoded(await read(db, "t1")) == encoded(snapshot)
-    assert await queue.complete(second, "from the second claim")
-    assert (await read(db, "t1") or {})["result"] == "from the second claim"
+    await assert_completes(db, queue, second, "from the second claim")
 
 
 # -------------------------------------------------------------------------------- heartbeat
@@ -84,8 +90,7 @@ async def test_the_same_worker_id_does_not_revive_a_lost_claim(
 async def test_leased_block_heartbeats_every_third_of_the_lease(
     db: Any, queue: AsyncTaskQueue, clock: ManualClock
 ) -> None:
-    await queue.put("t1")
-    task = await claim_one(queue)
+    task = await put_and_claim(queue)
     claimed_lease = later(clock, LEASE_TTL)
     assert (await read(db, "t1") or {})["lease_until"] == claimed_lease
 
@@ -111,8 +116,7 @@ async def test_leased_block_heartbeats_every_third_of_the_lease(
 async def test_a_block_longer_than_the_lease_keeps_it_and_others_claim_nothing(
     db: Any, queue: AsyncTaskQueue, clock: ManualClock
 ) -> None:
-    await queue.put("t1")
-    task = await claim_one(queue, "holder")
+    task = await put_and_claim(queue, "holder")
 
     async with queue.leased(task) as lease:
         for step in range(1, 13):  # 12 heartbeats: four lease durations
@@ -129,13 +133,14 @@ async def test_a_block_longer_than_the_lease_keeps_it_and_others_claim_nothing(
     assert doc is not None and (doc["status"], doc["attempts"]) == ("done", 1)
 
 
-async def test_a_heartbeat_that_finds_the_task_taken_over_stops_and_never_revives_it(
-    db: Any, clock: ManualClock
+@pytest.mark.parametrize("heartbeat", ["released", "held"])
+async def test_a_takeover_during_a_heartbeat_loses_the_block_its_lease_for_good(
+    db: Any, clock: ManualClock, heartbeat: str
 ) -> None:
-    faults = FaultInjector()
-    queue = await new_queue(instrument(db, faults), clock)
-    await queue.put("t1")
-    task = await claim_one(queue, "old")
+    """Released, the held heartbeat finds the task taken over, stops and never revives it; held
+    to the end, nothing tells the block, and its clean exit still raises LeaseLost."""
+    queue, faults = await faulty_queue(db, clock)
+    task = await put_and_claim(queue, "old")
 
     with pytest.raises(LeaseLost):
         async with queue.leased(task) as lease:
@@ -145,47 +150,26 @@ async def test_a_heartbeat_that_finds_the_task_taken_over_stops_and_never_revive
             await beat.reached.wait()
             thief = await claim_one(queue, "new", expect="t1")
             snapshot = await read(db, "t1")
-            beat.release()
-            await wait_for(lambda: lease.lost, "the heartbeat to notice")
+            if heartbeat == "held":
+                assert not lease.lost
+            else:
+                beat.release()
+                await wait_for(lambda: lease.lost, "the heartbeat to notice")
 
-            assert lease.heartbeats == 0
-            assert encoded(await read(db, "t1")) == encoded(snapshot)
-            assert clock.sleepers == 0  # the heartbeat loop has ended
-            for _ in range(6):  # time goes on: no heartbeat any more
-                clock.advance(HEARTBEAT)
-                await settle()
-            assert encoded(await read(db, "t1")) == encoded(snapshot)
+                assert lease.heartbeats == 0
+                assert encoded(await read(db, "t1")) == encoded(snapshot)
+                assert clock.sleepers == 0  # the heartbeat loop has ended
+                for _ in range(6):  # time goes on: no heartbeat any more
+                    clock.advance(HEARTBEAT)
+                    await settle()
+                assert encoded(await read(db, "t1")) == encoded(snapshot)
         # the clean exit finds the lease lost: LeaseLost, and no write
 
     assert lease.outcome == "lost"
     assert encoded(await read(db, "t1")) == encoded(snapshot)
-    assert await queue.complete(thief, "thief's result")
-    assert (await read(db, "t1") or {})["result"] == "thief's result"
-
-
-async def test_a_clean_exit_after_an_unnoticed_takeover_raises_lease_lost(
-    db: Any, clock: ManualClock
-) -> None:
-    faults = FaultInjector()
-    queue = await new_queue(instrument(db, faults), clock)
-    await queue.put("t1")
-    task = await claim_one(queue, "old")
-
-    with pytest.raises(LeaseLost):
-        async with queue.leased(task) as lease:
-            beat = faults.pause_before("update_one")  # the heartbeat never gets through
-            clock.advance(LEASE_TTL + 1)
-            await beat.reached.wait()
-            await claim_one(queue, "new", expect="t1")
-            snapshot = await read(db, "t1")
-            assert not lease.lost
-
-    assert lease.outcome == "lost"
-    assert encoded(await read(db, "t1")) == encoded(snapshot)
-    assert snapshot is not None and (snapshot["status"], snapshot["worker_id"]) == (
-        "processing",
-        "new",
-    )
+    assert snapshot is not None
+    assert (snapshot["status"], snapshot["worker_id"]) == ("processing", "new")
+    await assert_completes(db, queue, thief, "thief's result")
 
 
 # ---------------------------------------------------------------------- how a block ends
@@ -194,8 +178,7 @@ async def test_a_clean_exit_after_an_unnoticed_takeover_raises_lease_lost(
 async def test_a_clean_exit_completes_the_task(
     db: Any, queue: AsyncTaskQueue, clock: ManualClock
 ) -> None:
-    await queue.put("t1")
-    task = await claim_one(queue)
+    task = await put_and_claim(queue)
     clock.advance(2)
 
     async with queue.leased(task) as lease:
@@ -212,8 +195,7 @@ async def test_a_clean_exit_completes_the_task(
 async def test_a_block_that_settles_itself_is_not_settled_again(
     db: Any, queue: AsyncTaskQueue
 ) -> None:
-    await queue.put("t1")
-    task = await claim_one(queue)
+    task = await put_and_claim(queue)
 
     async with queue.leased(task) as lease:
         assert await lease.complete({"answer": 42})
@@ -227,8 +209,7 @@ async def test_an_exception_releases_the_task_for_retry_and_propagates(
     db: Any, clock: ManualClock
 ) -> None:
     queue = await new_queue(db, clock, backoff_base=10, backoff_cap=100)
-    await queue.put("t1")
-    task = await claim_one(queue)
+    task = await put_and_claim(queue)
     message = "x" * 3000 + "END"
 
     with pytest.raises(RuntimeError, match="END") as raised:
@@ -246,9 +227,20 @@ async def test_an_exception_releases_the_task_for_retry_and_propagates(
     assert len(doc["error"]) == 2000 and doc["error"].endswith("END")
 
 
+async def failed_for_good(
+    db: Any, queue: AsyncTaskQueue, attempts: int, task_id: str = "t1"
+) -> str:
+    """Asserts that the task is stored failed after `attempts` attempts, holds no lease, and
+    nothing can claim it; returns its stored error."""
+    doc = await read(db, task_id)
+    assert doc is not None
+    assert (doc["status"], doc["attempts"], doc["lease_until"]) == ("failed", attempts, None)
+    assert await queue.claim("w") is None
+    return str(doc["error"])
+
+
 async def test_a_short_error_is_stored_with_its_traceback(db: Any, queue: AsyncTaskQueue) -> None:
-    await queue.put("t1")
-    task = await claim_one(queue)
+    task = await put_and_claim(queue)
 
     with pytest.raises(KeyError):
         async with queue.leased(task):
@@ -260,19 +252,15 @@ async def test_a_short_error_is_stored_with_its_traceback(db: Any, queue: AsyncT
 
 
 async def test_a_permanent_error_fails_the_task(db: Any, queue: AsyncTaskQueue) -> None:
-    await queue.put("t1")
-    task = await claim_one(queue)
+    task = await put_and_claim(queue)
 
     with pytest.raises(PermanentError):
         async with queue.leased(task) as lease:
             raise PermanentError("corrupt video")
 
     assert lease.outcome == "failed"
-    doc = await read(db, "t1")
-    assert doc is not None
-    assert (doc["status"], doc["attempts"], doc["lease_until"]) == ("failed", 1, None)
-    assert doc["error"].endswith("PermanentError: corrupt video")
-    assert await queue.claim("w") is None
+    error = await failed_for_good(db, queue, 1)
+    assert error.endswith("PermanentError: corrupt video")
 
 
 async def test_an_exception_on_the_last_attempt_fails_the_task(db: Any, clock: ManualClock) -> None:
@@ -286,11 +274,7 @@ async def test_an_exception_on_the_last_attempt_fails_the_task(db: Any, clock: M
                 raise ValueError(f"attempt {attempt}")
         clock.advance(15)
 
-    doc = await read(db, "t1")
-    assert doc is not None
-    assert (doc["status"], doc["attempts"], doc["lease_until"]) == ("failed", 2, None)
-    assert doc["error"].endswith("ValueError: attempt 2")
-    assert await queue.claim("w") is None
+    assert (await failed_for_good(db, queue, 2)).endswith("ValueError: attempt 2")
 
 
 async def hold_until_cancelled(queue: AsyncTaskQueue, task: Task) -> TaskLease:
@@ -316,8 +300,7 @@ async def test_cancelling_the_block_releases_the_task_for_retry(
     """Cancellation (a timeout, a shutdown that cannot wait) counts as an attempt, like a crash:
     a task that always times out must end failed rather than loop (see `leased`)."""
     queue = await new_queue(db, clock, backoff_base=10, backoff_cap=10)
-    await queue.put("t1")
-    task = await claim_one(queue)
+    task = await put_and_claim(queue)
     clock.advance(3)
 
     lease = await hold_until_cancelled(queue, task)
@@ -328,7 +311,7 @@ async def test_cancelling_the_block_releases_the_task_for_retry(
     assert (doc["status"], doc["attempts"]) == ("pending", 1)
     assert later(clock, 10) <= doc["lease_until"] < later(clock, 15)
     assert doc["lease_token"] is None and doc["worker_id"] is None
-    assert "CancelledError" in doc["error"]
+    assert doc["error"] == WORKER_STOPPED  # the reason, not a traceback of the cancellation
     clock.advance(15)
     assert (await claim_one(queue, expect="t1")).attempts == 2
 
@@ -343,10 +326,7 @@ async def test_a_block_cancelled_every_time_ends_failed(db: Any, clock: ManualCl
         await hold_until_cancelled(queue, task)
         clock.advance(2)
 
-    doc = await read(db, "t1")
-    assert doc is not None
-    assert (doc["status"], doc["attempts"], doc["lease_until"]) == ("failed", 3, None)
-    assert await queue.claim("w") is None
+    await failed_for_good(db, queue, 3)
 
 
 # ------------------------------------------------------------------------ retry and backoff
@@ -407,8 +387,7 @@ async def test_jitter_factor_is_drawn_from_one_to_one_and_a_half(
 
     monkeypatch.setattr("mongoq.tasks.queue.random.uniform", uniform)
     queue = await new_queue(db, clock, backoff_base=8, backoff_cap=1000)
-    await queue.put("t1")
-    task = await claim_one(queue)
+    task = await put_and_claim(queue)
 
     assert await queue.release_for_retry(task)
 
@@ -419,8 +398,7 @@ async def test_jitter_factor_is_drawn_from_one_to_one_and_a_half(
 async def test_release_not_an_attempt_gives_the_attempt_back(
     db: Any, queue: AsyncTaskQueue, clock: ManualClock
 ) -> None:
-    await queue.put("t1")
-    task = await claim_one(queue)
+    task = await put_and_claim(queue)
     assert (await read(db, "t1") or {})["attempts"] == 1
 
     assert await queue.release_not_an_attempt(task)
@@ -448,8 +426,7 @@ async def test_release_not_an_attempt_gives_the_attempt_back(
 async def test_reclaim_buries_exhausted_expired_tasks_before_requeueing_the_others(
     db: Any, clock: ManualClock
 ) -> None:
-    faults = FaultInjector()
-    queue = await new_queue(instrument(db, faults), clock, max_attempts=2)
+    queue, faults = await faulty_queue(db, clock, max_attempts=2)
     await queue.put("exhausted", priority=3)
     await queue.put("expired", priority=2)
     await queue.put("waiting", delay=1000)
@@ -556,19 +533,13 @@ async def test_a_task_that_crashes_every_time_ends_failed_after_max_attempts(
     assert doc is not None and (doc["status"], doc["attempts"]) == ("processing", 3)
 
     assert await queue.reclaim_expired() == ReclaimResult(failed=1, requeued=0)
-    doc = await read(db, "poison")
-    assert doc is not None
-    assert (doc["status"], doc["attempts"], doc["lease_until"]) == ("failed", 3, None)
-    assert "lease expired on the last attempt" in doc["error"]
-    assert await queue.claim("w") is None
+    assert "lease expired on the last attempt" in await failed_for_good(db, queue, 3, "poison")
 
 
 async def test_a_crash_reclaimed_by_reclaim_expired_runs_again(
     db: Any, queue: AsyncTaskQueue, clock: ManualClock
 ) -> None:
-    await queue.put("t1")
-    await claim_one(queue, "crashed")
-    clock.advance(LEASE_TTL + 1)
+    await expired_claim(queue, clock, "crashed")
 
     assert await queue.reclaim_expired() == ReclaimResult(failed=0, requeued=1)
     doc = await read(db, "t1")
@@ -600,6 +571,4 @@ async def test_a_new_revision_put_during_a_crashed_last_attempt_still_runs(
 
     task = await claim_one(queue, "w", expect="t1")
     assert (task.revision, task.payload, task.attempts) == ("r2", {"v": 2}, 1)
-    assert await queue.complete(task, "r2 done")
-    doc = await read(db, "t1")
-    assert doc is not None and (doc["status"], doc["result"]) == ("done", "r2 done")
+    await assert_completes(db, queue, task, "r2 done")
