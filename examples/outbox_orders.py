@@ -21,7 +21,6 @@ from pymongo import ReadPreference
 from pymongo.write_concern import WriteConcern
 
 import mongoq
-from mongoq import _driver
 from mongoq.outbox import AsyncOutbox, DeliveryContext, Event, OutboxDispatcher
 
 sent: list[str] = []
@@ -29,7 +28,7 @@ sent: list[str] = []
 
 async def in_transaction(db: Any, work: Callable[[Any], Awaitable[None]]) -> None:
     """Run `work(session)` in a transaction where the database has them, else without."""
-    if await _driver.supports_transactions(db):
+    if await mongoq.supports_transactions(db):
         async with db.client.start_session() as session:
             # Primary reads and majority writes whatever the client's defaults (a transaction
             # with secondary reads is refused; one with w=1 can be rolled back by a failover).
@@ -88,7 +87,7 @@ async def main() -> None:
     print("mail sent:", sent)
     print("revenue:", await db.revenue.find({}, sort=[("_id", 1)]).to_list(None))
     print(await outbox.statistics())
-    await _driver.close(db)
+    await mongoq.close(db)
 
 
 if __name__ == "__main__":

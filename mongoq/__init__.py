@@ -1,13 +1,14 @@
 """mongoq: durable work queues on MongoDB, asyncio-first.
 
-Public surface: `connect`, `AsyncTaskQueue`, `AsyncGroupTransport` and `AsyncOutbox` with its
-`OutboxDispatcher` (and their result types), the clocks, the errors.
+Public surface: `connect` (with `close` and `supports_transactions`), `AsyncTaskQueue`,
+`AsyncGroupTransport` and `AsyncOutbox` with its `OutboxDispatcher` (and their result types), the
+clocks, the errors.
 Testing tools are in `mongoq.testing`; the blocking facade is the separate `mongoq_sync` package.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, Protocol, cast
 
 from mongoq import _driver
 from mongoq.clock import Clock, ServerClock, SystemClock
@@ -48,6 +49,7 @@ __all__ = [
     "AsyncOutbox",
     "AsyncTaskQueue",
     "Clock",
+    "Database",
     "DeadLetter",
     "Delivery",
     "DeliveryContext",
@@ -76,13 +78,36 @@ __all__ = [
     "Task",
     "TaskLease",
     "TaskQueueStats",
+    "close",
     "connect",
+    "supports_transactions",
 ]
 
 __version__ = "0.1.0"
 
 
-def connect(uri: str | None = None, database: str = "mongoq", *, driver: str = "pymongo") -> Any:
+class Database(Protocol):
+    """What `connect` returns: an async database handle of PyMongo async, Motor or the embedded
+    backend, for the primitives. Its collections are the driver's own objects (typed `Any`:
+    their APIs differ in details, which mongoq handles; see `mongoq._driver`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def client(self) -> Any: ...
+
+    def __getitem__(self, name: str) -> Any: ...
+
+    def __getattr__(self, name: str) -> Any: ...
+
+
+def connect(
+    uri: str | None = None,
+    database: str = "mongoq",
+    *,
+    driver: Literal["pymongo", "motor"] = "pymongo",
+) -> Database:
     """An async database handle for the primitives.
 
     - `uri` absent (and ``MONGOQ_URI`` unset) or ``"memory://"``: the embedded in-memory backend
@@ -92,4 +117,16 @@ def connect(uri: str | None = None, database: str = "mongoq", *, driver: str = "
     Clients are created with PyMongo's defaults (dates read back naive UTC on every backend).
     Every primitive also accepts a database you built yourself with either driver.
     """
-    return _driver.connect(uri, database, driver=driver)
+    return cast(Database, _driver.connect(uri, database, driver=driver))
+
+
+async def close(db: Any) -> None:
+    """Close the client behind `db` (any driver's database handle, or `connect`'s)."""
+    await _driver.close(db)
+
+
+async def supports_transactions(db: Any) -> bool:
+    """Whether `db` runs multi-document transactions, which `publish(..., session=s)` needs: a
+    replica set (one node is enough) or a sharded cluster does; a standalone server and the
+    embedded backend do not. Asked of the server once per client."""
+    return await _driver.supports_transactions(db)

@@ -161,7 +161,8 @@ def connect(
     if uri is None or uri == MEMORY_SCHEME:
         # mongomock-motor, refusing what a server refuses (16 MiB, hints, transactions): see
         # mongoq._embedded. Imported here: the embedded backend is an extra.
-        from mongoq._embedded import embedded_database
+        with extra_required("embedded", "the embedded backend (connect() with no URI)"):
+            from mongoq._embedded import embedded_database
 
         return embedded_database(database)
     if not isinstance(uri, str) or not uri.startswith(("mongodb://", "mongodb+srv://")):
@@ -171,10 +172,23 @@ def connect(
 
         return AsyncMongoClient(uri, **options)[database]
     if driver == "motor":
-        from motor.motor_asyncio import AsyncIOMotorClient
+        with extra_required("motor", 'driver="motor"'):
+            from motor.motor_asyncio import AsyncIOMotorClient
 
         return AsyncIOMotorClient(uri, **options)[database]
     raise InvalidInput("driver", f"must be 'pymongo' or 'motor', got {driver!r}")
+
+
+@contextlib.contextmanager
+def extra_required(extra: str, feature: str) -> Iterator[None]:
+    """An import of an optional dependency: missing, it is a `MongoqError` naming the extra."""
+    try:
+        yield
+    except ImportError as error:
+        raise MongoqError(
+            f"{feature} needs the {extra!r} extra: pip install 'mongoq[{extra}]' "
+            f"(missing: {error.name or error})"
+        ) from error
 
 
 async def find_list(

@@ -33,6 +33,7 @@ import anyio
 import anyio.to_thread
 
 from mongoq import _driver
+from mongoq._validation import check_blocking_handler
 from mongoq.errors import MongoqError
 
 __all__ = ["Database", "Facade", "Portal", "connect"]
@@ -482,10 +483,12 @@ def _unwrap(database: Database, value: Any) -> Any:
 HANDLER_THREADS = 1000
 
 
-def in_worker_thread(function: Callable[..., T]) -> Callable[..., Any]:
+def in_worker_thread(function: Callable[..., T], field: str) -> Callable[..., Any]:
     """A blocking handler as a coroutine function that runs it in a worker thread, so that it
     never stalls the portal's loop (and the heartbeats in it). Each wrapped handler has its
-    own thread limit: runs on one database do not share anyio's default 40 threads."""
+    own thread limit: runs on one database do not share anyio's default 40 threads. A
+    coroutine function is refused (`InvalidInput` naming `field`) before anything runs."""
+    check_blocking_handler(field, function)
     limiter: list[anyio.CapacityLimiter] = []
 
     async def handler(*args: Any) -> T:

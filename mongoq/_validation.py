@@ -7,6 +7,7 @@ Owns no collections.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -139,3 +140,55 @@ def check_batch(field: str, items: Iterable[Any]) -> list[Any]:
     if len(batch) > MAX_BATCH:
         raise InvalidInput(field, f"at most {MAX_BATCH} per call, got {len(batch)}")
     return batch
+
+
+def _is_coroutine_function(value: Any) -> bool:
+    """``async def`` functions, partials of them, and objects whose ``__call__`` is one."""
+    call = (
+        None if inspect.isroutine(value) else inspect.getattr_static(type(value), "__call__", None)
+    )
+    return inspect.iscoroutinefunction(value) or inspect.iscoroutinefunction(call)
+
+
+def check_async_handler(field: str, handler: Any) -> Any:
+    """A handler given to the async API must be a coroutine function. A plain function would
+    run, side effects and all, before awaiting its result failed: the item would be retried and
+    the side effects repeated up to the attempt limit."""
+    if not callable(handler):
+        raise InvalidInput(field, f"must be an async function, got {_kind(handler)}")
+    if not _is_coroutine_function(handler):
+        raise InvalidInput(
+            field,
+            "must be an async function (async def); for a blocking function use mongoq_sync, "
+            "or call it with anyio.to_thread.run_sync inside an async handler",
+        )
+    return handler
+
+
+def check_blocking_handler(field: str, handler: Any) -> Any:
+    """A handler given to `mongoq_sync` runs in a worker thread: a coroutine function there
+    would return a coroutine nobody awaits, stored as the failure."""
+    if not callable(handler):
+        raise InvalidInput(field, f"must be a function, got {_kind(handler)}")
+    if _is_coroutine_function(handler):
+        raise InvalidInput(
+            field, "must be a plain function: mongoq_sync runs handlers in threads; give an "
+            "async handler to the async API (mongoq) instead",
+        )  # fmt: skip
+    return handler
+
+
+def check_stop_when(stop_when_empty: Any, stop_when_drained: Any) -> None:
+    """`run`'s two ways to stop by itself are exclusive: one says "nothing due now", the other
+    "nothing left"."""
+    for field, value in (("stop_when_empty", stop_when_empty),
+                         ("stop_when_drained", stop_when_drained)):  # fmt: skip
+        if not isinstance(value, bool):
+            raise InvalidInput(field, f"must be a bool, got {_kind(value)}")
+    if stop_when_empty and stop_when_drained:
+        raise InvalidInput("stop_when_drained", "choose one of stop_when_empty and this")
+
+
+def check_timeout(field: str, value: Any) -> float | None:
+    """None (no limit) or a positive number of seconds."""
+    return None if value is None else check_seconds(field, value, positive=True)

@@ -18,6 +18,7 @@ from typing import Any
 
 from mongoq import _driver
 from mongoq.demo import DemoConfig, DemoReport, run_demo
+from mongoq.errors import MongoqError
 from mongoq.tasks import AsyncTaskQueue
 
 __all__ = ["main"]
@@ -92,12 +93,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         command.add_argument("--uri", required=True)
         command.add_argument("--database", default="mongoq")
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        config = DemoConfig(uri=args.uri, tasks=args.tasks, workers=args.workers, seed=args.seed)
-        report = asyncio.run(run_demo(config, progress=lambda line: print(line, flush=True)))
-        _print_report(report)
-        return 0 if report.ok else 1
-    return asyncio.run(_operate(args))
+    try:
+        if args.command == "demo":
+            config = DemoConfig(
+                uri=args.uri, tasks=args.tasks, workers=args.workers, seed=args.seed
+            )
+            report = asyncio.run(run_demo(config, progress=lambda line: print(line, flush=True)))
+            _print_report(report)
+            return 0 if report.ok else 1
+        return asyncio.run(_operate(args))
+    except MongoqError as error:  # a missing extra, a bad argument: said plainly, no traceback
+        print(f"mongoq: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

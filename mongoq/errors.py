@@ -7,7 +7,14 @@ outcome is unknown", and every primitive is built so that such an outcome is rec
 
 from __future__ import annotations
 
-__all__ = ["IndexesMissing", "InvalidInput", "LeaseLost", "MongoqError", "PermanentError"]
+__all__ = [
+    "HandlerTimeout",
+    "IndexesMissing",
+    "InvalidInput",
+    "LeaseLost",
+    "MongoqError",
+    "PermanentError",
+]
 
 
 class MongoqError(Exception):
@@ -45,3 +52,8 @@ class IndexesMissing(MongoqError):
     (outbox) once, at deploy time or when the service starts; a run loop stops with this error
     rather than log a failure on every poll.
     """
+
+
+class HandlerTimeout(MongoqError, TimeoutError):
+    """A handler ran past the `timeout` its run loop was given and was cancelled; the attempt
+    counts as failed (retried with backoff, given up after the last attempt)."""

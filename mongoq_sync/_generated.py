@@ -248,9 +248,11 @@ class TaskQueue(Facade):
         *,
         concurrency: int = 1,
         stop_when_empty: bool = False,
+        stop_when_drained: bool = False,
         poll_interval: float = 1.0,
         worker_id: str | None = None,
         batch_size: int = 1,
+        handler_timeout: float | None = None,
         handle_signals: bool = False,
     ) -> RunSummary:
         """Claim and process tasks with `handler` until stopped.
@@ -258,10 +260,20 @@ class TaskQueue(Facade):
         Each task runs inside `leased`: its return value is the task's result (a result that
         cannot be stored fails the task); a `PermanentError` fails it; another exception
         releases it for retry. Expired leases are reclaimed every ``lease_ttl / 3``, and when
-        nothing is due (at most that often); then the loop sleeps `poll_interval`, or with
-        `stop_when_empty` returns. `stop()` (or, with
-        `handle_signals`, SIGTERM/SIGINT) stops gracefully: in-flight tasks finish; cancelling
-        the call (or a second signal) releases them for retry.
+        nothing is due (at most that often); then the loop sleeps `poll_interval`.
+        `stop_when_empty` returns as soon as nothing is due *now*: tasks waiting out a retry
+        backoff or a delay are left for a later run. `stop_when_drained` returns only when no
+        task is left pending or processing at all, sleeping (on the queue's clock) until the
+        next one is due meanwhile: for scripts and tests that must see everything finish.
+        `stop()` (or, with `handle_signals`, SIGTERM/SIGINT) stops gracefully: in-flight tasks
+        finish; cancelling the call (or a second signal) releases them for retry, recorded as
+        "worker stopped" and counted.
+
+        `handler_timeout` (seconds of the queue's clock) cancels a handler that runs longer:
+        the attempt counts as failed, with the error ``HandlerTimeout: timed out after N s``.
+        A handler whose task a heartbeat finds lost (taken over after a stall, removed, re-put
+        with a new revision) is cancelled too, and counted `lost`: its result could not be
+        recorded, and another worker may be running the task.
 
         With `batch_size` > 1 each slot claims up to that many tasks at once (`claim_many`),
         runs them one after another under one heartbeat (`heartbeat_many`), and completes the
@@ -274,12 +286,14 @@ class TaskQueue(Facade):
             "RunSummary",
             self._call(
                 "run",
-                in_worker_thread(handler),
+                in_worker_thread(handler, "handler"),
                 concurrency=concurrency,
                 stop_when_empty=stop_when_empty,
+                stop_when_drained=stop_when_drained,
                 poll_interval=poll_interval,
                 worker_id=worker_id,
                 batch_size=batch_size,
+                handler_timeout=handler_timeout,
                 handle_signals=handle_signals,
             ),
         )
@@ -451,9 +465,11 @@ class GroupTransport(Facade):
         concurrency: int = 1,
         min_priority: int = 0,
         stop_when_empty: bool = False,
+        stop_when_drained: bool = False,
         poll_interval: float = 1.0,
         retry_delay: float = 1.0,
         batch_size: int = 1,
+        handler_timeout: float | None = None,
         handle_signals: bool = False,
     ) -> GroupRunSummary:
         """Claim groups and process their heads with `handler` until stopped.
@@ -462,6 +478,12 @@ class GroupTransport(Facade):
         acks; `PermanentError` dead-letters the head; any other exception nacks with
         `retry_delay` and records the error; a cancellation nacks without an error. Orphaned
         groups are readied every ``visibility`` (and when idle). `stop()` stops gracefully.
+        `handler_timeout` (seconds of the transport's clock) cancels a handler that runs
+        longer: the head is nacked with ``HandlerTimeout: timed out after N s`` (a delivery
+        spent). A handler whose group a renewal finds taken over is cancelled and counted
+        `lost`. `stop_when_empty` returns as soon as no group is claimable *now* (parked groups wait
+        for a later run); `stop_when_drained` only when no message is left at all, sleeping on
+        the transport's clock until the next group is due meanwhile.
 
         With `batch_size` > 1 each slot leases up to that many groups at once (`claim_many`),
         runs their heads one after another under one renewal (`extend_many`), and acks the
@@ -473,14 +495,16 @@ class GroupTransport(Facade):
             "GroupRunSummary",
             self._call(
                 "run",
-                in_worker_thread(handler),
+                in_worker_thread(handler, "handler"),
                 worker_id=worker_id,
                 concurrency=concurrency,
                 min_priority=min_priority,
                 stop_when_empty=stop_when_empty,
+                stop_when_drained=stop_when_drained,
                 poll_interval=poll_interval,
                 retry_delay=retry_delay,
                 batch_size=batch_size,
+                handler_timeout=handler_timeout,
                 handle_signals=handle_signals,
             ),
         )
@@ -781,7 +805,9 @@ class OutboxDispatcher(Facade):
     A handler that returns completes its delivery; one that raises `PermanentError` buries it
     as a dead letter; any other exception reschedules it after ``backoff(attempt)`` seconds
     (`default_backoff` when None), until the attempt numbered `max_attempts` fails, which
-    buries it. Handlers must be idempotent: delivery is at least once.
+    buries it. Handlers must be idempotent: delivery is at least once. A handler running past
+    `handler_timeout` seconds (of the outbox's clock) is cancelled, and its attempt fails with
+    ``HandlerTimeout: timed out after N s``.
 
     Through `mongoq_sync`, handlers are plain functions run in worker threads; their context
     gives `delivery` and `attempt` (completing inside a transaction needs the async API).
@@ -797,17 +823,19 @@ class OutboxDispatcher(Facade):
         max_attempts: int = 10,
         backoff: Callable[[int], float] | None = None,
         poll_interval: float = 1.0,
+        handler_timeout: float | None = None,
     ) -> None:
         self._build(
             outbox._database,
             _AsyncOutboxDispatcher,
             outbox,
-            {key: in_worker_thread(value) for key, value in handlers.items()},
+            {key: in_worker_thread(value, f"handlers[{key!r}]") for key, value in handlers.items()},
             owner=owner,
             concurrency=concurrency,
             max_attempts=max_attempts,
             backoff=backoff,
             poll_interval=poll_interval,
+            handler_timeout=handler_timeout,
         )
 
     @property
@@ -837,16 +865,28 @@ class OutboxDispatcher(Facade):
         return cast("DispatchSummary", self._call("run_once"))
 
     def run(
-        self, *, stop_when_empty: bool = False, handle_signals: bool = False
+        self,
+        *,
+        stop_when_empty: bool = False,
+        stop_when_drained: bool = False,
+        handle_signals: bool = False,
     ) -> DispatchSummary:
-        """Dispatch until `stop()` (or, with `stop_when_empty`, until nothing is claimable and
-        nothing runs). With `handle_signals`, SIGTERM/SIGINT stop gracefully and a second one
-        cancels. Cancelling the call releases the deliveries still running (no attempt
-        counted) and hands the lanes back. Returns the totals of this dispatcher.
+        """Dispatch until `stop()`. `stop_when_empty` returns as soon as nothing is claimable
+        now and nothing runs (deliveries waiting out a backoff, or behind a busy key, wait for
+        a later run); `stop_when_drained` only when no delivery of these handlers is left
+        pending at all, sleeping on the outbox's clock until the next one is due meanwhile.
+        With `handle_signals`, SIGTERM/SIGINT stop gracefully and a second one cancels.
+        Cancelling the call releases the deliveries still running (no attempt counted) and
+        hands the lanes back. Returns the totals of this dispatcher.
         """
         return cast(
             "DispatchSummary",
-            self._call("run", stop_when_empty=stop_when_empty, handle_signals=handle_signals),
+            self._call(
+                "run",
+                stop_when_empty=stop_when_empty,
+                stop_when_drained=stop_when_drained,
+                handle_signals=handle_signals,
+            ),
         )
 
 

@@ -162,13 +162,16 @@ def _parameters(
         handlers = _HANDLER_MAP.match(annotation)
         if handlers:
             annotation = f"Mapping[str, Callable[{handlers.group(1)}, {handlers.group(2)}]]"
-            value = f"{{key: in_worker_thread(value) for key, value in {name}.items()}}"
+            value = (
+                f'{{key: in_worker_thread(value, f"{name}[{{key!r}}]") '
+                f"for key, value in {name}.items()}}"
+            )
         elif handler:
             optional = handler.group(3) is not None
             annotation = f"Callable[{handler.group(1)}, {handler.group(2)}]" + (
                 " | None" if optional else ""
             )
-            value = f"in_worker_thread({name})" + (
+            value = f'in_worker_thread({name}, "{name}")' + (
                 f" if {name} is not None else None" if optional else ""
             )
         else:

@@ -124,6 +124,12 @@ def lock_due(floor: int, now: datetime, refused: Sequence[GroupId] = ()) -> Filt
     return due
 
 
+def lock_any() -> Filter:
+    """Every group, in `CLAIM_ORDER` the one due first whatever its state: when
+    ``run(stop_when_drained=True)`` wakes next; `CLAIM`."""
+    return {"priority": {"$in": list(ALL_PRIORITIES)}}
+
+
 def lock_leasing(token: str, lease_until: datetime) -> Update:
     """The claim's lease on a due group (it is no longer due until `lease_until`); `CLAIM`."""
     return {"$set": {"token": token, "available_at": lease_until, "parked": False}}
@@ -178,6 +184,11 @@ def lock_parked(now: datetime) -> Filter:
 GROUP_HEAD = IndexSpec("group_head", (("group_id", 1), ("_id", 1)))
 #: Oldest first: a group's head is its smallest ``seq``; also `stats`' oldest message.
 SEQ_ORDER: Sort = [("_id", 1)]
+
+
+def message_any() -> Filter:
+    """Any message (`SEQ_ORDER`, limit 1): is anything left for ``stop_when_drained``; ``_id``."""
+    return {}
 
 
 def messages_of(group_id: GroupId) -> Filter:

@@ -20,6 +20,7 @@ from mongoq.clock import Clock
 from mongoq.groups import schema
 from mongoq.groups.models import GroupId, GroupLease, check_lease
 from mongoq.runtime.loop import error_text
+from mongoq.runtime.report import Attempt, log_attempt_end
 
 __all__ = ["GroupSettles"]
 
@@ -31,6 +32,7 @@ class GroupSettles:
     `AsyncGroupTransport`, and the fenced helpers its claims use."""
 
     # set by the transport's constructor
+    prefix: str
     clock: Clock
     visibility: float
     messages: Any
@@ -162,6 +164,9 @@ class GroupSettles:
             schema.message_held(lease.seq, lease.token),
             schema.head_nacking(until if wait > 0 else None, error_text(error)),
         )
+        if error is not None:  # a handler's failure, not a lease merely handed back
+            attempt = self._attempt(lease.group_id, lease.seq, lease.deliveries, lease.worker_id)
+            log_attempt_end(log, attempt, "retried", error, until)
         return True
 
     async def extend(self, lease: GroupLease, visibility: float | None = None) -> bool:
@@ -220,6 +225,8 @@ class GroupSettles:
         if not await self._bury(lease.seq, lease.token, now, error_text(error) or ""):
             return False
         await self._release(lease.group_id, lease.token, now)
+        attempt = self._attempt(lease.group_id, lease.seq, lease.deliveries, lease.worker_id)
+        log_attempt_end(log, attempt, "dead", error)
         return True
 
     async def _release(self, group_id: GroupId, token: str, now: datetime) -> bool:
@@ -264,9 +271,10 @@ class GroupSettles:
         if marked is None:
             return False
         await self._finish_burial(marked)
-        log.warning("message %d of group %r moved to the dead letters: %s",
-                    seq, marked["group_id"], error.splitlines()[-1] if error else "")  # fmt: skip
         return True
+
+    def _attempt(self, group_id: GroupId, seq: int, number: int, worker: str | None) -> Attempt:
+        return Attempt("groups", self.prefix, f"{group_id!r}/{seq}", number, worker)
 
     async def _finish_burial(self, head: Mapping[str, Any]) -> None:
         await self.dead.replace_one(

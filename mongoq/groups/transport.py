@@ -20,8 +20,16 @@ from pymongo import ReturnDocument
 
 from mongoq import _driver
 from mongoq._indexes import create_schema_indexes
-from mongoq._validation import MAX_BATCH, check_int, check_name, check_seconds
-from mongoq.clock import Clock, ServerClock
+from mongoq._validation import (
+    MAX_BATCH,
+    check_async_handler,
+    check_int,
+    check_name,
+    check_seconds,
+    check_stop_when,
+    check_timeout,
+)
+from mongoq.clock import Clock, ServerClock, stored_instant
 from mongoq.groups import schema
 from mongoq.groups.batch import GroupBatch
 from mongoq.groups.models import (
@@ -38,6 +46,7 @@ from mongoq.groups.settles import GroupSettles
 from mongoq.runtime.batch import run_batch
 from mongoq.runtime.candidates import take_candidates
 from mongoq.runtime.loop import WorkerHost, WorkerLoop
+from mongoq.runtime.report import log_attempt_end
 
 __all__ = ["AsyncGroupTransport"]
 
@@ -294,9 +303,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
             return None
         deliveries = int(head.get("deliveries", 0)) + 1
         if self.max_deliveries is not None and deliveries > self.max_deliveries:
-            await self._bury(
-                head["_id"], token, now, schema.burial_error(head, self.max_deliveries)
-            )
+            await self._bury_spent(head, token, now)
             await self._release(group_id, token, now)
             return None
         return schema.lease_from(lock, head, token, worker, lease_until, deliveries)
@@ -326,9 +333,18 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
                 continue
             if self.max_deliveries is None or head["deliveries"] <= self.max_deliveries:
                 return head
-            error = schema.burial_error(head, self.max_deliveries)
-            if not await self._bury(head["_id"], token, now, error):
+            if not await self._bury_spent(head, token, now):
                 return _REFUSED
+
+    async def _bury_spent(self, head: Mapping[str, Any], token: str, now: datetime) -> bool:
+        """Dead-letter a head whose deliveries are spent (the claim that found it holds it)."""
+        assert self.max_deliveries is not None
+        error = schema.burial_error(head, self.max_deliveries)
+        if not await self._bury(head["_id"], token, now, error):
+            return False
+        attempt = self._attempt(head["group_id"], head["_id"], self.max_deliveries, None)
+        log_attempt_end(log, attempt, "dead", error)
+        return True
 
     # ------------------------------------------------------------------------------ worker
 
@@ -340,9 +356,11 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         concurrency: int = 1,
         min_priority: int = 0,
         stop_when_empty: bool = False,
+        stop_when_drained: bool = False,
         poll_interval: float = 1.0,
         retry_delay: float = 1.0,
         batch_size: int = 1,
+        handler_timeout: float | None = None,
         handle_signals: bool = False,
     ) -> GroupRunSummary:
         """Claim groups and process their heads with `handler` until stopped.
@@ -351,6 +369,12 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         acks; `PermanentError` dead-letters the head; any other exception nacks with
         `retry_delay` and records the error; a cancellation nacks without an error. Orphaned
         groups are readied every ``visibility`` (and when idle). `stop()` stops gracefully.
+        `handler_timeout` (seconds of the transport's clock) cancels a handler that runs
+        longer: the head is nacked with ``HandlerTimeout: timed out after N s`` (a delivery
+        spent). A handler whose group a renewal finds taken over is cancelled and counted
+        `lost`. `stop_when_empty` returns as soon as no group is claimable *now* (parked groups wait
+        for a later run); `stop_when_drained` only when no message is left at all, sleeping on
+        the transport's clock until the next group is due meanwhile.
 
         With `batch_size` > 1 each slot leases up to that many groups at once (`claim_many`),
         runs their heads one after another under one renewal (`extend_many`), and acks the
@@ -358,11 +382,14 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         message. A worker that crashes mid-batch costs every head of the batch a delivery:
         size `max_deliveries` with that in mind.
         """
+        check_async_handler("handler", handler)
+        check_stop_when(stop_when_empty, stop_when_drained)
         check_int("concurrency", concurrency, low=1)
         check_priority("min_priority", min_priority)
         check_int("batch_size", batch_size, low=1, high=MAX_BATCH)
         poll = check_seconds("poll_interval", poll_interval, positive=True)
         retry = check_seconds("retry_delay", retry_delay)
+        limit = check_timeout("handler_timeout", handler_timeout)
         worker = self._worker(worker_id)
         summary = GroupRunSummary()
 
@@ -384,6 +411,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
             await run_batch(
                 holder, leases, clock=self.clock, lease=self.visibility, count=count,
                 describe=lambda lease: f"group {lease.group_id!r}", logger=log,
+                handler_timeout=limit,
             )  # fmt: skip
 
         loop: WorkerLoop[list[GroupLease]] = WorkerLoop(
@@ -396,6 +424,24 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
             housekeeping=self.recover_orphans,
             housekeeping_interval=self.visibility,
             name=f"groups:{self.prefix}",
+            next_due=self._next_due if stop_when_drained else None,
         )
         await self._run_loop(loop, handle_signals=handle_signals)
         return summary
+
+    async def _next_due(self) -> datetime | None:
+        """When the next group is claimable; None when no message is left (of any priority:
+        with `min_priority`, a drained run also waits for others to take the lower ones)."""
+        left = await _driver.find_list(
+            self.messages, schema.message_any(), sort=schema.SEQ_ORDER, limit=1,
+            projection={"_id": 1},
+        )  # fmt: skip
+        if not left:
+            return None
+        locks = await _driver.find_list(
+            self.locks, schema.lock_any(), sort=schema.CLAIM_ORDER, limit=1,
+            projection={"available_at": 1}, hint=schema.CLAIM.name,
+        )  # fmt: skip
+        due = stored_instant(locks[0]["available_at"]) if locks else None
+        # Messages without a group are orphans, which housekeeping readies (every visibility).
+        return due or self.clock.now() + timedelta(seconds=self.visibility)

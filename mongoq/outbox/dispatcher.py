@@ -13,20 +13,30 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Awaitable, Callable, Mapping
+from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 
 from mongoq import _driver
-from mongoq._validation import check_int, check_seconds
+from mongoq._validation import (
+    check_async_handler,
+    check_int,
+    check_seconds,
+    check_stop_when,
+    check_timeout,
+)
 from mongoq._validation import check_worker_id as _check_owner
 from mongoq.errors import InvalidInput, LeaseLost, PermanentError
 from mongoq.outbox.models import Delivery, DispatchSummary, Event, check_handler
 from mongoq.outbox.store import AsyncOutbox
+from mongoq.runtime.handler import call_handler
 from mongoq.runtime.loop import (
     default_worker_id,
     mongoq_errors_unwrapped,
+    note_embedded,
     require_main_thread,
     watch_signals,
 )
@@ -77,7 +87,9 @@ class OutboxDispatcher:
     A handler that returns completes its delivery; one that raises `PermanentError` buries it
     as a dead letter; any other exception reschedules it after ``backoff(attempt)`` seconds
     (`default_backoff` when None), until the attempt numbered `max_attempts` fails, which
-    buries it. Handlers must be idempotent: delivery is at least once.
+    buries it. Handlers must be idempotent: delivery is at least once. A handler running past
+    `handler_timeout` seconds (of the outbox's clock) is cancelled, and its attempt fails with
+    ``HandlerTimeout: timed out after N s``.
 
     Through `mongoq_sync`, handlers are plain functions run in worker threads; their context
     gives `delivery` and `attempt` (completing inside a transaction needs the async API).
@@ -93,6 +105,7 @@ class OutboxDispatcher:
         max_attempts: int = 10,
         backoff: Callable[[int], float] | None = None,
         poll_interval: float = 1.0,
+        handler_timeout: float | None = None,
     ) -> None:
         if not isinstance(outbox, AsyncOutbox):
             raise InvalidInput("outbox", "must be an AsyncOutbox")
@@ -100,8 +113,7 @@ class OutboxDispatcher:
             raise InvalidInput("handlers", "must map at least one handler name to a coroutine")
         for name, handler in handlers.items():
             check_handler("handlers", name)
-            if not callable(handler):
-                raise InvalidInput(f"handlers[{name!r}]", "must be callable")
+            check_async_handler(f"handlers[{name!r}]", handler)
         if backoff is not None and not callable(backoff):
             raise InvalidInput("backoff", "must be None (the default backoff) or callable")
         self.outbox = outbox
@@ -110,6 +122,7 @@ class OutboxDispatcher:
         self.concurrency = check_int("concurrency", concurrency, low=1, high=1000)
         self.max_attempts = check_int("max_attempts", max_attempts, low=1)
         self.backoff = backoff if backoff is not None else default_backoff
+        self.handler_timeout = check_timeout("handler_timeout", handler_timeout)
         self.poll_interval = check_seconds("poll_interval", poll_interval, positive=True)
         self.summary = DispatchSummary()
         self._active = 0
@@ -153,17 +166,27 @@ class OutboxDispatcher:
         )
 
     async def run(
-        self, *, stop_when_empty: bool = False, handle_signals: bool = False
+        self,
+        *,
+        stop_when_empty: bool = False,
+        stop_when_drained: bool = False,
+        handle_signals: bool = False,
     ) -> DispatchSummary:
-        """Dispatch until `stop()` (or, with `stop_when_empty`, until nothing is claimable and
-        nothing runs). With `handle_signals`, SIGTERM/SIGINT stop gracefully and a second one
-        cancels. Cancelling the call releases the deliveries still running (no attempt
-        counted) and hands the lanes back. Returns the totals of this dispatcher."""
+        """Dispatch until `stop()`. `stop_when_empty` returns as soon as nothing is claimable
+        now and nothing runs (deliveries waiting out a backoff, or behind a busy key, wait for
+        a later run); `stop_when_drained` only when no delivery of these handlers is left
+        pending at all, sleeping on the outbox's clock until the next one is due meanwhile.
+        With `handle_signals`, SIGTERM/SIGINT stop gracefully and a second one cancels.
+        Cancelling the call releases the deliveries still running (no attempt counted) and
+        hands the lanes back. Returns the totals of this dispatcher."""
+        check_stop_when(stop_when_empty, stop_when_drained)
         if handle_signals:
             require_main_thread()
+        note_embedded(self.outbox.db, f"outbox:{self.outbox.prefix} dispatcher {self.owner}")
+        until = "empty" if stop_when_empty else "drained" if stop_when_drained else None
         try:
             with mongoq_errors_unwrapped():
-                await self._run_loops(handle_signals, stop_when_empty)
+                await self._run_loops(handle_signals, until)
         finally:
             with anyio.CancelScope(shield=True):
                 await self._flush()
@@ -174,16 +197,16 @@ class OutboxDispatcher:
             self._stopping = False  # a later run() starts afresh; a stop() before it holds
         return self.summary
 
-    async def _run_loops(self, handle_signals: bool, stop_when_empty: bool) -> None:
+    async def _run_loops(self, handle_signals: bool, until: str | None) -> None:
         async with anyio.create_task_group() as group:
             if handle_signals:
                 group.start_soon(watch_signals, self, group.cancel_scope, self.owner)
             group.start_soon(self._renew_while_running)
             async with anyio.create_task_group() as handlers:
-                await self._claim_loop(handlers, stop_when_empty)
+                await self._claim_loop(handlers, until)
             group.cancel_scope.cancel()
 
-    async def _claim_loop(self, handlers: anyio.abc.TaskGroup, stop_when_empty: bool) -> None:
+    async def _claim_loop(self, handlers: anyio.abc.TaskGroup, until: str | None) -> None:
         while not self._stopping:
             await anyio.lowlevel.checkpoint_if_cancelled()  # the claim's shield would hide it
             free = self.concurrency - self._active
@@ -196,17 +219,34 @@ class OutboxDispatcher:
                 # Claimed, or a handler ended while the claim ran (its wake-up found no nap,
                 # and the claim may have read the state from before it): claim again.
                 continue
-            if stop_when_empty and self._active == 0 and free > 0:
+            idle = self._active == 0 and free > 0
+            if idle and until == "empty":
                 return
+            if idle and until == "drained":
+                due = await self._next_due()
+                if due is None:
+                    return
+                # Due already: running under another owner's lane, or behind a busy key.
+                await self._sleep(due if due > self.outbox.clock.now() else None)
+                continue
             await self._sleep()
 
-    async def _sleep(self) -> None:
-        """Wait `poll_interval`, or until a handler finishes or `stop()` is called."""
+    async def _next_due(self) -> datetime | None:
+        try:
+            return await self.outbox._next_due(list(self.handlers))
+        except _driver.DRIVER_ERRORS as exc:
+            log.warning("reading what is left failed (%s)", exc)
+            return self.outbox.clock.now()
+
+    async def _sleep(self, until: datetime | None = None) -> None:
+        """Wait `poll_interval` (or until `until`, if sooner), or until a handler finishes or
+        `stop()` is called."""
         with anyio.CancelScope() as scope:
             self._nap = scope
             try:
                 if not self._stopping:
-                    await self.outbox.clock.sleep(self.poll_interval)
+                    wake = self.outbox.clock.now() + timedelta(seconds=self.poll_interval)
+                    await self.outbox.clock.sleep_until(wake if until is None else min(until, wake))
             finally:
                 self._nap = None
 
@@ -255,7 +295,10 @@ class OutboxDispatcher:
             return
         context = DeliveryContext(self.outbox, delivery)
         try:
-            await self.handlers[delivery.handler](delivery.event, context)
+            await call_handler(
+                partial(self.handlers[delivery.handler], delivery.event, context),
+                clock=self.outbox.clock, limit=self.handler_timeout,
+            )  # fmt: skip
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True):
                 await self._settle(delivery, "released", self.outbox.release(delivery))
@@ -270,10 +313,6 @@ class OutboxDispatcher:
                 self.summary.lost += 1
                 await self._settle(delivery, "released", self.outbox.release(delivery), True)
                 return
-            log.info(
-                "handler %r failed on event %r (attempt %d)", delivery.handler,
-                delivery.event.id, delivery.attempt, exc_info=True,
-            )  # fmt: skip
             if delivery.attempt >= self.max_attempts:
                 await self._settle(delivery, "buried", self.outbox.bury(delivery, error=exc))
             else:

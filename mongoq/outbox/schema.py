@@ -375,6 +375,12 @@ def delivery_pending() -> dict[str, Any]:
     return {"due_at": {"$exists": True}}
 
 
+def delivery_pending_for(handlers: Sequence[str]) -> dict[str, Any]:
+    """The pending deliveries of `handlers` (parked and running ones included), the first by
+    ``due_at``: what a drained dispatcher waits for (``due``, hinted)."""
+    return {**delivery_pending(), "handler": {"$in": list(handlers)}}
+
+
 # ----------------------------------------------- the status, handler and event_type indexes
 
 STATUS = IndexSpec("status", (("status", 1), ("_id", 1)))

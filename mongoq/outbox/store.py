@@ -25,7 +25,7 @@ from mongoq import _driver
 from mongoq._indexes import create_schema_indexes
 from mongoq._validation import MAX_BATCH, check_batch, check_int, check_name, check_seconds
 from mongoq._validation import check_worker_id as _check_owner
-from mongoq.clock import Clock, ServerClock
+from mongoq.clock import Clock, ServerClock, stored_instant
 from mongoq.errors import InvalidInput, LeaseLost
 from mongoq.outbox import schema
 from mongoq.outbox.claim import Claimer, parse_token
@@ -42,6 +42,7 @@ from mongoq.outbox.models import (
 )
 from mongoq.outbox.operators import Operators
 from mongoq.runtime.loop import error_text
+from mongoq.runtime.report import Attempt, log_attempt_end
 
 __all__ = ["AsyncOutbox"]
 
@@ -502,10 +503,16 @@ class AsyncOutbox:
         return done
 
     async def _settle(
-        self, delivery: Delivery, update: Callable[[datetime], Mapping[str, Any]]
+        self,
+        delivery: Delivery,
+        update: Callable[[datetime], Mapping[str, Any]],
+        *,
+        failed: tuple[str, BaseException | str | None, float | None] | None = None,
     ) -> bool:
         """Apply ``update(now)`` to the delivery if its claim still holds. Whatever happens
-        from here on, the claim no longer counts as running on this instance."""
+        from here on, the claim no longer counts as running on this instance. `failed`, the
+        failure this settle records (outcome, error, seconds until due again), is logged once
+        it took effect."""
         fence = self._fence(delivery)
         try:
             now = await self._now()
@@ -514,7 +521,22 @@ class AsyncOutbox:
             self._forget([delivery])
             raise
         self._forget([delivery])
-        return bool(result.modified_count)
+        done = bool(result.modified_count)
+        if done and failed is not None:
+            outcome, error, delay = failed
+            item = f"{delivery.event.id}/{delivery.handler}"
+            attempt = Attempt("outbox", self.prefix, item, delivery.attempt, delivery.owner)
+            due = now + timedelta(seconds=delay) if delay is not None else None
+            log_attempt_end(self.log, attempt, outcome, error, due)
+        return done
+
+    async def _next_due(self, handlers: Sequence[str]) -> datetime | None:
+        """When the first pending delivery of `handlers` is due; None when none is left."""
+        first = await _driver.find_list(
+            self.deliveries, schema.delivery_pending_for(handlers), sort=[("due_at", 1)],
+            limit=1, projection={"due_at": 1}, hint=schema.DUE_INDEX,
+        )  # fmt: skip
+        return stored_instant(first[0]["due_at"]) if first else None
 
     async def reschedule(
         self, delivery: Delivery, *, delay: float, error: BaseException | str | None = None
@@ -524,7 +546,9 @@ class AsyncOutbox:
         self._fence(delivery)
         seconds = check_seconds("delay", delay)
         return await self._settle(
-            delivery, lambda now: schema.delivery_rescheduling(now, seconds, error_text(error))
+            delivery,
+            lambda now: schema.delivery_rescheduling(now, seconds, error_text(error)),
+            failed=("retried", error, seconds),
         )
 
     async def release(self, delivery: Delivery) -> bool:
@@ -536,7 +560,9 @@ class AsyncOutbox:
         `requeue`). Its key stays blocked behind it only while it is pending, so later
         deliveries of the key go on. False if the claim had ended."""
         return await self._settle(
-            delivery, lambda now: schema.delivery_burying(error_text(error), now, charge=True)
+            delivery,
+            lambda now: schema.delivery_burying(error_text(error), now, charge=True),
+            failed=("buried", error, None),
         )
 
     async def extend_lease(self, owner: str) -> int:

@@ -9,7 +9,9 @@ attempt; items never started are given back without counting one. The primitive 
 never touches the database itself. Owns no collections.
 
 Invariants the slot keeps for every primitive:
-- an item a renewal found lost is never started, and never settled, by this slot;
+- an item a renewal found lost is never started, and never settled, by this slot; if its
+  handler is running, it is cancelled (its work could not be recorded);
+- a handler past its time limit is cancelled and settled as a failure (`HandlerTimeout`);
 - before a handler starts, its lease is known to hold (confirmed by the last full renewal, or
   renewed for that item alone);
 - every item ends counted exactly once: done, failed/retried, released, lost or unknown.
@@ -28,6 +30,8 @@ import anyio
 
 from mongoq import _driver
 from mongoq.clock import Clock
+from mongoq.errors import LeaseLost
+from mongoq.runtime.handler import call_handler
 from mongoq.runtime.keepalive import KeepAlive
 
 __all__ = ["BatchHolder", "run_batch"]
@@ -79,11 +83,15 @@ class _Batch(Generic[Item]):
     count: Callable[[str, int], None]
     describe: Callable[[Item], str]
     log: logging.Logger
+    #: seconds a handler may run (None: no limit)
+    limit: float | None = None
     #: held by this slot: renewals cover them
     unsettled: list[Item] = field(init=False)
     finished: list[tuple[Item, Any]] = field(init=False, default_factory=list)
     #: every item holds until then
     confirmed: datetime = field(init=False)
+    #: the item whose handler runs, and what a renewal that finds it lost sets to cancel it
+    running: tuple[Item, anyio.CancelScope] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.unsettled = list(self.items)
@@ -98,6 +106,8 @@ class _Batch(Generic[Item]):
             if not ok:  # taken over: never start (or settle) it here
                 self.unsettled.remove(item)
                 self.count("lost", 1)
+                if self.running is not None and self.running[0] is item:
+                    self.running[1].cancel()  # and stop its handler: its work cannot count
         if all(held):
             self.confirmed = self.clock.now() + timedelta(seconds=self.lease)
         return any(held)
@@ -142,15 +152,24 @@ class _Batch(Generic[Item]):
                 for current in self.items:
                     if not await self.still_held(current):
                         continue  # taken over meanwhile: never run it twice at once
+                    guard = anyio.CancelScope()
+                    self.running = (current, guard)
                     try:
-                        result = await self.holder.handle(current)
+                        result = await call_handler(
+                            partial(self.holder.handle, current), clock=self.clock,
+                            limit=self.limit, guard=guard,
+                        )  # fmt: skip
                     except Exception as exc:
+                        if isinstance(exc, LeaseLost) and guard.cancel_called:
+                            continue  # cancelled; counted lost by the renewal that found it
                         await self.settle(
                             current, partial(self.holder.settle_failure, current, exc)
                         )
                     else:
                         # Finished: a cancellation from here on still completes it.
                         self.finished.append((current, result))
+                    finally:
+                        self.running = None
                 current = None
         finally:
             # Shielded, so a cancelled worker still settles what it holds; bounded, so a dead
@@ -192,9 +211,11 @@ async def run_batch(
     count: Callable[[str, int], None],
     describe: Callable[[Item], str] = repr,
     logger: logging.Logger = log,
+    handler_timeout: float | None = None,
 ) -> None:
     """Process one claimed batch with `holder` (see the module docstring); `lease` is the lease
     length in seconds (renewals every third of it), `count(outcome, n)` adds to the summary,
-    `describe(item)` names an item in the log lines written to `logger`."""
+    `describe(item)` names an item in the log lines written to `logger`; a handler running
+    past `handler_timeout` seconds is cancelled and settled as failed (`HandlerTimeout`)."""
     if items:
-        await _Batch(holder, items, clock, lease, count, describe, logger).run()
+        await _Batch(holder, items, clock, lease, count, describe, logger, handler_timeout).run()

@@ -41,12 +41,22 @@ class KeepAlive:
     #: names the lease in the log lines
     name: str
     lost: bool = field(default=False, init=False)
+    _guards: set[anyio.CancelScope] = field(default_factory=set, init=False)
     renewals: int = field(default=0, init=False)
     _next: datetime = field(init=False)
     _group: Any = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self._next = self.first_at
+
+    def guard(self) -> anyio.CancelScope:
+        """A scope this keep-alive cancels when it finds the lease lost (at once if it already
+        has): what stops a handler whose work can no longer count."""
+        scope = anyio.CancelScope()
+        self._guards.add(scope)
+        if self.lost:
+            scope.cancel()
+        return scope
 
     async def __aenter__(self) -> KeepAlive:
         self._group = anyio.create_task_group()
@@ -72,6 +82,8 @@ class KeepAlive:
                 return
             if not held:
                 self.lost = True
+                for guard in self._guards:
+                    guard.cancel()
                 log.warning("%s: the lease is no longer held; renewal stopped", self.name)
                 return
             self.renewals += 1

@@ -21,7 +21,7 @@ import threading
 import traceback
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
@@ -33,11 +33,13 @@ from mongoq.clock import Clock
 from mongoq.errors import MongoqError
 
 __all__ = [
+    "WORKER_STOPPED",
     "WorkerHost",
     "WorkerLoop",
     "default_worker_id",
     "error_text",
     "mongoq_errors_unwrapped",
+    "note_embedded",
     "require_main_thread",
     "watch_signals",
 ]
@@ -48,6 +50,9 @@ Item = TypeVar("Item")
 
 #: How much of an error's text is stored: the end, where the exception's own line is.
 ERROR_LIMIT = 2000
+#: The error recorded for an item whose handler was cancelled: the worker stopped under it
+#: (a cancelled `run`, a second signal), not a failure of the item's own.
+WORKER_STOPPED = "worker stopped: the handler was cancelled before it finished"
 
 
 def default_worker_id() -> str:
@@ -134,8 +139,10 @@ class WorkerLoop(Generic[Item]):
         housekeeping: Callable[[], Awaitable[Any]] | None = None,
         housekeeping_interval: float = 60.0,
         name: str = "worker",
+        next_due: Callable[[], Awaitable[datetime | None]] | None = None,
     ) -> None:
         self._claim = claim
+        self._next_due = next_due
         self._process = process
         self._clock = clock
         self._concurrency = concurrency
@@ -144,7 +151,7 @@ class WorkerLoop(Generic[Item]):
         self._housekeeping = housekeeping
         self._housekeeping_interval = housekeeping_interval
         self._housekept_at: datetime | None = None
-        self._name = name
+        self.name = name
         self._stopping = False
         self._naps: set[anyio.CancelScope] = set()
         self.in_flight = 0
@@ -156,7 +163,7 @@ class WorkerLoop(Generic[Item]):
     def stop(self) -> None:
         """Graceful stop: claim nothing more, let in-flight items finish."""
         if not self._stopping:
-            log.info("%s: stopping after %d in-flight item(s)", self._name, self.in_flight)
+            log.info("%s: stopping after %d in-flight item(s)", self.name, self.in_flight)
         self._stopping = True
         for nap in list(self._naps):
             nap.cancel()
@@ -170,7 +177,7 @@ class WorkerLoop(Generic[Item]):
     async def _run(self, handle_signals: bool) -> None:
         async with anyio.create_task_group() as group:
             if handle_signals:
-                group.start_soon(watch_signals, self, group.cancel_scope, self._name)
+                group.start_soon(watch_signals, self, group.cancel_scope, self.name)
             if self._housekeeping is not None:
                 group.start_soon(self._housekeep)
             async with anyio.create_task_group() as slots:
@@ -197,16 +204,38 @@ class WorkerLoop(Generic[Item]):
         try:
             await self._housekeeping()
         except _driver.DRIVER_ERRORS as exc:
-            log.warning("%s: housekeeping failed (%s)", self._name, exc)
+            log.warning("%s: housekeeping failed (%s)", self.name, exc)
 
-    async def _nap(self) -> None:
+    async def _nap(self, until: datetime | None = None) -> None:
+        """Sleep `poll_interval`, or until `until` if that comes first; `stop()` wakes it."""
         with anyio.CancelScope() as scope:
             self._naps.add(scope)
             try:
                 if not self._stopping:
-                    await self._clock.sleep(self._poll_interval)
+                    wake = self._clock.now() + timedelta(seconds=self._poll_interval)
+                    await self._clock.sleep_until(wake if until is None else min(until, wake))
             finally:
                 self._naps.discard(scope)
+
+    async def _drained(self) -> bool:
+        """With `next_due`: True (and the loop stops) when nothing is left at all; otherwise
+        sleeps until the next item is due (or `poll_interval`), and says False."""
+        assert self._next_due is not None
+        try:
+            due = await self._next_due()
+        except _driver.DRIVER_ERRORS as exc:
+            log.warning("%s: reading what is left failed (%s)", self.name, exc)
+            due = self._clock.now() + timedelta(seconds=self._poll_interval)
+        if due is None:
+            self.stop()  # wakes the other slots' naps: they find the same
+            return True
+        if due <= self._clock.now():
+            # Due now, yet the claim found nothing: another worker took it, or it is being
+            # settled. Claim again after a turn of the loop, not in a tight spin.
+            await anyio.sleep(0.001)
+            return False
+        await self._nap(due)
+        return False
 
     async def _slot(self) -> None:
         while not self._stopping:
@@ -218,7 +247,7 @@ class WorkerLoop(Generic[Item]):
                 with anyio.CancelScope(shield=True):
                     item = await self._claim()
             except _driver.DRIVER_ERRORS as exc:
-                log.warning("%s: claim failed (%s); retrying after %.1fs", self._name, exc,
+                log.warning("%s: claim failed (%s); retrying after %.1fs", self.name, exc,
                             self._poll_interval)  # fmt: skip
                 await self._nap()
                 continue
@@ -226,7 +255,10 @@ class WorkerLoop(Generic[Item]):
                 await self._run_housekeeping(unless_recent=True)
                 if self._stop_when_empty:
                     return
-                await self._nap()
+                if self._next_due is None:
+                    await self._nap()
+                elif await self._drained():
+                    return
                 continue
             self.in_flight += 1
             try:
@@ -234,14 +266,33 @@ class WorkerLoop(Generic[Item]):
             except Exception:
                 # The primitive's process function settles its own item; anything that still
                 # escapes is logged rather than allowed to end the slot (the lease recovers it).
-                log.exception("%s: unexpected error while processing", self._name)
+                log.exception("%s: unexpected error while processing", self.name)
             finally:
                 self.in_flight -= 1
+
+
+_EMBEDDED_NOTED: set[int] = set()
+
+
+def note_embedded(db: Any, name: str) -> None:
+    """Say once per process, when a worker starts on the embedded backend, that its data lives
+    in this process: a worker started in another process sees an empty database of its own and
+    would poll it forever without a word."""
+    if _driver.backend_of(db) is not _driver.Backend.MEMORY or os.getpid() in _EMBEDDED_NOTED:
+        return
+    _EMBEDDED_NOTED.add(os.getpid())
+    log.warning(
+        "%s runs on the embedded in-memory backend: its data lives in this process only, and "
+        "workers in other processes do not see it (connect with a mongodb:// URI to share "
+        "work)", name, extra={"mongoq_backend": "embedded"},
+    )  # fmt: skip
 
 
 class WorkerHost:
     """Base of a primitive that runs `WorkerLoop`s: keeps them for `stop()`, and names the
     worker when the caller does not (``hostname:pid:uuid8``, renewed in a forked child)."""
+
+    db: Any
 
     def __init__(self) -> None:
         self._loops: set[WorkerLoop[Any]] = set()
@@ -255,6 +306,7 @@ class WorkerHost:
         return self._identity[1]
 
     async def _run_loop(self, loop: WorkerLoop[Any], *, handle_signals: bool) -> None:
+        note_embedded(self.db, loop.name)
         self._loops.add(loop)
         try:
             await loop.run(handle_signals=handle_signals)

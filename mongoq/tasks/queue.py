@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 import anyio
@@ -21,21 +22,28 @@ from mongoq import _driver
 from mongoq._indexes import create_indexes
 from mongoq._validation import (
     MAX_BATCH,
+    check_async_handler,
     check_batch,
     check_id,
     check_int,
     check_name,
     check_seconds,
+    check_stop_when,
+    check_timeout,
 )
 from mongoq.clock import Clock, ServerClock, stored_instant
 from mongoq.errors import InvalidInput, LeaseLost, PermanentError
 from mongoq.runtime.batch import run_batch
 from mongoq.runtime.candidates import take_candidates
+from mongoq.runtime.handler import call_handler
 from mongoq.runtime.keepalive import KeepAlive
-from mongoq.runtime.loop import WorkerHost, WorkerLoop, error_text
+from mongoq.runtime.loop import WORKER_STOPPED, WorkerHost, WorkerLoop, error_text
+from mongoq.runtime.report import Attempt, log_attempt_end
 from mongoq.tasks import schema
 from mongoq.tasks.batch import TaskBatch
 from mongoq.tasks.models import (
+    PENDING,
+    PROCESSING,
     STATUSES,
     NewTask,
     PutManyResult,
@@ -110,6 +118,10 @@ class TaskLease:
         """Mark the task ``failed`` now."""
         return await self.queue.fail(self.task, error)
 
+    def _guard(self) -> anyio.CancelScope | None:
+        """A scope the heartbeat cancels if it finds the task lost (inside the block)."""
+        return None if self._keepalive is None else self._keepalive.guard()
+
     async def _renew(self) -> bool | None:
         if self.settled:
             return None
@@ -136,7 +148,10 @@ class TaskLease:
         try:
             if isinstance(exc, PermanentError):
                 await self.queue.fail(self.task, exc)
-            else:  # any other exception, cancellation included: counted, retried with backoff
+            elif isinstance(exc, anyio.get_cancelled_exc_class()):
+                # Counted and retried like a failure, but its traceback says nothing of the task.
+                await self.queue.release_for_retry(self.task, WORKER_STOPPED)
+            else:  # any other exception: counted, retried with backoff
                 await self.queue.release_for_retry(self.task, exc)
         except _driver.DRIVER_ERRORS as settle_error:
             # The block's own exception is what the caller needs to see; the lease expiring
@@ -453,7 +468,10 @@ class AsyncTaskQueue(WorkerHost):
         now = await self._now()
         due = now + timedelta(seconds=self.backoff(task.attempts))
         update = schema.task_retrying(now, due, error_text(error))
-        return await self._settle(task, "retried", update, now)
+        if not await self._settle(task, "retried", update, now):
+            return False
+        self._report(task, "retried", error, due)
+        return True
 
     async def release_not_an_attempt(self, task: Task, delay: float | None = None) -> bool:
         """Return the task to pending without counting this claim as an attempt.
@@ -471,7 +489,20 @@ class AsyncTaskQueue(WorkerHost):
         """Mark the task ``failed`` (terminal until an operator `requeue`s it)."""
         _fence(task)
         now = await self._now()
-        return await self._settle(task, "failed", schema.task_failing(now, error_text(error)), now)
+        if not await self._settle(task, "failed", schema.task_failing(now, error_text(error)), now):
+            return False
+        self._report(task, "failed", error)
+        return True
+
+    def _report(
+        self,
+        task: Task,
+        outcome: str,
+        error: BaseException | str | None,
+        due: datetime | None = None,
+    ) -> None:
+        attempt = Attempt("tasks", self.name, repr(task.id), task.attempts, task.worker_id)
+        log_attempt_end(log, attempt, outcome, error, due)
 
     def leased(self, task: Task) -> TaskLease:
         """``async with queue.leased(task) as lease:`` holds `task` while the block runs.
@@ -562,9 +593,11 @@ class AsyncTaskQueue(WorkerHost):
         *,
         concurrency: int = 1,
         stop_when_empty: bool = False,
+        stop_when_drained: bool = False,
         poll_interval: float = 1.0,
         worker_id: str | None = None,
         batch_size: int = 1,
+        handler_timeout: float | None = None,
         handle_signals: bool = False,
     ) -> RunSummary:
         """Claim and process tasks with `handler` until stopped.
@@ -572,10 +605,20 @@ class AsyncTaskQueue(WorkerHost):
         Each task runs inside `leased`: its return value is the task's result (a result that
         cannot be stored fails the task); a `PermanentError` fails it; another exception
         releases it for retry. Expired leases are reclaimed every ``lease_ttl / 3``, and when
-        nothing is due (at most that often); then the loop sleeps `poll_interval`, or with
-        `stop_when_empty` returns. `stop()` (or, with
-        `handle_signals`, SIGTERM/SIGINT) stops gracefully: in-flight tasks finish; cancelling
-        the call (or a second signal) releases them for retry.
+        nothing is due (at most that often); then the loop sleeps `poll_interval`.
+        `stop_when_empty` returns as soon as nothing is due *now*: tasks waiting out a retry
+        backoff or a delay are left for a later run. `stop_when_drained` returns only when no
+        task is left pending or processing at all, sleeping (on the queue's clock) until the
+        next one is due meanwhile: for scripts and tests that must see everything finish.
+        `stop()` (or, with `handle_signals`, SIGTERM/SIGINT) stops gracefully: in-flight tasks
+        finish; cancelling the call (or a second signal) releases them for retry, recorded as
+        "worker stopped" and counted.
+
+        `handler_timeout` (seconds of the queue's clock) cancels a handler that runs longer:
+        the attempt counts as failed, with the error ``HandlerTimeout: timed out after N s``.
+        A handler whose task a heartbeat finds lost (taken over after a stall, removed, re-put
+        with a new revision) is cancelled too, and counted `lost`: its result could not be
+        recorded, and another worker may be running the task.
 
         With `batch_size` > 1 each slot claims up to that many tasks at once (`claim_many`),
         runs them one after another under one heartbeat (`heartbeat_many`), and completes the
@@ -584,9 +627,12 @@ class AsyncTaskQueue(WorkerHost):
         crashes mid-batch costs every task of the batch an attempt (the claim counts them):
         size `max_attempts` with that in mind.
         """
+        check_async_handler("handler", handler)
+        check_stop_when(stop_when_empty, stop_when_drained)
         check_int("concurrency", concurrency, low=1)
         check_int("batch_size", batch_size, low=1, high=MAX_BATCH)
         poll = check_seconds("poll_interval", poll_interval, positive=True)
+        limit = check_timeout("handler_timeout", handler_timeout)
         worker = self._worker(worker_id)
         summary = RunSummary()
 
@@ -600,7 +646,10 @@ class AsyncTaskQueue(WorkerHost):
             lease = self.leased(task)
             try:
                 async with lease:
-                    result = await handler(task)
+                    result = await call_handler(
+                        partial(handler, task), clock=self.clock, limit=limit,
+                        guard=lease._guard(),
+                    )  # fmt: skip
                     try:
                         await lease.complete(result)
                     except InvalidInput as exc:  # a result that cannot be stored: a bug
@@ -610,14 +659,15 @@ class AsyncTaskQueue(WorkerHost):
             except _driver.DRIVER_ERRORS:
                 log.warning("settling %r failed; its lease will expire", task.id, exc_info=True)
             except Exception:
-                log.info("task %r raised; %s", task.id, lease.outcome, exc_info=True)
-            outcome = lease.outcome or "unknown"
-            setattr(summary, outcome, getattr(summary, outcome) + 1)
+                pass  # settled (and logged) by the lease's exit
+            finally:  # a cancellation (a second signal) is counted too
+                outcome = lease.outcome or "unknown"
+                setattr(summary, outcome, getattr(summary, outcome) + 1)
 
         steps: tuple[Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]] = (
             (claim, process)
             if batch_size == 1
-            else self._batch_steps(handler, summary, worker, batch_size)
+            else self._batch_steps(handler, summary, worker, batch_size, limit)
         )
         loop: WorkerLoop[Any] = WorkerLoop(
             claim=steps[0],
@@ -629,9 +679,22 @@ class AsyncTaskQueue(WorkerHost):
             housekeeping=self.reclaim_expired,
             housekeeping_interval=self.lease_ttl / 3,
             name=f"tasks:{self.name}",
+            next_due=self._next_due if stop_when_drained else None,
         )
         await self._run_loop(loop, handle_signals=handle_signals)
         return summary
+
+    async def _next_due(self) -> datetime | None:
+        """When the next task left becomes claimable (a pending task's due time, a processing
+        one's lease expiry); None when no task is pending or processing."""
+        times: list[datetime] = []
+        for status in (PENDING, PROCESSING):
+            docs = await _driver.find_list(
+                self.collection, schema.task_in_status(status), sort=schema.DUE_ORDER,
+                limit=1, projection={"lease_until": 1}, hint=schema.STATUS_LEASE.name,
+            )  # fmt: skip
+            times += [due for doc in docs if (due := stored_instant(doc["lease_until"]))]
+        return min(times, default=None)
 
     def _batch_steps(
         self,
@@ -639,6 +702,7 @@ class AsyncTaskQueue(WorkerHost):
         summary: RunSummary,
         worker: str,
         batch_size: int,
+        limit: float | None,
     ) -> tuple[Callable[[], Awaitable[list[Task] | None]], Callable[[list[Task]], Awaitable[None]]]:
         """The claim and process steps of `run` with batches."""
 
@@ -655,7 +719,7 @@ class AsyncTaskQueue(WorkerHost):
         async def process(tasks: list[Task]) -> None:
             await run_batch(
                 holder, tasks, clock=self.clock, lease=self.lease_ttl, count=count,
-                describe=lambda task: repr(task.id), logger=log,
+                describe=lambda task: repr(task.id), logger=log, handler_timeout=limit,
             )  # fmt: skip
 
         return claim, process

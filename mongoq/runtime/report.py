@@ -1,0 +1,89 @@
+"""How every primitive logs the end of an attempt that did not succeed: one record per event,
+the same words and the same structured fields whichever primitive wrote it. Owns no
+collections.
+
+Levels: a failure that will be retried is INFO (the retry is the system working); a failure
+that gives the item up (a task failed, a message dead-lettered, a delivery buried) is WARNING,
+so a worker whose items fail shows it with Python's default logging.
+
+Fields (in ``extra``, so a JSON formatter emits them as keys): ``mongoq_primitive``
+(``tasks`` / ``groups`` / ``outbox``), ``mongoq_queue`` (the queue's name, the transport's or
+outbox's prefix), ``mongoq_item`` (the task id; ``group/seq``; ``event id/handler``),
+``mongoq_attempt``, ``mongoq_outcome`` (``retried``, ``failed``, ``dead``, ``buried``),
+``mongoq_next_due`` (ISO 8601 UTC, or None), ``mongoq_worker``, ``mongoq_error`` (the error's
+last line).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+__all__ = ["GIVEN_UP", "Attempt", "error_line", "log_attempt_end"]
+
+#: Outcomes after which the item is not retried by itself.
+GIVEN_UP = frozenset({"failed", "dead", "buried"})
+
+
+def error_line(error: BaseException | str | None) -> str:
+    """The line that says what went wrong: an exception's ``Type: message``, a text's last
+    line (a stored traceback ends with it)."""
+    if error is None:
+        return ""
+    if isinstance(error, BaseException):
+        text = str(error)
+        return f"{type(error).__name__}: {text}" if text else type(error).__name__
+    lines = error.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """Which attempt of which item a record speaks of."""
+
+    #: ``tasks``, ``groups`` or ``outbox``
+    primitive: str
+    #: the queue's name, the transport's or the outbox's prefix
+    queue: str
+    #: the task id; ``group/seq``; ``event id/handler``
+    item: str
+    number: int | None
+    worker: str | None
+
+
+def log_attempt_end(
+    logger: logging.Logger,
+    attempt: Attempt,
+    outcome: str,
+    error: BaseException | str | None,
+    next_due: datetime | None = None,
+) -> None:
+    """Log that `attempt` ended in `outcome` (see the module docstring)."""
+    line = error_line(error)
+    fields: dict[str, Any] = {
+        "mongoq_primitive": attempt.primitive,
+        "mongoq_queue": attempt.queue,
+        "mongoq_item": attempt.item,
+        "mongoq_attempt": attempt.number,
+        "mongoq_outcome": outcome,
+        "mongoq_next_due": next_due.isoformat() if next_due is not None else None,
+        "mongoq_worker": attempt.worker,
+        "mongoq_error": line,
+    }
+    where = f"{attempt.primitive}:{attempt.queue} {attempt.item}"
+    after = f" after attempt {attempt.number}" if attempt.number is not None else ""
+    due = f", due again at {fields['mongoq_next_due']}" if next_due is not None else ""
+    logger.log(
+        logging.WARNING if outcome in GIVEN_UP else logging.INFO,
+        "%s %s%s%s: %s",
+        where,
+        outcome,
+        after,
+        due,
+        line or "no error recorded",
+        extra=fields,
+        # The traceback goes with the record (one record per event, however many lines).
+        exc_info=error if isinstance(error, Exception) else None,
+    )

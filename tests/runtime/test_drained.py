@@ -1,0 +1,132 @@
+"""`run(stop_when_empty=True)` stops when nothing is due *now*; `run(stop_when_drained=True)`
+waits (on the primitive's clock) for delayed retries and stops only when nothing is left."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import anyio
+import pytest
+
+from mongoq import GroupLease, InvalidInput, OutboxDispatcher, Task
+from mongoq.testing import ManualClock, settle
+from tests.support.group_helpers import dead, messages, new_transport
+from tests.support.helpers import new_queue, read
+from tests.support.outbox_helpers import deliveries, event, new_outbox
+
+T = TypeVar("T")
+
+
+async def drive(clock: ManualClock, run: Awaitable[T], step: float) -> T:
+    """Await `run` while moving the clock `step` seconds whenever everything is blocked."""
+    done: list[T] = []
+
+    async def go() -> None:
+        done.append(await run)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(go)
+        for _ in range(100):
+            await settle()
+            if done:
+                break
+            clock.advance(step)
+        else:
+            group.cancel_scope.cancel()
+    assert done, "run(stop_when_drained=True) did not return"
+    return done[0]
+
+
+def fails_first(times: int) -> Any:
+    calls: list[Any] = []
+
+    async def handler(item: Any, *context: Any) -> str:
+        calls.append(item)
+        if len(calls) <= times:
+            raise ValueError(f"transient {len(calls)}")
+        return "ok"
+
+    handler.calls = calls  # type: ignore[attr-defined]
+    return handler
+
+
+async def test_a_task_queue_drains_through_its_retries(db: Any, clock: ManualClock) -> None:
+    queue = await new_queue(db, clock, backoff_base=10, backoff_cap=10)
+    await queue.put("t", {"n": 1})
+    handler = fails_first(2)
+
+    early = await queue.run(handler, stop_when_empty=True)
+    doc = await read(db, "t")
+    assert doc is not None and (early.retried, doc["status"]) == (1, "pending")
+
+    summary = await drive(clock, queue.run(handler, stop_when_drained=True), step=5)
+
+    assert (summary.retried, summary.completed) == (1, 1)
+    doc = await read(db, "t")
+    assert doc is not None
+    assert (doc["status"], doc["attempts"], doc["result"]) == ("done", 3, "ok")
+    assert [task.id for task in handler.calls] == ["t", "t", "t"]
+
+
+async def test_a_drained_run_on_an_empty_queue_returns_at_once(db: Any, clock: ManualClock) -> None:
+    queue = await new_queue(db, clock)
+    await queue.put("done-already", None)
+    await queue.run(fails_first(0), stop_when_empty=True)
+
+    summary = await queue.run(fails_first(0), stop_when_drained=True, concurrency=3)
+
+    assert summary.claimed == 0
+    doc = await read(db, "done-already")
+    assert doc is not None and doc["status"] == "done"
+
+
+async def test_a_group_transport_drains_through_parked_groups(db: Any, clock: ManualClock) -> None:
+    transport = await new_transport(db, clock)
+    for n in range(3):
+        await transport.publish("g", n)
+    await transport.publish("h", 0)
+    handler = fails_first(1)
+
+    summary = await drive(
+        clock,
+        transport.run(handler, stop_when_drained=True, retry_delay=10, concurrency=2),
+        step=5,
+    )
+
+    assert (summary.retried, summary.acked) == (1, 4)
+    assert await messages(db) == {}
+    assert await dead(db) == {}
+    handled = [(lease.group_id, lease.event) for lease in handler.calls]
+    assert sorted(handled) == [("g", 0), ("g", 0), ("g", 1), ("g", 2), ("h", 0)]
+    assert [e for g, e in handled if g == "g"] == [0, 0, 1, 2]  # FIFO through the retry
+
+
+async def test_a_dispatcher_drains_through_its_backoff(db: Any, clock: ManualClock) -> None:
+    outbox = await new_outbox(db, clock, subscriptions={"*": ["h"]})
+    await outbox.publish([event(1), event(2)], session=None)
+    handler = fails_first(1)
+    dispatcher = OutboxDispatcher(outbox, {"h": handler}, owner="w", backoff=lambda a: 10)
+
+    summary = await drive(clock, dispatcher.run(stop_when_drained=True), step=5)
+
+    assert (summary.retried, summary.completed) == (1, 2)
+    assert await deliveries(db) == []
+
+
+async def test_both_ways_to_stop_at_once_are_refused(db: Any, clock: ManualClock) -> None:
+    queue = await new_queue(db, clock)
+    await queue.put("t", None)
+    transport = await new_transport(db, clock)
+
+    async def handle(item: Task | GroupLease) -> None:
+        raise AssertionError("nothing may run")
+
+    with pytest.raises(InvalidInput, match=r"^stop_when_drained: choose one"):
+        await queue.run(handle, stop_when_empty=True, stop_when_drained=True)
+    with pytest.raises(InvalidInput, match=r"^stop_when_drained: choose one"):
+        await transport.run(handle, stop_when_empty=True, stop_when_drained=True)
+    with pytest.raises(InvalidInput, match=r"^stop_when_empty: must be a bool"):
+        await queue.run(handle, stop_when_empty="yes")
+    doc = await read(db, "t")
+    assert doc is not None and (doc["status"], doc["attempts"]) == ("pending", 0)

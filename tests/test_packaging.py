@@ -1,0 +1,96 @@
+"""A lean install: the base is PyMongo and anyio; the embedded backend and Motor are extras whose
+absence is said plainly; a user's type checker sees mongoq's types after the README's install."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import mongoq
+from mongoq import MongoqError, cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _names(requirements: list[str]) -> set[str]:
+    return {r.split("[")[0].split(">")[0].split("<")[0].split("=")[0].strip() for r in requirements}
+
+
+def test_the_base_install_is_pymongo_and_anyio_and_the_rest_are_extras() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert _names(project["dependencies"]) == {"pymongo", "anyio"}
+    extras = project["optional-dependencies"]
+    assert _names(extras["embedded"]) == {"mongomock-motor", "mongomock"}
+    assert _names(extras["motor"]) == {"motor"}
+    assert "mongoq[embedded,motor]" in extras["test"]
+
+
+@pytest.fixture
+def without_embedded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As if the embedded extra were not installed: importing mongomock_motor fails."""
+    monkeypatch.setitem(sys.modules, "mongomock_motor", None)
+    monkeypatch.delitem(sys.modules, "mongoq._embedded", raising=False)
+
+
+@pytest.mark.usefixtures("without_embedded")
+def test_connect_without_the_embedded_extra_names_it() -> None:
+    with pytest.raises(MongoqError, match=r"needs the 'embedded' extra: pip install 'mongoq\["):
+        mongoq.connect()
+    with pytest.raises(MongoqError, match="'embedded' extra"):
+        mongoq.connect("memory://")
+
+
+@pytest.mark.usefixtures("without_embedded")
+def test_the_demo_without_the_embedded_extra_says_so_without_a_traceback(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["demo", "--tasks", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("mongoq: error: the embedded backend")
+    assert "Traceback" not in captured.err
+
+
+def test_the_motor_driver_without_the_motor_extra_names_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "motor", None)
+    monkeypatch.setitem(sys.modules, "motor.motor_asyncio", None)
+    with pytest.raises(MongoqError, match=r"driver=\"motor\" needs the 'motor' extra"):
+        mongoq.connect("mongodb://localhost:27017", driver="motor")
+
+
+def test_a_users_script_is_type_checked_against_mongoq(tmp_path: Path) -> None:
+    """Run in a folder of its own, mypy finds mongoq only through the install (the README's
+    ``--config-settings editable_mode=compat``: the default editable mode hides packages from
+    type checkers behind an import hook). A found mongoq shows as a real type error below."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        textwrap.dedent(
+            """\
+            import mongoq
+
+
+            async def main() -> None:
+                db: mongoq.Database = mongoq.connect("mongodb://localhost:27017")
+                queue = mongoq.AsyncTaskQueue(db, "emails")
+                await queue.put("t1", {"to": "a@example.com"}, priority="high")
+                assert await mongoq.supports_transactions(db)
+                await mongoq.close(db)
+            """
+        )
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(tmp_path / "cache"),
+         "script.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    lines = [line for line in result.stdout.splitlines() if ": error:" in line]
+    assert lines == [
+        'script.py:7: error: Argument "priority" to "put" of "AsyncTaskQueue" has incompatible '
+        'type "str"; expected "int"  [arg-type]'
+    ], result.stdout + result.stderr
