@@ -7,6 +7,7 @@ Runs on the embedded in-memory backend: ``python examples/group_transport.py``.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import mongoq
 from mongoq import GroupLease, NewMessage, PermanentError
@@ -44,4 +45,6 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    # mongoq logs (never prints): retries at INFO, failures given up at WARNING.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     asyncio.run(main())

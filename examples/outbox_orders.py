@@ -13,6 +13,7 @@ transactions: the writes then happen one after another (``session=None``). Point
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -91,4 +92,6 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    # mongoq logs (never prints): retries at INFO, failures given up at WARNING.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     asyncio.run(main())

@@ -5,6 +5,8 @@ Runs on the embedded in-memory backend: ``python examples/sync_group_transport.p
 
 from __future__ import annotations
 
+import logging
+
 import mongoq_sync
 from mongoq import GroupLease, NewMessage
 
@@ -32,4 +34,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # mongoq logs (never prints): retries at INFO, failures given up at WARNING.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     main()

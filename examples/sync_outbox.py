@@ -6,6 +6,8 @@ functions, run in worker threads; events of one key reach each handler in publis
 
 from __future__ import annotations
 
+import logging
+
 import mongoq_sync
 from mongoq import DeliveryContext, Event, PermanentError
 
@@ -39,4 +41,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # mongoq logs (never prints): retries at INFO, failures given up at WARNING.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     main()

@@ -7,6 +7,7 @@ blocks; ``queue.run(handler)`` runs plain functions in worker threads.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import mongoq_sync
@@ -35,4 +36,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # mongoq logs (never prints): retries at INFO, failures given up at WARNING.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     main()

@@ -8,6 +8,7 @@ SIGTERM lets in-flight tasks finish, a second one releases them for retry.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import mongoq
 from mongoq import NewTask, PermanentError, Task
@@ -43,4 +44,6 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    # mongoq logs (never prints): retries at INFO, failures given up at WARNING.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     asyncio.run(main())

@@ -23,7 +23,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import inspect
+import logging
 import os
+import signal
 import threading
 import weakref
 from collections.abc import Callable
@@ -35,8 +37,11 @@ import anyio.to_thread
 from mongoq import _driver
 from mongoq._validation import check_blocking_handler
 from mongoq.errors import MongoqError
+from mongoq.runtime.loop import require_main_thread
 
 __all__ = ["Database", "Facade", "Portal", "connect"]
+
+log = logging.getLogger("mongoq.sync")
 
 T = TypeVar("T")
 
@@ -448,11 +453,39 @@ class Facade:
         return self._wrapped
 
     def _call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("handle_signals"):
+            return self._call_handling_signals(method, *args, **kwargs)
         target = self._target()
         args = tuple(_unwrap(self._database, arg) for arg in args)
         kwargs = {key: _unwrap(self._database, value) for key, value in kwargs.items()}
         result = self._database.call(getattr(target, method), *args, **kwargs)
         return self._wrap(result)
+
+    def _call_handling_signals(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        """A `run` with ``handle_signals=True``: the portal's loop runs in another thread,
+        which signals never reach, so the caller's (main) thread takes SIGTERM/SIGINT for the
+        call's duration: the first stops the run gracefully, a second cancels what is in
+        flight (released, "worker stopped"); the previous handlers come back afterwards."""
+        require_main_thread()
+        target = self._target()
+        portal = self._database.portal
+        seen: list[int] = []
+
+        def on_signal(signum: int, frame: object) -> None:
+            seen.append(signum)
+            if len(seen) == 1:
+                log.info("signal %d, stopping gracefully", signum)
+                portal._schedule(target.stop)
+            else:
+                log.warning("second signal %d, cancelling in-flight work", signum)
+                portal._schedule(target._cancel_running)
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return self._call(method, *args, **{**kwargs, "handle_signals": False})
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def _get(self, attribute: str) -> Any:
         return self._wrap(getattr(self._target(), attribute))

@@ -1,6 +1,6 @@
 """The ``mongoq`` command: the demo, and operator commands for task queues.
 
-    mongoq demo [--uri URI] [--tasks N] [--workers N] [--seed N]
+    mongoq [--log-level LEVEL] demo [--uri URI] [--tasks N] [--workers N] [--seed N]
     mongoq stats QUEUE --uri URI [--database DB]
     mongoq reclaim QUEUE --uri URI [--database DB]
     mongoq requeue QUEUE TASK_ID --uri URI [--database DB]
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -92,7 +93,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             command.add_argument("--int-id", action="store_true", help="the id is an integer")
         command.add_argument("--uri", required=True)
         command.add_argument("--database", default="mongoq")
+    parser.add_argument(
+        "--log-level",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="what the library logs to stderr (default: WARNING; ERROR for the demo, whose "
+        "failures are staged and reported in its summary)",
+    )
     args = parser.parse_args(argv)
+    level = args.log_level or ("ERROR" if args.command == "demo" else "WARNING")
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "demo":
             config = DemoConfig(

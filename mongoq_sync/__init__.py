@@ -3,6 +3,20 @@
 
 ``db = mongoq_sync.connect()`` starts a portal thread that runs the async core; every
 class here mirrors its async twin method for method. See the README.
+
+What differs from the async API:
+
+- handlers are plain functions (a coroutine function is refused with `InvalidInput`),
+  run in worker threads so that they never stall the heartbeats; a thread cannot be
+  interrupted, so `handler_timeout` and a lost lease stop nothing there: the handler
+  runs to its end (a lost lease still refuses its settle);
+- ``async with queue.leased(task)`` is ``with queue.leased(task)``;
+- ``run(handle_signals=True)`` works from the main thread: the first SIGTERM/SIGINT
+  stops gracefully, a second stops at once (a handler already in its thread finishes,
+  and its result is recorded); Ctrl-C without it cancels the call (in-flight work is
+  released); ``stop()`` from another thread stops gracefully;
+- completing an outbox delivery inside the handler's own transaction needs the async
+  API (a handler's context has `delivery` and `attempt`).
 """
 
 from mongoq._portal import Database, connect

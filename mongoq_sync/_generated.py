@@ -476,7 +476,8 @@ class GroupTransport(Facade):
 
         The lease is extended every ``visibility / 3`` while the handler runs. A clean return
         acks; `PermanentError` dead-letters the head; any other exception nacks with
-        `retry_delay` and records the error; a cancellation nacks without an error. Orphaned
+        `retry_delay` and records the error; a cancellation (a second signal) nacks it with
+        "worker stopped". Orphaned
         groups are readied every ``visibility`` (and when idle). `stop()` stops gracefully.
         `handler_timeout` (seconds of the transport's clock) cancels a handler that runs
         longer: the head is nacked with ``HandlerTimeout: timed out after N s`` (a delivery

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from mongoq.errors import PermanentError
 from mongoq.groups.models import GroupLease
+from mongoq.runtime.loop import WORKER_STOPPED
 
 if TYPE_CHECKING:
     from mongoq.groups.transport import AsyncGroupTransport
@@ -55,7 +56,8 @@ class GroupBatch:
         return await self.transport.ack_many(items)
 
     async def settle_cut_short(self, item: GroupLease) -> str:
-        return "retried" if await self.transport.nack(item, self.retry_delay) else "lost"
+        held = await self.transport.nack(item, self.retry_delay, error=WORKER_STOPPED)
+        return "retried" if held else "lost"
 
     async def give_back(self, item: GroupLease) -> str:
         # Never handed to the handler: not a delivery.

@@ -126,6 +126,9 @@ class OutboxDispatcher:
         self.poll_interval = check_seconds("poll_interval", poll_interval, positive=True)
         self.summary = DispatchSummary()
         self._active = 0
+        self._scope: anyio.CancelScope | None = None
+        #: one per running handler: cancelled when a renewal finds every lane lost
+        self._guards: set[anyio.CancelScope] = set()
         self._ended = 0  # handlers that ended, ever
         self._stopping = False
         self._nap: anyio.CancelScope | None = None
@@ -197,8 +200,16 @@ class OutboxDispatcher:
             self._stopping = False  # a later run() starts afresh; a stop() before it holds
         return self.summary
 
+    def _cancel_running(self) -> None:
+        """Hard stop: cancel the running handlers (their deliveries are released) and return
+        from `run` (`mongoq_sync`'s second signal)."""
+        self.stop()
+        if self._scope is not None:
+            self._scope.cancel()
+
     async def _run_loops(self, handle_signals: bool, until: str | None) -> None:
         async with anyio.create_task_group() as group:
+            self._scope = group.cancel_scope
             if handle_signals:
                 group.start_soon(watch_signals, self, group.cancel_scope, self.owner)
             group.start_soon(self._renew_while_running)
@@ -270,21 +281,29 @@ class OutboxDispatcher:
                 continue
             try:
                 if await self.outbox.extend_lease(self.owner) == 0:
-                    log.warning("%s holds no lane any more; running handlers lost them", self.owner)
+                    # Taken over: whatever runs can no longer settle; stop it. (A loss of some
+                    # lanes only is found by the settles, which the lane epoch fences.)
+                    log.warning("%s holds no lane any more; cancelling %d running handler(s)",
+                                self.owner, len(self._guards))  # fmt: skip
+                    for guard in self._guards:
+                        guard.cancel()
             except _driver.DRIVER_ERRORS as exc:
                 log.warning("renewing lanes failed (%s); retrying", exc)
 
     # ---------------------------------------------------------------------------- delivery
 
     async def _run_one(self, delivery: Delivery) -> None:
+        guard = anyio.CancelScope()
+        self._guards.add(guard)
         try:
-            await self._dispatch(delivery)
+            await self._dispatch(delivery, guard)
         finally:
+            self._guards.discard(guard)
             self._active -= 1
             self._ended += 1
             self._wake()
 
-    async def _dispatch(self, delivery: Delivery) -> None:
+    async def _dispatch(self, delivery: Delivery, guard: anyio.CancelScope) -> None:
         if delivery.attempt > self.max_attempts:
             # Its earlier attempts were lost with the workers running them: a poison message.
             await self._settle(
@@ -297,7 +316,7 @@ class OutboxDispatcher:
         try:
             await call_handler(
                 partial(self.handlers[delivery.handler], delivery.event, context),
-                clock=self.outbox.clock, limit=self.handler_timeout,
+                clock=self.outbox.clock, limit=self.handler_timeout, guard=guard,
             )  # fmt: skip
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True):
@@ -306,10 +325,11 @@ class OutboxDispatcher:
         except PermanentError as exc:
             await self._settle(delivery, "buried", self.outbox.bury(delivery, error=exc))
         except Exception as exc:
-            if isinstance(exc, LeaseLost) and context.lease_lost:
-                # `context.complete` found the claim ended: another worker runs the delivery.
-                # The release changes nothing then; it only stops this instance counting it as
-                # running. (A LeaseLost of the handler's own is a failure like any other.)
+            if isinstance(exc, LeaseLost) and (context.lease_lost or guard.cancel_called):
+                # `context.complete` found the claim ended, or the lanes were lost and the
+                # handler cancelled: another worker runs the delivery. The release changes
+                # nothing then; it only stops this instance counting it as running. (A
+                # LeaseLost of the handler's own is a failure like any other.)
                 self.summary.lost += 1
                 await self._settle(delivery, "released", self.outbox.release(delivery), True)
                 return

@@ -81,12 +81,11 @@ class Stoppable(Protocol):
 
 
 def require_main_thread() -> None:
-    """Signals reach only the main thread's event loop: `handle_signals` is refused elsewhere."""
+    """Signals reach only the main thread: `handle_signals` is refused elsewhere."""
     if threading.current_thread() is not threading.main_thread():
         raise MongoqError(
-            "handle_signals needs the main thread's event loop; from mongoq_sync, Ctrl-C "
-            "during run() cancels it (in-flight work is released), and stop() stops it "
-            "gracefully"
+            "handle_signals needs the main thread (signals reach only it); elsewhere, call "
+            "stop() to stop gracefully, or cancel run()"
         )
 
 
@@ -154,6 +153,7 @@ class WorkerLoop(Generic[Item]):
         self.name = name
         self._stopping = False
         self._naps: set[anyio.CancelScope] = set()
+        self._scope: anyio.CancelScope | None = None
         self.in_flight = 0
 
     @property
@@ -174,8 +174,16 @@ class WorkerLoop(Generic[Item]):
         with mongoq_errors_unwrapped():
             await self._run(handle_signals)
 
+    def cancel(self) -> None:
+        """Hard stop: cancel the in-flight items (their lease handling releases them, recorded
+        as "worker stopped"); `run()` then returns. What a second signal does."""
+        self.stop()
+        if self._scope is not None:
+            self._scope.cancel()
+
     async def _run(self, handle_signals: bool) -> None:
         async with anyio.create_task_group() as group:
+            self._scope = group.cancel_scope
             if handle_signals:
                 group.start_soon(watch_signals, self, group.cancel_scope, self.name)
             if self._housekeeping is not None:
@@ -318,3 +326,8 @@ class WorkerHost:
         let in-flight work finish, and return."""
         for loop in list(self._loops):
             loop.stop()
+
+    def _cancel_running(self) -> None:
+        """Hard-stop every `run` loop of this instance (`mongoq_sync`'s second signal)."""
+        for loop in list(self._loops):
+            loop.cancel()

@@ -11,7 +11,8 @@ Fields (in ``extra``, so a JSON formatter emits them as keys): ``mongoq_primitiv
 outbox's prefix), ``mongoq_item`` (the task id; ``group/seq``; ``event id/handler``),
 ``mongoq_attempt``, ``mongoq_outcome`` (``retried``, ``failed``, ``dead``, ``buried``),
 ``mongoq_next_due`` (ISO 8601 UTC, or None), ``mongoq_worker``, ``mongoq_error`` (the error's
-last line).
+last line). A record of a failure given up carries the traceback; a retry is one line (the
+item's stored error has the traceback).
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ def log_attempt_end(
     where = f"{attempt.primitive}:{attempt.queue} {attempt.item}"
     after = f" after attempt {attempt.number}" if attempt.number is not None else ""
     due = f", due again at {fields['mongoq_next_due']}" if next_due is not None else ""
+    given_up = outcome in GIVEN_UP
     logger.log(
-        logging.WARNING if outcome in GIVEN_UP else logging.INFO,
+        logging.WARNING if given_up else logging.INFO,
         "%s %s%s%s: %s",
         where,
         outcome,
@@ -84,6 +86,7 @@ def log_attempt_end(
         due,
         line or "no error recorded",
         extra=fields,
-        # The traceback goes with the record (one record per event, however many lines).
-        exc_info=error if isinstance(error, Exception) else None,
+        # A retry is one line (its traceback is stored with the item); a failure given up
+        # carries the traceback with it.
+        exc_info=error if given_up and isinstance(error, Exception) else None,
     )

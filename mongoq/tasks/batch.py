@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from mongoq.errors import InvalidInput, PermanentError
+from mongoq.runtime.loop import WORKER_STOPPED
 from mongoq.tasks.models import Task, check_result
 
 if TYPE_CHECKING:
@@ -51,13 +52,13 @@ class TaskBatch:
         return await self.queue.complete_many(items, results)
 
     async def settle_cut_short(self, item: Task) -> str:
-        return await self._retry(item, None)
+        return await self._retry(item, WORKER_STOPPED)
 
     async def give_back(self, item: Task) -> str:
         held = await self.queue.release_not_an_attempt(item, delay=0)
         return "released" if held else "lost"
 
-    async def _retry(self, item: Task, error: Exception | None) -> str:
+    async def _retry(self, item: Task, error: Exception | str) -> str:
         # On its last attempt the release fails the task: count it so.
         last = item.attempts >= self.queue.max_attempts
         held = await self.queue.release_for_retry(item, error)

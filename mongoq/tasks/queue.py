@@ -650,10 +650,13 @@ class AsyncTaskQueue(WorkerHost):
                         partial(handler, task), clock=self.clock, limit=limit,
                         guard=lease._guard(),
                     )  # fmt: skip
-                    try:
-                        await lease.complete(result)
-                    except InvalidInput as exc:  # a result that cannot be stored: a bug
-                        await lease.fail(exc)
+                    # Finished: a hard stop from here on still records it (as a batch does),
+                    # bounded like a batch's final settle.
+                    with anyio.move_on_after(self.lease_ttl, shield=True):
+                        try:
+                            await lease.complete(result)
+                        except InvalidInput as exc:  # a result that cannot be stored: a bug
+                            await lease.fail(exc)
             except LeaseLost:
                 pass
             except _driver.DRIVER_ERRORS:

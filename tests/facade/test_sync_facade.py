@@ -249,10 +249,27 @@ def test_closing_the_database_with_an_open_lease_block_releases_the_task() -> No
     assert doc["error"] == WORKER_STOPPED
 
 
-def test_run_with_handle_signals_explains_itself(blocking_db: mongoq_sync.Database) -> None:
+def test_run_with_handle_signals_off_the_main_thread_explains_itself(
+    blocking_db: mongoq_sync.Database,
+) -> None:
     queue = mongoq_sync.TaskQueue(blocking_db, "tasks", clock=ManualClock())
-    with pytest.raises(MongoqError, match="handle_signals needs the main thread"):
-        queue.run(lambda task: None, stop_when_empty=True, handle_signals=True)
+    queue.ensure_indexes()
+    queue.put("t1")
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            queue.run(lambda task: None, stop_when_empty=True, handle_signals=True)
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert [type(e) for e in errors] == [MongoqError]
+    assert "handle_signals needs the main thread" in str(errors[0])
+    task = queue.get("t1")
+    assert task is not None and (task.status, task.attempts) == ("pending", 0)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")

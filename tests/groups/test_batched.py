@@ -39,6 +39,7 @@ from mongoq import (
     NewMessage,
 )
 from mongoq._validation import MAX_BATCH
+from mongoq.runtime.loop import WORKER_STOPPED
 from mongoq.testing import (
     CommandCounter,
     FaultInjector,
@@ -1570,7 +1571,7 @@ async def test_a_hard_stopped_batch_acks_the_finished_and_gives_back_the_unstart
 ) -> None:
     """A second SIGTERM cancels the in-flight batch of a, b, c and d (two messages each) while
     its second head runs, and `run` returns its summary: the head handled is acked; the one
-    cut short is nacked with the retry delay (parked, a delivery, no error recorded); the two
+    cut short is nacked with the retry delay (parked, a delivery, "worker stopped"); the two
     never handed to the handler are given back at once, their heads untouched and their
     deliveries not counted, and counted `released`, not `retried`."""
     await publish_groups(transport, ["a", "b", "c", "d"], 2)
@@ -1615,7 +1616,7 @@ async def test_a_hard_stopped_batch_acks_the_finished_and_gives_back_the_unstart
     )
     cut_head = await message(db, cut.seq)
     assert cut_head is not None
-    assert (cut_head["deliveries"], cut_head.get("last_error")) == (1, None)
+    assert (cut_head["deliveries"], cut_head.get("last_error")) == (1, WORKER_STOPPED)
     for unstarted in sorted(set("abcd") - {done.group_id, cut.group_id}):
         await assert_released(db, unstarted, clock.now())
         head = await message(db, "abcd".index(unstarted) + 1)

@@ -1,0 +1,105 @@
+"""`mongoq_sync`'s ``run(handle_signals=True)``: the portal's loop runs in another thread, which
+signals never reach, so the calling (main) thread takes SIGTERM for the call: the first stops
+the run gracefully, a second stops it at once (an async handler in flight is cancelled and
+records "worker stopped": tests/runtime/test_stopping.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+import mongoq_sync
+from mongoq import RunSummary, Task
+from mongoq.testing import ManualClock
+
+
+@pytest.fixture
+def queue() -> Iterator[mongoq_sync.TaskQueue]:
+    database = mongoq_sync.connect()
+    queue = mongoq_sync.TaskQueue(database, "signals", clock=ManualClock(), backoff_base=10)
+    queue.ensure_indexes()
+    queue.put("t1")
+    queue.put("t2")
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield queue
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        database.close()
+
+
+def until(condition: Callable[[], bool], what: str) -> None:
+    """Wait (in a handler's worker thread) until the main thread has acted on a signal."""
+    for _ in range(100_000):
+        if condition():
+            return
+        time.sleep(0)
+    raise AssertionError(f"never: {what}")
+
+
+def loops(queue: mongoq_sync.TaskQueue) -> list[Any]:
+    return list(queue._target()._loops)
+
+
+def test_a_first_signal_lets_the_running_task_finish_and_claims_nothing_more(
+    queue: mongoq_sync.TaskQueue,
+) -> None:
+    def handler(task: Task) -> str:
+        os.kill(os.getpid(), signal.SIGTERM)
+        until(lambda: all(loop.stopping for loop in loops(queue)), "the graceful stop")
+        return f"done {task.id}"
+
+    summary = queue.run(handler, handle_signals=True)
+
+    assert summary == RunSummary(claimed=1, completed=1)
+    done, left = queue.get("t1"), queue.get("t2")
+    assert done is not None and (done.status, done.result) == ("done", "done t1")
+    assert left is not None and (left.status, left.attempts) == ("pending", 0)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # given back after the run
+
+
+def test_a_second_signal_stops_the_run_at_once_and_a_finished_handler_is_still_recorded(
+    queue: mongoq_sync.TaskQueue,
+) -> None:
+    """A blocking handler cannot be interrupted in its thread: it finishes, and its result is
+    recorded (shielded, as a batch's finished items are); nothing more is claimed."""
+
+    def handler(task: Task) -> str:
+        os.kill(os.getpid(), signal.SIGTERM)
+        until(lambda: all(loop.stopping for loop in loops(queue)), "the graceful stop")
+        os.kill(os.getpid(), signal.SIGTERM)
+        until(lambda: all(loop._scope.cancel_called for loop in loops(queue)), "the hard stop")
+        return "finished under the hard stop"
+
+    summary = queue.run(handler, handle_signals=True)
+
+    assert summary == RunSummary(claimed=1, completed=1)
+    done, left = queue.get("t1"), queue.get("t2")
+    assert done is not None
+    assert (done.status, done.result) == ("done", "finished under the hard stop")
+    assert left is not None and (left.status, left.attempts) == ("pending", 0)
+
+
+def test_a_blocking_handler_past_its_time_limit_runs_to_its_end_and_counts() -> None:
+    """A thread cannot be interrupted: past `handler_timeout` the handler is still waited for,
+    and what it returns is recorded (as the facade's docstring says)."""
+    clock = ManualClock()
+    with mongoq_sync.connect() as database:
+        queue = mongoq_sync.TaskQueue(database, "limits", clock=clock)
+        queue.ensure_indexes()
+        queue.put("t1")
+
+        def slow(task: Task) -> str:
+            clock.advance(60)  # well past the limit, on the queue's clock
+            return "finished late"
+
+        summary = queue.run(slow, stop_when_empty=True, handler_timeout=5)
+
+        assert summary == RunSummary(claimed=1, completed=1)
+        done = queue.get("t1")
+        assert done is not None and (done.status, done.result) == ("done", "finished late")
