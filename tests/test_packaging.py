@@ -27,7 +27,8 @@ def test_the_base_install_is_pymongo_and_anyio_and_the_rest_are_extras() -> None
     extras = project["optional-dependencies"]
     assert _names(extras["embedded"]) == {"mongomock-motor", "mongomock"}
     assert _names(extras["motor"]) == {"motor"}
-    assert "mongoq[embedded,motor]" in extras["test"]
+    assert _names(extras["metrics"]) == {"prometheus_client"}
+    assert "mongoq[embedded,motor,metrics]" in extras["test"]
 
 
 @pytest.fixture

@@ -45,6 +45,7 @@ from mongoq.groups.operators import GroupOperators
 from mongoq.groups.settles import GroupSettles
 from mongoq.runtime.batch import run_batch
 from mongoq.runtime.candidates import take_candidates
+from mongoq.runtime.events import Tally
 from mongoq.runtime.loop import WorkerHost, WorkerLoop
 from mongoq.runtime.report import log_attempt_end
 
@@ -393,6 +394,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         limit = check_timeout("handler_timeout", handler_timeout)
         worker = self._worker(worker_id)
         summary = GroupRunSummary()
+        tally = Tally(summary, "groups", self.prefix)
 
         async def claim() -> list[GroupLease] | None:
             if batch_size == 1:
@@ -400,19 +402,16 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
                 leases = [] if lease is None else [lease]
             else:
                 leases = await self.claim_many(batch_size, worker, min_priority=min_priority)
-            summary.claimed += len(leases)
+            tally("claimed", len(leases))
             return leases or None
 
         holder = GroupBatch(self, handler, retry)
 
-        def count(outcome: str, n: int) -> None:
-            setattr(summary, outcome, getattr(summary, outcome) + n)
-
         async def process(leases: list[GroupLease]) -> None:
             await run_batch(
-                holder, leases, clock=self.clock, lease=self.visibility, count=count,
+                holder, leases, clock=self.clock, lease=self.visibility, count=tally,
                 describe=lambda lease: f"group {lease.group_id!r}", logger=log,
-                handler_timeout=limit,
+                handler_timeout=limit, timed=tally.handler_time,
             )  # fmt: skip
 
         loop: WorkerLoop[list[GroupLease]] = WorkerLoop(

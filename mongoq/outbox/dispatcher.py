@@ -32,6 +32,7 @@ from mongoq._validation import check_worker_id as _check_owner
 from mongoq.errors import InvalidInput, LeaseLost, PermanentError
 from mongoq.outbox.models import Delivery, DispatchSummary, Event, check_handler
 from mongoq.outbox.store import AsyncOutbox
+from mongoq.runtime.events import Tally
 from mongoq.runtime.handler import call_handler
 from mongoq.runtime.loop import (
     default_worker_id,
@@ -125,6 +126,7 @@ class OutboxDispatcher:
         self.handler_timeout = check_timeout("handler_timeout", handler_timeout)
         self.poll_interval = check_seconds("poll_interval", poll_interval, positive=True)
         self.summary = DispatchSummary()
+        self._tally = Tally(self.summary, "outbox", outbox.prefix)
         self._active = 0
         self._scope: anyio.CancelScope | None = None
         #: one per running handler: cancelled when a renewal finds every lane lost
@@ -270,7 +272,7 @@ class OutboxDispatcher:
         except _driver.DRIVER_ERRORS as exc:
             log.warning("claim failed (%s); retrying after %.1fs", exc, self.poll_interval)
             return []
-        self.summary.claimed += len(batch)
+        self._tally("claimed", len(batch))
         return batch
 
     async def _renew_while_running(self) -> None:
@@ -317,6 +319,7 @@ class OutboxDispatcher:
             await call_handler(
                 partial(self.handlers[delivery.handler], delivery.event, context),
                 clock=self.outbox.clock, limit=self.handler_timeout, guard=guard,
+                timed=self._tally.handler_time,
             )  # fmt: skip
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True):
@@ -330,7 +333,7 @@ class OutboxDispatcher:
                 # handler cancelled: another worker runs the delivery. The release changes
                 # nothing then; it only stops this instance counting it as running. (A
                 # LeaseLost of the handler's own is a failure like any other.)
-                self.summary.lost += 1
+                self._tally("lost")
                 await self._settle(delivery, "released", self.outbox.release(delivery), True)
                 return
             if delivery.attempt >= self.max_attempts:
@@ -381,7 +384,7 @@ class OutboxDispatcher:
         if quiet:
             return
         field = outcome if done else otherwise
-        setattr(self.summary, field, getattr(self.summary, field) + 1)
+        self._tally(field)
 
     async def _flush(self) -> None:
         """Complete what finished, in one batch; completions that finish meanwhile wait for
@@ -406,5 +409,5 @@ class OutboxDispatcher:
                     log.warning("completing %d deliveries failed (%s); the ones not completed "
                                 "will run again", len(batch), exc)  # fmt: skip
                     return
-            self.summary.completed += sum(done)
-            self.summary.lost += len(done) - sum(done)
+            self._tally("completed", sum(done))
+            self._tally("lost", len(done) - sum(done))

@@ -85,6 +85,8 @@ class _Batch(Generic[Item]):
     log: logging.Logger
     #: seconds a handler may run (None: no limit)
     limit: float | None = None
+    #: hears how long each handler ran
+    timed: Callable[[float], None] | None = None
     #: held by this slot: renewals cover them
     unsettled: list[Item] = field(init=False)
     finished: list[tuple[Item, Any]] = field(init=False, default_factory=list)
@@ -157,7 +159,7 @@ class _Batch(Generic[Item]):
                     try:
                         result = await call_handler(
                             partial(self.holder.handle, current), clock=self.clock,
-                            limit=self.limit, guard=guard,
+                            limit=self.limit, guard=guard, timed=self.timed,
                         )  # fmt: skip
                     except Exception as exc:
                         if isinstance(exc, LeaseLost) and guard.cancel_called:
@@ -212,10 +214,13 @@ async def run_batch(
     describe: Callable[[Item], str] = repr,
     logger: logging.Logger = log,
     handler_timeout: float | None = None,
+    timed: Callable[[float], None] | None = None,
 ) -> None:
     """Process one claimed batch with `holder` (see the module docstring); `lease` is the lease
     length in seconds (renewals every third of it), `count(outcome, n)` adds to the summary,
     `describe(item)` names an item in the log lines written to `logger`; a handler running
-    past `handler_timeout` seconds is cancelled and settled as failed (`HandlerTimeout`)."""
+    past `handler_timeout` seconds is cancelled and settled as failed (`HandlerTimeout`);
+    `timed(seconds)` hears how long each handler ran."""
     if items:
-        await _Batch(holder, items, clock, lease, count, describe, logger, handler_timeout).run()
+        batch = _Batch(holder, items, clock, lease, count, describe, logger, handler_timeout, timed)
+        await batch.run()

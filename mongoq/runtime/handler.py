@@ -26,10 +26,26 @@ async def call_handler(
     clock: Clock,
     limit: float | None = None,
     guard: anyio.CancelScope | None = None,
+    timed: Callable[[float], None] | None = None,
 ) -> T:
     """``await call()``, cancelled after `limit` seconds of `clock` time (`HandlerTimeout`), or
     when `guard` (a scope the lease's renewal cancels once it finds the lease lost) is
-    cancelled (`LeaseLost`). The handler's own exceptions come out as they are."""
+    cancelled (`LeaseLost`). The handler's own exceptions come out as they are. `timed` hears
+    how long the handler ran, in seconds of `clock` time, however it ended."""
+    started = clock.now()
+    try:
+        return await _limited(call, clock, limit, guard)
+    finally:
+        if timed is not None:
+            timed((clock.now() - started).total_seconds())
+
+
+async def _limited(
+    call: Callable[[], Awaitable[T]],
+    clock: Clock,
+    limit: float | None,
+    guard: anyio.CancelScope | None,
+) -> T:
     scope = guard if guard is not None else anyio.CancelScope()
     timed_out = False
     results: list[T] = []

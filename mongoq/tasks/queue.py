@@ -35,6 +35,7 @@ from mongoq.clock import Clock, ServerClock, stored_instant
 from mongoq.errors import InvalidInput, LeaseLost, PermanentError
 from mongoq.runtime.batch import run_batch
 from mongoq.runtime.candidates import take_candidates
+from mongoq.runtime.events import Tally
 from mongoq.runtime.handler import call_handler
 from mongoq.runtime.keepalive import KeepAlive
 from mongoq.runtime.loop import WORKER_STOPPED, WorkerHost, WorkerLoop, error_text
@@ -635,11 +636,12 @@ class AsyncTaskQueue(WorkerHost):
         limit = check_timeout("handler_timeout", handler_timeout)
         worker = self._worker(worker_id)
         summary = RunSummary()
+        tally = Tally(summary, "tasks", self.name)
 
         async def claim() -> Task | None:
             task = await self.claim(worker)
             if task is not None:
-                summary.claimed += 1
+                tally("claimed")
             return task
 
         async def process(task: Task) -> None:
@@ -648,7 +650,7 @@ class AsyncTaskQueue(WorkerHost):
                 async with lease:
                     result = await call_handler(
                         partial(handler, task), clock=self.clock, limit=limit,
-                        guard=lease._guard(),
+                        guard=lease._guard(), timed=tally.handler_time,
                     )  # fmt: skip
                     # Finished: a hard stop from here on still records it (as a batch does),
                     # bounded like a batch's final settle.
@@ -664,13 +666,12 @@ class AsyncTaskQueue(WorkerHost):
             except Exception:
                 pass  # settled (and logged) by the lease's exit
             finally:  # a cancellation (a second signal) is counted too
-                outcome = lease.outcome or "unknown"
-                setattr(summary, outcome, getattr(summary, outcome) + 1)
+                tally(lease.outcome or "unknown")
 
         steps: tuple[Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]] = (
             (claim, process)
             if batch_size == 1
-            else self._batch_steps(handler, summary, worker, batch_size, limit)
+            else self._batch_steps(handler, tally, worker, batch_size, limit)
         )
         loop: WorkerLoop[Any] = WorkerLoop(
             claim=steps[0],
@@ -702,7 +703,7 @@ class AsyncTaskQueue(WorkerHost):
     def _batch_steps(
         self,
         handler: Callable[[Task], Awaitable[Any]],
-        summary: RunSummary,
+        tally: Tally,
         worker: str,
         batch_size: int,
         limit: float | None,
@@ -711,18 +712,16 @@ class AsyncTaskQueue(WorkerHost):
 
         async def claim() -> list[Task] | None:
             tasks = await self.claim_many(batch_size, worker)
-            summary.claimed += len(tasks)
+            tally("claimed", len(tasks))
             return tasks or None
 
         holder = TaskBatch(self, handler)
 
-        def count(outcome: str, n: int) -> None:
-            setattr(summary, outcome, getattr(summary, outcome) + n)
-
         async def process(tasks: list[Task]) -> None:
             await run_batch(
-                holder, tasks, clock=self.clock, lease=self.lease_ttl, count=count,
+                holder, tasks, clock=self.clock, lease=self.lease_ttl, count=tally,
                 describe=lambda task: repr(task.id), logger=log, handler_timeout=limit,
+                timed=tally.handler_time,
             )  # fmt: skip
 
         return claim, process
