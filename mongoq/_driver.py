@@ -68,6 +68,8 @@ TOO_LARGE_CODES = frozenset({17419, 17420, 10334})
 _BAD_VALUE = 2
 _INDEX_OPTIONS_CONFLICT = 85
 _NAMESPACE_EXISTS = 48
+_INDEX_NOT_FOUND = 27
+_NAMESPACE_NOT_FOUND = 26
 T = TypeVar("T")
 
 MEMORY_SCHEME = "memory://"
@@ -275,6 +277,20 @@ async def create_partial_ttl_index(
         await db.command(
             "collMod", collection.name, index={"name": name, "expireAfterSeconds": expire_after}
         )
+    return True
+
+
+async def drop_index_if_exists(db: Any, collection: Any, name: str) -> bool:
+    """Drop the index `name` if `collection` has it (a TTL setting switched off); True if it
+    did. The embedded backend never creates the partial TTL indexes this is for."""
+    if backend_of(db) is Backend.MEMORY:
+        return False
+    try:
+        await collection.drop_index(name)
+    except OperationFailure as exc:
+        if exc.code in (_INDEX_NOT_FOUND, _NAMESPACE_NOT_FOUND):
+            return False
+        raise
     return True
 
 

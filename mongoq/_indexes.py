@@ -45,16 +45,25 @@ class IndexSpec:
 
 
 async def create_indexes(
-    db: Any, collection: Any, indexes: Iterable[IndexSpec], *, expire_after: int | None = None
+    db: Any,
+    collection: Any,
+    indexes: Iterable[IndexSpec],
+    *,
+    expiries: Mapping[str, int | None] | None = None,
 ) -> None:
-    """Create `indexes` on `collection`, in order, idempotently; `expire_after` (seconds) is
-    the expiry of its TTL indexes."""
+    """Create `indexes` on `collection`, in order, idempotently. A TTL index expires after
+    ``expiries[name]`` seconds; one whose expiry is None is a setting left off: it is not
+    created, and dropped if an earlier configuration created it."""
     for index in indexes:
         if not index.ttl:
             await collection.create_index(list(index.keys), **index.options())
             continue
-        if index.partial is None or expire_after is None:
+        if index.partial is None or index.name not in (expiries or {}):
             raise ValueError(f"TTL index {index.name!r} needs a partial filter and an expiry")
+        expire_after = (expiries or {})[index.name]
+        if expire_after is None:
+            await _driver.drop_index_if_exists(db, collection, index.name)
+            continue
         await _driver.create_partial_ttl_index(
             db,
             collection,

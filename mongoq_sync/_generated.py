@@ -15,6 +15,7 @@ from mongoq.groups.models import (
     DeadLetter,
     GroupId,
     GroupLease,
+    GroupPage,
     GroupRunSummary,
     GroupStats,
     NewMessage,
@@ -40,7 +41,9 @@ from mongoq.tasks.models import (
     RunSummary,
     Task,
     TaskId,
+    TaskPage,
     TaskQueueStats,
+    TaskStatus,
 )
 from mongoq.tasks.queue import AsyncTaskQueue as _AsyncTaskQueue
 from mongoq.tasks.queue import TaskLease as _AsyncTaskLease
@@ -68,6 +71,8 @@ class TaskQueue(Facade):
         backoff_base: float = 60,
         backoff_cap: float = 3600,
         tombstone_ttl: float = 2592000,
+        retain_done: float | None = None,
+        retain_failed: float | None = None,
         clock: Clock | None = None,
     ) -> None:
         self._build(
@@ -80,6 +85,8 @@ class TaskQueue(Facade):
             backoff_base=backoff_base,
             backoff_cap=backoff_cap,
             tombstone_ttl=tombstone_ttl,
+            retain_done=retain_done,
+            retain_failed=retain_failed,
             clock=clock,
         )
 
@@ -96,7 +103,10 @@ class TaskQueue(Facade):
         return cast("float", self._get("lease_ttl"))
 
     def ensure_indexes(self) -> None:
-        """Create the indexes every query needs; idempotent."""
+        """Create the indexes every query needs, and the retention TTL indexes `retain_done` /
+        `retain_failed` ask for (dropping one whose setting was removed); idempotent. The
+        retention settings are the collection's: every queue object on it should agree.
+        """
         self._call("ensure_indexes")
 
     def put(
@@ -214,34 +224,6 @@ class TaskQueue(Facade):
         """
         return cast("TaskLease", self._call("leased", task))
 
-    def reclaim_expired(self) -> ReclaimResult:
-        """Clean up after crashed workers (two commands, in this order).
-
-        First bury expired tasks whose attempts are used up (``failed``), then return the other
-        expired ones to pending. Burying first means an exhausted task is never, even briefly,
-        pending. Claims take expired tasks over by themselves; this keeps the queue's state and
-        statistics honest when no worker is claiming.
-        """
-        return cast("ReclaimResult", self._call("reclaim_expired"))
-
-    def get(self, task_id: TaskId) -> Task | None:
-        """The task's current document, or None."""
-        return cast("Task | None", self._call("get", task_id))
-
-    def requeue(self, task_id: TaskId) -> bool:
-        """Operator: put a ``failed`` task back to pending with fresh attempts."""
-        return cast("bool", self._call("requeue", task_id))
-
-    def remove(self, task_id: TaskId) -> bool:
-        """Tombstone a task: it is never claimed again (a holder loses it) and the TTL index
-        deletes it after `tombstone_ttl`. A put with a new revision revives it.
-        """
-        return cast("bool", self._call("remove", task_id))
-
-    def stats(self) -> TaskQueueStats:
-        """Counts per status, due, expired and the oldest due age (eight indexed commands)."""
-        return cast("TaskQueueStats", self._call("stats"))
-
     def run(
         self,
         handler: Callable[[Task], Any],
@@ -297,6 +279,57 @@ class TaskQueue(Facade):
                 handle_signals=handle_signals,
             ),
         )
+
+    def list_tasks(
+        self, status: TaskStatus | None = None, *, limit: int = 100, after: str | None = None
+    ) -> TaskPage:
+        """Tasks in `status` (every status when None), least recently changed first, the id
+        breaking ties; at most `limit` (up to 1,000) a page. Pass the page's `next` as `after`
+        for the following page: the order is stable, so a task is listed once unless it changes
+        between two pages (then it moves to the end). One indexed query a page.
+        """
+        return cast("TaskPage", self._call("list_tasks", status, limit=limit, after=after))
+
+    def requeue_failed(self, task_ids: Iterable[TaskId] | None = None) -> int:
+        """Operator: put every ``failed`` task (or those of `task_ids` that are failed) back to
+        pending with fresh attempts, due now; returns how many (one command).
+        """
+        return cast("int", self._call("requeue_failed", task_ids))
+
+    def purge(self, status: TaskStatus, older_than: float) -> int:
+        """Operator: delete the tasks in a finished `status` (``done``, ``failed``,
+        ``tombstone``) that last changed more than `older_than` seconds ago; returns how many.
+        For retention without a command, set `retain_done` / `retain_failed` on the queue.
+        """
+        return cast("int", self._call("purge", status, older_than))
+
+    def reclaim_expired(self) -> ReclaimResult:
+        """Clean up after crashed workers (two commands, in this order).
+
+        First bury expired tasks whose attempts are used up (``failed``), then return the other
+        expired ones to pending. Burying first means an exhausted task is never, even briefly,
+        pending. Claims take expired tasks over by themselves; this keeps the queue's state and
+        statistics honest when no worker is claiming.
+        """
+        return cast("ReclaimResult", self._call("reclaim_expired"))
+
+    def get(self, task_id: TaskId) -> Task | None:
+        """The task's current document, or None."""
+        return cast("Task | None", self._call("get", task_id))
+
+    def requeue(self, task_id: TaskId) -> bool:
+        """Operator: put a ``failed`` task back to pending with fresh attempts."""
+        return cast("bool", self._call("requeue", task_id))
+
+    def remove(self, task_id: TaskId) -> bool:
+        """Tombstone a task: it is never claimed again (a holder loses it) and the TTL index
+        deletes it after `tombstone_ttl`. A put with a new revision revives it.
+        """
+        return cast("bool", self._call("remove", task_id))
+
+    def stats(self) -> TaskQueueStats:
+        """Counts per status, due, expired and the oldest due age (eight indexed commands)."""
+        return cast("TaskQueueStats", self._call("stats"))
 
     def stop(self) -> None:
         """Ask every `run` loop of this instance to stop gracefully: they claim nothing more,
@@ -586,6 +619,17 @@ class GroupTransport(Facade):
         since the previous run (less a margin of `visibility`), through the ``published`` index.
         """
         return cast("int", self._call("recover_orphans", older_than=older_than))
+
+    def list_groups(
+        self, state: str | None = None, *, limit: int = 100, after: str | None = None
+    ) -> GroupPage:
+        """Groups with messages, in group id order: those in `state` (``ready``, ``in_flight``,
+        ``parked``; every one when None), at most `limit` (up to 1,000) a page, each with its
+        head. Pass the page's `next` as `after` for the following page. Two commands a page:
+        the locks in id order (the state tested on each; parked ones from their own index),
+        the heads of the page's groups.
+        """
+        return cast("GroupPage", self._call("list_groups", state, limit=limit, after=after))
 
     def stats(self) -> GroupStats:
         """Groups ready / in flight / parked, messages, dead letters, oldest message age

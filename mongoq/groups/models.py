@@ -60,6 +60,37 @@ class DeadLetter:
     dead_at: datetime | None
 
 
+#: The states `list_groups` tells apart: claimable now, held by a live lease, waiting out a
+#: nack's delay.
+GROUP_STATES = ("ready", "in_flight", "parked")
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A group as `list_groups` shows it: its state, when it is next claimable, and its head
+    (the message its consumer is on or will take next: seq, when it was published, how long
+    ago in seconds, deliveries so far, last error). The head fields are None for a group whose
+    messages are all gone (its lock is dropped at the next claim)."""
+
+    group_id: GroupId
+    state: str
+    priority: int
+    available_at: datetime | None
+    head_seq: int | None
+    head_published_at: datetime | None
+    head_age: float | None
+    head_deliveries: int | None
+    head_error: str | None
+
+
+@dataclass(frozen=True)
+class GroupPage:
+    """One page of `list_groups`, and the cursor that continues after it (None on the last)."""
+
+    groups: list[GroupInfo]
+    next: str | None
+
+
 @dataclass(frozen=True)
 class GroupStats:
     """Groups by state, messages waiting, dead letters, and the age in seconds of the oldest

@@ -6,15 +6,25 @@ transport's collections (see `mongoq.groups.schema`) through its filters; they o
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from mongoq import _driver
 from mongoq._validation import check_id, check_int, check_seconds
 from mongoq.clock import stored_instant
+from mongoq.errors import InvalidInput
 from mongoq.groups import schema
-from mongoq.groups.models import PRIORITIES, DeadLetter, GroupId, GroupStats, NewMessage
+from mongoq.groups.models import (
+    GROUP_STATES,
+    PRIORITIES,
+    DeadLetter,
+    GroupId,
+    GroupInfo,
+    GroupPage,
+    GroupStats,
+    NewMessage,
+)
 
 __all__ = ["GroupOperators"]
 
@@ -37,7 +47,8 @@ class _Transport(Protocol):
 
 
 class GroupOperators:
-    """`dead_letters`, `redrive`, `recover_orphans` and `stats` of `AsyncGroupTransport`."""
+    """`list_groups`, `dead_letters`, `redrive`, `recover_orphans` and `stats` of
+    `AsyncGroupTransport`."""
 
     #: where the previous `recover_orphans` window ended (set by the transport's constructor)
     _recovered_until: datetime | None
@@ -112,6 +123,41 @@ class GroupOperators:
         log.warning("readied %d orphaned group(s)", len(orphans))
         return len(orphans)
 
+    async def list_groups(
+        self: _Transport,
+        state: str | None = None,
+        *,
+        limit: int = 100,
+        after: str | None = None,
+    ) -> GroupPage:
+        """Groups with messages, in group id order: those in `state` (``ready``, ``in_flight``,
+        ``parked``; every one when None), at most `limit` (up to 1,000) a page, each with its
+        head. Pass the page's `next` as `after` for the following page. Two commands a page:
+        the locks in id order (the state tested on each; parked ones from their own index),
+        the heads of the page's groups."""
+        if state is not None and state not in GROUP_STATES:
+            raise InvalidInput("state", f"must be None or one of {', '.join(GROUP_STATES)}")
+        check_int("limit", limit, low=1, high=MAX_PAGE)
+        last = None if after is None else _parse_cursor(after)
+        now = await self._now()
+        # Parked groups are few (waiting out a nack): their index's range, sorted in memory,
+        # rather than every lock in id order.
+        locks = await _driver.find_list(
+            self.locks, schema.locks_listed(state, now, last), sort=schema.LOCK_LIST_ORDER,
+            limit=limit + 1, hint=schema.PARKED.name if state == "parked" else None,
+        )  # fmt: skip
+        page = locks[:limit]
+        heads: dict[Any, dict[str, Any]] = {}
+        if page:
+            rows = await _driver.aggregate_list(
+                self.messages, schema.head_summaries_of([lock["_id"] for lock in page]),
+                hint=schema.GROUP_HEAD.name,
+            )  # fmt: skip
+            heads = {row["_id"]: row for row in rows}
+        groups = [_group_info(lock, heads.get(lock["_id"]), now) for lock in page]
+        more = len(locks) > limit
+        return GroupPage(groups, _cursor_of(page[-1]["_id"]) if more else None)
+
     async def stats(self: _Transport) -> GroupStats:
         """Groups ready / in flight / parked, messages, dead letters, oldest message age
         (six commands; the message and dead-letter totals come from collection metadata)."""
@@ -132,3 +178,39 @@ class GroupOperators:
         published = stored_instant(oldest[0].get("published_at")) if oldest else None
         age = (now - published).total_seconds() if published is not None else None
         return GroupStats(ready, in_flight, parked, messages, dead, age)
+
+
+#: The most groups one `list_groups` page returns.
+MAX_PAGE = 1000
+
+
+def _cursor_of(group_id: GroupId) -> str:
+    return f"{'i' if isinstance(group_id, int) else 's'}:{group_id}"
+
+
+def _parse_cursor(cursor: Any) -> GroupId:
+    problem = "must be the `next` of an earlier page"
+    if not isinstance(cursor, str) or cursor[:2] not in ("i:", "s:"):
+        raise InvalidInput("after", problem)
+    try:
+        group_id: GroupId = int(cursor[2:]) if cursor[0] == "i" else cursor[2:]
+    except ValueError:
+        raise InvalidInput("after", problem) from None
+    return check_id("after", group_id)
+
+
+def _group_info(
+    lock: Mapping[str, Any], head: Mapping[str, Any] | None, now: datetime
+) -> GroupInfo:
+    published = stored_instant(head.get("published_at")) if head else None
+    return GroupInfo(
+        group_id=lock["_id"],
+        state=schema.lock_state(lock, now),
+        priority=int(lock.get("priority", 0)),
+        available_at=stored_instant(lock.get("available_at")),
+        head_seq=head.get("seq") if head else None,
+        head_published_at=published,
+        head_age=(now - published).total_seconds() if published is not None else None,
+        head_deliveries=int(head.get("deliveries") or 0) if head else None,
+        head_error=head.get("last_error") if head else None,
+    )

@@ -177,6 +177,38 @@ def lock_parked(now: datetime) -> Filter:
     return {"parked": True, "available_at": {"$gt": now}}
 
 
+def locks_listed(state: str | None, now: datetime, after: GroupId | None) -> Filter:
+    """`list_groups`: the groups in `state` (every group when None) after the group `after`,
+    in group id order (`LOCK_LIST_ORDER`); by ``_id``, the state tested on each lock (the
+    locks hold only groups with messages). Ids are strings or ints, compared by a server
+    only within their own type (numbers first): after an int id, every string id follows."""
+    listed: Filter = {}
+    if state == "ready":
+        listed["available_at"] = {"$lte": now}
+    elif state == "parked":
+        listed.update(parked=True, available_at={"$gt": now})
+    elif state == "in_flight":
+        listed.update(parked={"$ne": True}, available_at={"$gt": now})
+    if after is None:
+        return listed
+    later: Filter = {"_id": {"$gt": after}}
+    if isinstance(after, int):
+        later = {"$or": [later, {"_id": {"$type": "string"}}]}
+    return {"$and": [listed, later]} if listed else later
+
+
+#: `list_groups`' order: by group id, a stable order for its cursor.
+LOCK_LIST_ORDER: Sort = [("_id", 1)]
+
+
+def lock_state(lock: Mapping[str, Any], now: datetime) -> str:
+    """`list_groups`: which of `GROUP_STATES` a lock is in (no query)."""
+    available = stored_instant(lock.get("available_at")) or NEVER_CLAIMED
+    if available <= now:
+        return "ready"
+    return "parked" if lock.get("parked") else "in_flight"
+
+
 # ------------------------------------------------------------------------------------ heads
 
 #: Serves a group's head (hinted: the claim's stamp and claim_many's heads) and the "anything
@@ -232,6 +264,24 @@ def heads_of(group_ids: Collection[GroupId]) -> list[dict[str, Any]]:
         {"$match": {"group_id": {"$in": list(group_ids)}}},
         {"$sort": {"group_id": 1, "_id": 1}},
         {"$group": {"_id": "$group_id", "head": {"$first": "$$ROOT"}}},
+    ]
+
+
+def head_summaries_of(group_ids: Collection[GroupId]) -> list[dict[str, Any]]:
+    """`list_groups`' heads: a row ``{_id: group_id, seq, published_at, deliveries,
+    last_error}`` per group, without the events; `GROUP_HEAD` (hinted: a DISTINCT_SCAN)."""
+    return [
+        {"$match": {"group_id": {"$in": list(group_ids)}}},
+        {"$sort": {"group_id": 1, "_id": 1}},
+        {
+            "$group": {
+                "_id": "$group_id",
+                "seq": {"$first": "$_id"},
+                "published_at": {"$first": "$published_at"},
+                "deliveries": {"$first": "$deliveries"},
+                "last_error": {"$first": "$last_error"},
+            }
+        },
     ]
 
 

@@ -9,6 +9,7 @@ from mongoq.tasks.models import (
     ReclaimResult,
     RunSummary,
     Task,
+    TaskPage,
     TaskQueueStats,
     TaskStatus,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "RunSummary",
     "Task",
     "TaskLease",
+    "TaskPage",
     "TaskQueueStats",
     "TaskStatus",
 ]

@@ -195,6 +195,15 @@ class TaskQueueStats:
     oldest_due_age: float | None
 
 
+@dataclass(frozen=True)
+class TaskPage:
+    """One page of `list_tasks`: the tasks, and the cursor that continues after them (None on
+    the last page). The cursor is a short text (``<ms>:<i|s>:<id>``), fit for a command line."""
+
+    tasks: list[Task]
+    next: str | None
+
+
 @dataclass
 class RunSummary:
     """What a `run` loop did, by outcome."""

@@ -24,7 +24,6 @@ from mongoq._validation import (
     MAX_BATCH,
     check_async_handler,
     check_batch,
-    check_id,
     check_int,
     check_name,
     check_seconds,
@@ -45,25 +44,28 @@ from mongoq.tasks.batch import TaskBatch
 from mongoq.tasks.models import (
     PENDING,
     PROCESSING,
-    STATUSES,
     NewTask,
     PutManyResult,
     PutOutcome,
-    ReclaimResult,
     RunSummary,
     Task,
     TaskId,
-    TaskQueueStats,
     check_new_task,
     check_new_tasks,
     check_result,
 )
+from mongoq.tasks.operators import TaskOperators
 
 __all__ = ["AsyncTaskQueue", "TaskLease"]
 
 log = logging.getLogger("mongoq.tasks")
 
 NOT_AN_ATTEMPT_DELAY = 5.0
+
+
+def _retention(field: str, seconds: float | None) -> int | None:
+    """A retention setting: None (keep forever) or whole seconds, at least one."""
+    return None if seconds is None else max(1, int(check_seconds(field, seconds, positive=True)))
 
 
 def _fence(task: Task) -> dict[str, Any]:
@@ -184,7 +186,7 @@ class TaskLease:
                     self.queue._leases.pop(self.task.lease_token or "", None)
 
 
-class AsyncTaskQueue(WorkerHost):
+class AsyncTaskQueue(TaskOperators, WorkerHost):
     """A durable task queue in one MongoDB collection (its layout: `mongoq.tasks.schema`).
 
     Guarantees: a task has at most one live holder (claims are one atomic command; every settle
@@ -204,6 +206,8 @@ class AsyncTaskQueue(WorkerHost):
         backoff_base: float = 60,
         backoff_cap: float = 3600,
         tombstone_ttl: float = 30 * 24 * 3600,
+        retain_done: float | None = None,
+        retain_failed: float | None = None,
         clock: Clock | None = None,
     ) -> None:
         super().__init__()
@@ -214,6 +218,8 @@ class AsyncTaskQueue(WorkerHost):
         self.backoff_base = check_seconds("backoff_base", backoff_base)
         self.backoff_cap = check_seconds("backoff_cap", backoff_cap)
         self.tombstone_ttl = int(check_seconds("tombstone_ttl", tombstone_ttl, positive=True))
+        self.retain_done = _retention("retain_done", retain_done)
+        self.retain_failed = _retention("retain_failed", retain_failed)
         self.clock: Clock = clock if clock is not None else ServerClock(db)
         self.db = db
         self.collection = _driver.collection(db, name)
@@ -222,10 +228,15 @@ class AsyncTaskQueue(WorkerHost):
     # ------------------------------------------------------------------------------ set-up
 
     async def ensure_indexes(self) -> None:
-        """Create the indexes every query needs; idempotent."""
-        await create_indexes(
-            self.db, self.collection, schema.INDEXES, expire_after=self.tombstone_ttl
-        )
+        """Create the indexes every query needs, and the retention TTL indexes `retain_done` /
+        `retain_failed` ask for (dropping one whose setting was removed); idempotent. The
+        retention settings are the collection's: every queue object on it should agree."""
+        expiries = {
+            schema.TOMBSTONE_TTL.name: self.tombstone_ttl,
+            schema.RETAIN_DONE.name: self.retain_done,
+            schema.RETAIN_FAILED.name: self.retain_failed,
+        }
+        await create_indexes(self.db, self.collection, schema.INDEXES, expiries=expiries)
 
     async def _now(self) -> datetime:
         await self.clock.refresh()
@@ -521,70 +532,6 @@ class AsyncTaskQueue(WorkerHost):
         lease = TaskLease(self, task)
         self._leases[task.lease_token] = lease
         return lease
-
-    # ---------------------------------------------------------------------------- operator
-
-    async def reclaim_expired(self) -> ReclaimResult:
-        """Clean up after crashed workers (two commands, in this order).
-
-        First bury expired tasks whose attempts are used up (``failed``), then return the other
-        expired ones to pending. Burying first means an exhausted task is never, even briefly,
-        pending. Claims take expired tasks over by themselves; this keeps the queue's state and
-        statistics honest when no worker is claiming.
-        """
-        now = await self._now()
-        buried = await self.collection.update_many(
-            schema.task_expired_exhausted(now, self.max_attempts), schema.task_burying(now)
-        )
-        requeued = await self.collection.update_many(
-            schema.task_expired_retryable(now, self.max_attempts), schema.task_reclaiming(now)
-        )
-        if buried.modified_count or requeued.modified_count:
-            log.info("reclaimed expired leases: %d failed, %d requeued",
-                     buried.modified_count, requeued.modified_count)  # fmt: skip
-        return ReclaimResult(buried.modified_count, requeued.modified_count)
-
-    async def get(self, task_id: TaskId) -> Task | None:
-        """The task's current document, or None."""
-        doc = await self.collection.find_one(schema.task_by_id(check_id("task_id", task_id)))
-        return None if doc is None else Task.from_document(doc)
-
-    async def requeue(self, task_id: TaskId) -> bool:
-        """Operator: put a ``failed`` task back to pending with fresh attempts."""
-        now = await self._now()
-        result = await self.collection.update_one(
-            schema.task_failed(check_id("task_id", task_id)), schema.task_requeuing(now)
-        )
-        return bool(result.matched_count == 1)
-
-    async def remove(self, task_id: TaskId) -> bool:
-        """Tombstone a task: it is never claimed again (a holder loses it) and the TTL index
-        deletes it after `tombstone_ttl`. A put with a new revision revives it."""
-        now = await self._now()
-        result = await self.collection.update_one(
-            schema.task_removable(check_id("task_id", task_id)), schema.task_removing(now)
-        )
-        return bool(result.matched_count == 1)
-
-    async def stats(self) -> TaskQueueStats:
-        """Counts per status, due, expired and the oldest due age (eight indexed commands)."""
-        now = await self._now()
-        count = self.collection.count_documents
-        counts: dict[str, int] = {
-            status: await count(schema.task_in_status(status)) for status in STATUSES
-        }
-        due = await count(schema.task_due(now))
-        expired = await count(schema.task_expired(now))
-        oldest = await _driver.find_list(
-            self.collection,
-            schema.task_due(now),
-            sort=schema.DUE_ORDER,
-            limit=1,
-            projection={"lease_until": 1},
-        )
-        oldest_due = stored_instant(oldest[0]["lease_until"]) if oldest else None
-        age = (now - oldest_due).total_seconds() if oldest_due is not None else None
-        return TaskQueueStats(counts, due, expired, age)
 
     # ------------------------------------------------------------------------------ worker
 

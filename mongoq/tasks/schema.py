@@ -26,7 +26,9 @@ Invariants the queries rest on:
   it lost), and a settle on the ``revision`` it claimed too: a put of a new revision under a
   holder makes the holder's settle miss, and the task is then requeued for the new revision.
 - Tombstones are deleted by the *partial* TTL index ``tombstone_ttl`` (a bare TTL index on
-  ``updated_at`` would empty the queue); the embedded backend cannot honour the partial filter
+  ``updated_at`` would empty the queue), and, when the queue sets `retain_done` /
+  `retain_failed`, done and failed tasks by ``retain_done`` / ``retain_failed`` (the same key,
+  other partial filters: MongoDB 5.0+); the embedded backend cannot honour the partial filter
   and gets no TTL index (see `_driver.create_partial_ttl_index`).
 
 Every time is the injected clock's (`mongoq.clock`), passed in as ``now``, never ``$$NOW``.
@@ -60,7 +62,12 @@ __all__ = [
     "DUE_ORDER",
     "EXPIRED_ON_LAST_ATTEMPT",
     "INDEXES",
+    "LIST_ORDER",
+    "PURGEABLE",
+    "RETAIN_DONE",
+    "RETAIN_FAILED",
     "STATUS_LEASE",
+    "STATUS_UPDATED",
     "TOMBSTONE_TTL",
     "IndexSpec",
     "task_burying",
@@ -88,7 +95,10 @@ __all__ = [
     "task_retrying",
     "tasks_claimed",
     "tasks_done",
+    "tasks_failed",
     "tasks_held",
+    "tasks_listed",
+    "tasks_purgeable",
 ]
 
 
@@ -199,7 +209,70 @@ def task_removing(now: datetime) -> dict[str, Any]:
     }
 
 
-INDEXES: tuple[IndexSpec, ...] = (CLAIM, STATUS_LEASE, TOMBSTONE_TTL)
+# ----------------------------------------------------------------- the status_updated index
+
+STATUS_UPDATED = IndexSpec("status_updated", (("status", 1), ("updated_at", 1), ("_id", 1)))
+#: The listing's order: least recently changed first, the id breaking ties (a stable order).
+LIST_ORDER = [("updated_at", 1), ("_id", 1)]
+#: The states an operator may purge: finished ones, never work still to do.
+PURGEABLE: tuple[TaskStatus, ...] = (DONE, FAILED, TOMBSTONE)
+
+
+def tasks_listed(
+    statuses: Sequence[TaskStatus], after: tuple[datetime, TaskId] | None
+) -> dict[str, Any]:
+    """`list_tasks`: the tasks in `statuses` after the cursor `after` (the last listed task's
+    ``updated_at`` and id) in `LIST_ORDER`; ``status_updated`` (one range per status, merged).
+
+    Ids are strings or ints, and a server compares an id only with ids of its own type
+    (numbers sort before strings): after an int id, every string id of the same instant
+    follows too."""
+    listed: dict[str, Any] = {"status": {"$in": list(statuses)}}
+    if after is None:
+        return listed
+    at, last = after
+    later_id: dict[str, Any] = {"_id": {"$gt": last}}
+    if isinstance(last, int):
+        later_id = {"$or": [later_id, {"_id": {"$type": "string"}}]}
+    listed["$or"] = [{"updated_at": {"$gt": at}}, {"updated_at": at, **later_id}]
+    return listed
+
+
+def tasks_purgeable(status: TaskStatus, before: datetime) -> dict[str, Any]:
+    """`purge`: the tasks in a finished `status` last changed before `before`;
+    ``status_updated``."""
+    return {"status": status, "updated_at": {"$lt": before}}
+
+
+def tasks_failed(task_ids: Sequence[TaskId] | None) -> dict[str, Any]:
+    """`requeue_failed`: the failed tasks (of `task_ids`, if given); ``status_updated`` (or
+    ``_id``)."""
+    failed: dict[str, Any] = {"status": FAILED}
+    if task_ids is not None:
+        failed["_id"] = {"$in": list(task_ids)}
+    return failed
+
+
+# ------------------------------------------------------- the retain_done / retain_failed TTLs
+
+#: Finished tasks are deleted this long after they finished, when the queue's `retain_done` /
+#: `retain_failed` is set (partial TTL indexes, like ``tombstone_ttl``).
+RETAIN_DONE = IndexSpec(
+    "retain_done", (("updated_at", 1),), partial=MappingProxyType({"status": DONE}), ttl=True
+)
+RETAIN_FAILED = IndexSpec(
+    "retain_failed", (("updated_at", 1),), partial=MappingProxyType({"status": FAILED}), ttl=True
+)
+
+
+INDEXES: tuple[IndexSpec, ...] = (
+    CLAIM,
+    STATUS_LEASE,
+    STATUS_UPDATED,
+    TOMBSTONE_TTL,
+    RETAIN_DONE,
+    RETAIN_FAILED,
+)
 
 # ------------------------------------------------------------------ by _id (always indexed)
 

@@ -70,6 +70,11 @@ BY_DESIGN: dict[Shape, str] = {
         "requeue: served by the unique index event_handler (event_id, handler), at most one "
         "document, status tested on it; the matcher models uniqueness for _id only"
     ),
+    (DELIVERIES, "find", ("due_at", "handler")): (
+        "a drained dispatcher's wait (run(stop_when_drained=True), for scripts and tests, once "
+        "per idle poll): the due index in due order, other handlers' pending deliveries read "
+        "until the first of its own; no index is kept on every delivery write for it"
+    ),
 }
 
 #: Shapes no declared index serves that are library problems (reported, awaiting a fix). The
@@ -291,6 +296,8 @@ async def exercise_outbox(
     assert await outbox.list_deliveries(event_type="order.paid")
     stats = await outbox.statistics()
     assert (stats.parked, stats.running, stats.dead) == (38, 1, 3)
+    # What a drained dispatcher waits for: the first pending delivery of its handlers.
+    assert await outbox._next_due(["mail", "stats"]) is not None
     assert stats.completed and stats.oldest_due_at is not None
 
     # Purge with each cutoff, then both.

@@ -331,7 +331,15 @@ QUERIES = frozenset(
 )  # fmt: skip
 
 #: Shapes that no declared index serves, by (collection, command, top-level filter fields).
-UNINDEXED: dict[tuple[str, str, tuple[str, ...]], str] = {}
+UNINDEXED: dict[tuple[str, str, tuple[str, ...]], str] = {
+    (LOCKS, "find", ("available_at", "parked")): (
+        "list_groups('parked'): hinted to the parked index's range, then sorted by group id in "
+        "memory; parked groups are the few waiting out a nack's delay"
+    ),
+    (LOCKS, "find", ("$and",)): (
+        "list_groups('parked') after a cursor: the same range, the cursor's id tested on it"
+    ),
+}
 
 
 def _sort(spec: Any) -> tuple[tuple[str, int], ...]:
@@ -559,6 +567,18 @@ async def exercise_tasks(db: Any, clock: ManualClock) -> None:
     summary = await queue.run(handler, stop_when_empty=True, worker_id="run2", batch_size=3)
     assert summary.claimed and summary.completed
 
+    # The operator's listings, bulk requeue and purge; a drained run's "what is left".
+    page = await queue.list_tasks(limit=2)
+    assert page.next is not None
+    assert (await queue.list_tasks(limit=2, after=page.next)).tasks
+    failed = await queue.list_tasks("failed")
+    assert failed.tasks
+    assert await queue.requeue_failed([failed.tasks[0].id]) == 1
+    assert await queue.requeue_failed() >= 1
+    clock.advance(10)
+    await queue.run(handler, stop_when_drained=True, worker_id="run3")
+    assert await queue.purge("done", older_than=0) >= 1
+
 
 async def exercise_groups(db: Any, raw: Any, clock: ManualClock, steal: StealHeadOnce) -> None:
     transport = AsyncGroupTransport(db, PREFIX, clock=clock, visibility=30, max_deliveries=2)
@@ -631,6 +651,20 @@ async def exercise_groups(db: Any, raw: Any, clock: ManualClock, steal: StealHea
     assert await transport.recover_orphans() == 1
     assert await transport.recover_orphans() == 0  # the sliding window
     await transport.stats()
+    # Two parked groups, so that the parked listing's second page is read too.
+    for group in ("pk1", "pk2"):
+        await transport.publish(group, {"n": 1})
+    parked = await raw[LOCKS].update_many(
+        {"_id": {"$in": ["pk1", "pk2"]}}, {"$set": {"parked": True, "available_at": FAR}}
+    )
+    assert parked.modified_count == 2
+    for state in (None, "ready", "in_flight", "parked"):
+        page = await transport.list_groups(state, limit=1)
+        if page.next is not None:
+            await transport.list_groups(state, limit=1, after=page.next)
+    assert (await transport.list_groups(limit=1, after="i:0")).groups
+    await raw[MESSAGES].delete_many({"group_id": {"$in": ["pk1", "pk2"]}})
+    await raw[LOCKS].delete_many({"_id": {"$in": ["pk1", "pk2"]}})
 
     async def handler(lease: GroupLease) -> None:
         if lease.group_id == "r1":
@@ -643,6 +677,8 @@ async def exercise_groups(db: Any, raw: Any, clock: ManualClock, steal: StealHea
     await transport.publish_many(NewMessage(f"q{i}", i) for i in range(4))
     summary = await transport.run(handler, stop_when_empty=True, batch_size=3)
     assert summary.claimed and summary.acked
+    clock.advance(60)
+    await transport.run(handler, stop_when_drained=True, retry_delay=0)
 
 
 #: Branches the workload must reach (collection, command, filter fields): the guard that it
@@ -697,10 +733,12 @@ async def test_every_query_the_library_issues_is_served_by_a_declared_index() ->
     assert plans == {
         (TASKS, "find_one_and_update", "claim"): "claim",
         (TASKS, "find", "claim"): "claim",
+        (TASKS, "find", "status_lease"): "status_lease",  # a drained run: when is the next due
+        (TASKS, "find", "status_updated"): "status_updated",  # list_tasks
         (LOCKS, "find_one_and_update", "claim"): "claim",
         (LOCKS, "find", "claim"): "claim",
         (MESSAGES, "find_one_and_update", "group_head"): "group_head",
-        (MESSAGES, "aggregate", "group_head"): "group_head",  # claim_many's heads
+        (MESSAGES, "aggregate", "group_head"): "group_head",  # claim_many's and list_groups' heads
     }
 
 

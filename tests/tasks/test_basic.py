@@ -510,6 +510,7 @@ async def test_ensure_indexes_creates_the_claim_lease_and_partial_ttl_indexes(
     # The claim's sort, served by one index range (see the module docstring).
     assert list(indexes["claim"]["key"]) == [("priority", -1), ("lease_until", 1)]
     assert list(indexes["status_lease"]["key"]) == [("status", 1), ("lease_until", 1)]
+    assert list(indexes["status_updated"]["key"]) == [("status", 1), ("updated_at", 1), ("_id", 1)]
     assert "expireAfterSeconds" not in indexes["claim"]
     assert "expireAfterSeconds" not in indexes["status_lease"]
     # No TTL index is ever bare: a bare one would delete the whole queue.
@@ -517,10 +518,11 @@ async def test_ensure_indexes_creates_the_claim_lease_and_partial_ttl_indexes(
     if _driver.backend_of(db) is _driver.Backend.MEMORY:
         # mongomock's TTL ignores partialFilterExpression (and runs on the wall clock), so the
         # library creates no TTL index there rather than a bare one.
-        assert set(indexes) == {"_id_", "claim", "status_lease"}
+        assert set(indexes) == {"_id_", "claim", "status_lease", "status_updated"}
         assert ttl_indexes == set()
     else:
-        assert set(indexes) == {"_id_", "claim", "status_lease", "tombstone_ttl"}
+        # No retention set: no retain_done / retain_failed index (tests/tasks/test_operators).
+        assert set(indexes) == {"_id_", "claim", "status_lease", "status_updated", "tombstone_ttl"}
         assert ttl_indexes == {"tombstone_ttl"}
         ttl = indexes["tombstone_ttl"]
         assert list(ttl["key"]) == [("updated_at", 1)]

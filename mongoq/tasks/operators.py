@@ -1,0 +1,192 @@
+"""The task queue's operator calls, mixed into `AsyncTaskQueue`: one task by id, listings
+with a cursor, requeue (one or every failed task), remove, purge of finished tasks, the
+clean-up after crashed workers, and the stats. They read and write the queue's collection (see
+`mongoq.tasks.schema`) through its filters; they own none.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from datetime import UTC, datetime, timedelta
+from typing import Any, Protocol
+
+from mongoq import _driver
+from mongoq._validation import check_batch, check_id, check_int, check_seconds
+from mongoq.clock import stored_instant, to_millis
+from mongoq.errors import InvalidInput
+from mongoq.tasks import schema
+from mongoq.tasks.models import (
+    STATUSES,
+    ReclaimResult,
+    Task,
+    TaskId,
+    TaskPage,
+    TaskQueueStats,
+    TaskStatus,
+)
+
+__all__ = ["TaskOperators"]
+
+log = logging.getLogger("mongoq.tasks")
+
+#: The most tasks one `list_tasks` page returns.
+MAX_PAGE = 1000
+
+
+class _Queue(Protocol):
+    """What the operator calls use of the queue they are mixed into."""
+
+    collection: Any
+    max_attempts: int
+
+    async def _now(self) -> datetime: ...
+
+
+def _cursor(task: Task) -> str:
+    assert task.updated_at is not None
+    at = int(to_millis(task.updated_at).timestamp() * 1000)
+    kind = "i" if isinstance(task.id, int) else "s"
+    return f"{at}:{kind}:{task.id}"
+
+
+def _parse_cursor(cursor: Any) -> tuple[datetime, TaskId]:
+    problem = "must be the `next` of an earlier page"
+    if not isinstance(cursor, str):
+        raise InvalidInput("after", problem)
+    parts = cursor.split(":", 2)
+    if len(parts) != 3 or parts[1] not in ("i", "s") or not parts[0].isdigit():
+        raise InvalidInput("after", problem)
+    at = datetime.fromtimestamp(int(parts[0]) / 1000, tz=UTC)
+    try:
+        task_id: TaskId = int(parts[2]) if parts[1] == "i" else parts[2]
+    except ValueError:
+        raise InvalidInput("after", problem) from None
+    return at, check_id("after", task_id)
+
+
+class TaskOperators:
+    """`list_tasks`, `get`, `requeue`, `requeue_failed`, `remove`, `purge`, `reclaim_expired` and
+    `stats` of `AsyncTaskQueue`."""
+
+    async def list_tasks(
+        self: _Queue,
+        status: TaskStatus | None = None,
+        *,
+        limit: int = 100,
+        after: str | None = None,
+    ) -> TaskPage:
+        """Tasks in `status` (every status when None), least recently changed first, the id
+        breaking ties; at most `limit` (up to 1,000) a page. Pass the page's `next` as `after`
+        for the following page: the order is stable, so a task is listed once unless it changes
+        between two pages (then it moves to the end). One indexed query a page."""
+        statuses = STATUSES if status is None else (_check_status("status", status),)
+        check_int("limit", limit, low=1, high=MAX_PAGE)
+        cursor = None if after is None else _parse_cursor(after)
+        docs = await _driver.find_list(
+            self.collection, schema.tasks_listed(statuses, cursor), sort=schema.LIST_ORDER,
+            limit=limit + 1, hint=schema.STATUS_UPDATED.name,
+        )  # fmt: skip
+        tasks = [Task.from_document(doc) for doc in docs[:limit]]
+        more = len(docs) > limit
+        return TaskPage(tasks, _cursor(tasks[-1]) if more else None)
+
+    async def requeue_failed(self: _Queue, task_ids: Iterable[TaskId] | None = None) -> int:
+        """Operator: put every ``failed`` task (or those of `task_ids` that are failed) back to
+        pending with fresh attempts, due now; returns how many (one command)."""
+        ids = None
+        if task_ids is not None:
+            ids = [
+                check_id(f"task_ids[{i}]", t)
+                for i, t in enumerate(check_batch("task_ids", task_ids))
+            ]
+        now = await self._now()
+        result = await self.collection.update_many(
+            schema.tasks_failed(ids), schema.task_requeuing(now)
+        )
+        if result.modified_count:
+            log.info("requeued %d failed task(s)", result.modified_count)
+        return int(result.modified_count)
+
+    async def purge(self: _Queue, status: TaskStatus, older_than: float) -> int:
+        """Operator: delete the tasks in a finished `status` (``done``, ``failed``,
+        ``tombstone``) that last changed more than `older_than` seconds ago; returns how many.
+        For retention without a command, set `retain_done` / `retain_failed` on the queue."""
+        if status not in schema.PURGEABLE:
+            raise InvalidInput("status", f"must be one of {', '.join(schema.PURGEABLE)} (finished)")
+        seconds = check_seconds("older_than", older_than)
+        now = await self._now()
+        result = await self.collection.delete_many(
+            schema.tasks_purgeable(status, now - timedelta(seconds=seconds))
+        )
+        if result.deleted_count:
+            log.info("purged %d %s task(s)", result.deleted_count, status)
+        return int(result.deleted_count)
+
+    async def reclaim_expired(self: _Queue) -> ReclaimResult:
+        """Clean up after crashed workers (two commands, in this order).
+
+        First bury expired tasks whose attempts are used up (``failed``), then return the other
+        expired ones to pending. Burying first means an exhausted task is never, even briefly,
+        pending. Claims take expired tasks over by themselves; this keeps the queue's state and
+        statistics honest when no worker is claiming.
+        """
+        now = await self._now()
+        buried = await self.collection.update_many(
+            schema.task_expired_exhausted(now, self.max_attempts), schema.task_burying(now)
+        )
+        requeued = await self.collection.update_many(
+            schema.task_expired_retryable(now, self.max_attempts), schema.task_reclaiming(now)
+        )
+        if buried.modified_count or requeued.modified_count:
+            log.info("reclaimed expired leases: %d failed, %d requeued",
+                     buried.modified_count, requeued.modified_count)  # fmt: skip
+        return ReclaimResult(buried.modified_count, requeued.modified_count)
+
+    async def get(self: _Queue, task_id: TaskId) -> Task | None:
+        """The task's current document, or None."""
+        doc = await self.collection.find_one(schema.task_by_id(check_id("task_id", task_id)))
+        return None if doc is None else Task.from_document(doc)
+
+    async def requeue(self: _Queue, task_id: TaskId) -> bool:
+        """Operator: put a ``failed`` task back to pending with fresh attempts."""
+        now = await self._now()
+        result = await self.collection.update_one(
+            schema.task_failed(check_id("task_id", task_id)), schema.task_requeuing(now)
+        )
+        return bool(result.matched_count == 1)
+
+    async def remove(self: _Queue, task_id: TaskId) -> bool:
+        """Tombstone a task: it is never claimed again (a holder loses it) and the TTL index
+        deletes it after `tombstone_ttl`. A put with a new revision revives it."""
+        now = await self._now()
+        result = await self.collection.update_one(
+            schema.task_removable(check_id("task_id", task_id)), schema.task_removing(now)
+        )
+        return bool(result.matched_count == 1)
+
+    async def stats(self: _Queue) -> TaskQueueStats:
+        """Counts per status, due, expired and the oldest due age (eight indexed commands)."""
+        now = await self._now()
+        count = self.collection.count_documents
+        counts: dict[str, int] = {
+            status: await count(schema.task_in_status(status)) for status in STATUSES
+        }
+        due = await count(schema.task_due(now))
+        expired = await count(schema.task_expired(now))
+        oldest = await _driver.find_list(
+            self.collection,
+            schema.task_due(now),
+            sort=schema.DUE_ORDER,
+            limit=1,
+            projection={"lease_until": 1},
+        )
+        oldest_due = stored_instant(oldest[0]["lease_until"]) if oldest else None
+        age = (now - oldest_due).total_seconds() if oldest_due is not None else None
+        return TaskQueueStats(counts, due, expired, age)
+
+
+def _check_status(field: str, status: Any) -> TaskStatus:
+    if status not in STATUSES:
+        raise InvalidInput(field, f"must be one of {', '.join(STATUSES)}, got {status!r}")
+    return status  # type: ignore[no-any-return]
