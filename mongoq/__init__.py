@@ -12,7 +12,14 @@ from typing import Any, Literal, Protocol, cast
 
 from mongoq import _driver
 from mongoq.clock import Clock, ServerClock, SystemClock
-from mongoq.errors import IndexesMissing, InvalidInput, LeaseLost, MongoqError, PermanentError
+from mongoq.errors import (
+    HandlerTimeout,
+    IndexesMissing,
+    InvalidInput,
+    LeaseLost,
+    MongoqError,
+    PermanentError,
+)
 from mongoq.groups import (
     AsyncGroupTransport,
     DeadLetter,
@@ -64,6 +71,7 @@ __all__ = [
     "GroupPage",
     "GroupRunSummary",
     "GroupStats",
+    "HandlerTimeout",
     "IndexesMissing",
     "InvalidInput",
     "LeaseLost",

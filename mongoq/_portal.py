@@ -468,24 +468,27 @@ class Facade:
         flight (released, "worker stopped"); the previous handlers come back afterwards."""
         require_main_thread()
         target = self._target()
-        portal = self._database.portal
+        loop = self._database.portal._loop
         seen: list[int] = []
 
         def on_signal(signum: int, frame: object) -> None:
             seen.append(signum)
-            if len(seen) == 1:
+            first = len(seen) == 1
+            if first:
                 log.info("signal %d, stopping gracefully", signum)
-                portal._schedule(target.stop)
             else:
                 log.warning("second signal %d, cancelling in-flight work", signum)
-                portal._schedule(target._cancel_running)
+            # Not `Portal._schedule`: this thread may hold its lock when the signal comes.
+            with contextlib.suppress(RuntimeError):  # the loop already closed
+                loop.call_soon_threadsafe(target._stop_soon if first else target._cancel_running)
 
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             return self._call(method, *args, **{**kwargs, "handle_signals": False})
         finally:
             for sig, handler in previous.items():
-                signal.signal(sig, handler)
+                # None: a handler installed from C, which Python cannot put back; the default.
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
     def _get(self, attribute: str) -> Any:
         return self._wrap(getattr(self._target(), attribute))

@@ -7,6 +7,7 @@ Owns no collections.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Iterable, Mapping
@@ -144,6 +145,8 @@ def check_batch(field: str, items: Iterable[Any]) -> list[Any]:
 
 def _is_coroutine_function(value: Any) -> bool:
     """``async def`` functions, partials of them, and objects whose ``__call__`` is one."""
+    while isinstance(value, functools.partial):
+        value = value.func
     call = (
         None if inspect.isroutine(value) else inspect.getattr_static(type(value), "__call__", None)
     )

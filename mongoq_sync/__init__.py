@@ -8,8 +8,8 @@ What differs from the async API:
 
 - handlers are plain functions (a coroutine function is refused with `InvalidInput`),
   run in worker threads so that they never stall the heartbeats; a thread cannot be
-  interrupted, so `handler_timeout` and a lost lease stop nothing there: the handler
-  runs to its end (a lost lease still refuses its settle);
+  interrupted, so past `handler_timeout` the handler runs to its end and then counts
+  as timed out, and one whose lease was lost runs to its end (its settle refused);
 - ``async with queue.leased(task)`` is ``with queue.leased(task)``;
 - ``run(handle_signals=True)`` works from the main thread: the first SIGTERM/SIGINT
   stops gracefully, a second stops at once (a handler already in its thread finishes,

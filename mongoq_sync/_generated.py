@@ -253,9 +253,10 @@ class TaskQueue(Facade):
 
         `handler_timeout` (seconds of the queue's clock) cancels a handler that runs longer:
         the attempt counts as failed, with the error ``HandlerTimeout: timed out after N s``.
-        A handler whose task a heartbeat finds lost (taken over after a stall, removed, re-put
-        with a new revision) is cancelled too, and counted `lost`: its result could not be
-        recorded, and another worker may be running the task.
+        A handler whose task a heartbeat finds lost (taken over after a stall, removed) is
+        cancelled too, and counted `lost`: its result could not be recorded, and another worker
+        may be running the task. (A re-put with a new revision does not stop the holder: its
+        settle misses, and the new revision runs afresh.)
 
         With `batch_size` > 1 each slot claims up to that many tasks at once (`claim_many`),
         runs them one after another under one heartbeat (`heartbeat_many`), and completes the

@@ -124,10 +124,10 @@ def lock_due(floor: int, now: datetime, refused: Sequence[GroupId] = ()) -> Filt
     return due
 
 
-def lock_any() -> Filter:
-    """Every group, in `CLAIM_ORDER` the one due first whatever its state: when
-    ``run(stop_when_drained=True)`` wakes next; `CLAIM`."""
-    return {"priority": {"$in": list(ALL_PRIORITIES)}}
+def lock_any(floor: int) -> Filter:
+    """Every group at or above priority `floor`, in `CLAIM_ORDER` the one due first whatever
+    its state: when ``run(stop_when_drained=True)`` wakes next; `CLAIM`."""
+    return {"priority": {"$in": [p for p in ALL_PRIORITIES if p >= floor]}}
 
 
 def lock_leasing(token: str, lease_until: datetime) -> Update:

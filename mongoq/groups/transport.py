@@ -13,6 +13,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 import anyio
@@ -424,12 +425,12 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
             housekeeping=self.recover_orphans,
             housekeeping_interval=self.visibility,
             name=f"groups:{self.prefix}",
-            next_due=self._next_due if stop_when_drained else None,
+            next_due=partial(self._next_due, min_priority) if stop_when_drained else None,
         )
         await self._run_loop(loop, handle_signals=handle_signals)
         return summary
 
-    async def _next_due(self) -> datetime | None:
+    async def _next_due(self, floor: int) -> datetime | None:
         """When the next group is claimable; None when no message is left (of any priority:
         with `min_priority`, a drained run also waits for others to take the lower ones)."""
         left = await _driver.find_list(
@@ -439,7 +440,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         if not left:
             return None
         locks = await _driver.find_list(
-            self.locks, schema.lock_any(), sort=schema.CLAIM_ORDER, limit=1,
+            self.locks, schema.lock_any(floor), sort=schema.CLAIM_ORDER, limit=1,
             projection={"available_at": 1}, hint=schema.CLAIM.name,
         )  # fmt: skip
         due = stored_instant(locks[0]["available_at"]) if locks else None

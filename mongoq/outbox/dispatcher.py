@@ -202,6 +202,10 @@ class OutboxDispatcher:
             self._stopping = False  # a later run() starts afresh; a stop() before it holds
         return self.summary
 
+    def _stop_soon(self) -> None:
+        """`stop()`: sticky until `run` returns, so a stop before the loop starts counts."""
+        self.stop()
+
     def _cancel_running(self) -> None:
         """Hard stop: cancel the running handlers (their deliveries are released) and return
         from `run` (`mongoq_sync`'s second signal)."""
@@ -281,13 +285,16 @@ class OutboxDispatcher:
             await self.outbox.clock.sleep(interval)
             if self._active == 0:
                 continue
+            # Only what ran before the renewal: a handler started on a lane claimed while it
+            # was on its way is not among the lost.
+            running = list(self._guards)
             try:
                 if await self.outbox.extend_lease(self.owner) == 0:
                     # Taken over: whatever runs can no longer settle; stop it. (A loss of some
                     # lanes only is found by the settles, which the lane epoch fences.)
                     log.warning("%s holds no lane any more; cancelling %d running handler(s)",
-                                self.owner, len(self._guards))  # fmt: skip
-                    for guard in self._guards:
+                                self.owner, len(running))  # fmt: skip
+                    for guard in running:
                         guard.cancel()
             except _driver.DRIVER_ERRORS as exc:
                 log.warning("renewing lanes failed (%s); retrying", exc)

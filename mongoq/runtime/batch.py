@@ -27,6 +27,7 @@ from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
+import anyio.lowlevel
 
 from mongoq import _driver
 from mongoq.clock import Clock
@@ -151,7 +152,12 @@ class _Batch(Generic[Item]):
         current: Item | None = None
         try:
             async with keepalive:
-                for current in self.items:
+                for item in self.items:
+                    # A hard stop that came while the last item ended (its guard swallowing
+                    # it) gives this one back unstarted, no attempt spent.
+                    current = None
+                    await anyio.lowlevel.checkpoint_if_cancelled()
+                    current = item
                     if not await self.still_held(current):
                         continue  # taken over meanwhile: never run it twice at once
                     guard = anyio.CancelScope()

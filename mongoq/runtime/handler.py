@@ -49,7 +49,7 @@ async def _limited(
     scope = guard if guard is not None else anyio.CancelScope()
     timed_out = False
     results: list[T] = []
-    failure: Exception | None = None
+    failure: BaseException | None = None
     with scope:
         if limit is None:
             # No task of its own: the handler runs exactly as if awaited directly.
@@ -66,12 +66,14 @@ async def _limited(
                 group.start_soon(time_limit)
                 try:
                     results.append(await call())
-                except Exception as error:  # raised below, outside the group: not in a group
+                except anyio.get_cancelled_exc_class():
+                    raise  # the group's own (the limit) or the caller's: the group sorts it out
+                except BaseException as error:  # raised below, outside the group: not in one
                     failure = error
                 group.cancel_scope.cancel()  # the time limit, once the handler is done
     if scope.cancelled_caught:
         raise LeaseLost("the lease was lost while the handler ran; it was cancelled") from failure
-    if timed_out and not results:
+    if timed_out:  # even if it returned anyway (a thread, or a cancellation swallowed)
         raise HandlerTimeout(f"timed out after {limit:g} s") from failure
     if failure is not None:
         raise failure

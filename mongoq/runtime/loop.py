@@ -234,13 +234,14 @@ class WorkerLoop(Generic[Item]):
         except _driver.DRIVER_ERRORS as exc:
             log.warning("%s: reading what is left failed (%s)", self.name, exc)
             due = self._clock.now() + timedelta(seconds=self._poll_interval)
-        if due is None:
+        if due is None and self.in_flight == 0:
             self.stop()  # wakes the other slots' naps: they find the same
             return True
-        if due <= self._clock.now():
-            # Due now, yet the claim found nothing: another worker took it, or it is being
-            # settled. Claim again after a turn of the loop, not in a tight spin.
-            await anyio.sleep(0.001)
+        if due is None or due <= self._clock.now():
+            # Another slot's item may still come back (a retry), or the claim found nothing
+            # due although something is: another worker took it, it is below this worker's
+            # priority, or it waits for housekeeping. Poll, never spin.
+            await self._nap()
             return False
         await self._nap(due)
         return False
@@ -304,6 +305,7 @@ class WorkerHost:
 
     def __init__(self) -> None:
         self._loops: set[WorkerLoop[Any]] = set()
+        self._stop_pending = False
         self._identity = (os.getpid(), default_worker_id())
 
     def _worker(self, worker_id: str | None) -> str:
@@ -316,10 +318,13 @@ class WorkerHost:
     async def _run_loop(self, loop: WorkerLoop[Any], *, handle_signals: bool) -> None:
         note_embedded(self.db, loop.name)
         self._loops.add(loop)
+        if self._stop_pending:
+            loop.stop()
         try:
             await loop.run(handle_signals=handle_signals)
         finally:
             self._loops.discard(loop)
+            self._stop_pending = False
 
     def stop(self) -> None:
         """Ask every `run` loop of this instance to stop gracefully: they claim nothing more,
@@ -331,3 +336,9 @@ class WorkerHost:
         """Hard-stop every `run` loop of this instance (`mongoq_sync`'s second signal)."""
         for loop in list(self._loops):
             loop.cancel()
+
+    def _stop_soon(self) -> None:
+        """`stop()`, also for a `run` about to start (`mongoq_sync`'s first signal may come
+        before the loop is registered): that run stops as soon as it starts."""
+        self._stop_pending = True
+        self.stop()

@@ -39,6 +39,7 @@ class _Queue(Protocol):
 
     collection: Any
     max_attempts: int
+    name: str
 
     async def _now(self) -> datetime: ...
 
@@ -138,9 +139,14 @@ class TaskOperators:
         requeued = await self.collection.update_many(
             schema.task_expired_retryable(now, self.max_attempts), schema.task_reclaiming(now)
         )
-        if buried.modified_count or requeued.modified_count:
-            log.info("reclaimed expired leases: %d failed, %d requeued",
-                     buried.modified_count, requeued.modified_count)  # fmt: skip
+        if buried.modified_count:  # given up: the attempts ran out with crashed workers
+            count = buried.modified_count
+            fields = {"mongoq_primitive": "tasks", "mongoq_queue": self.name,
+                      "mongoq_outcome": "failed", "mongoq_count": count}  # fmt: skip
+            log.warning("%d task(s) failed: their lease expired on the last attempt", count,
+                        extra=fields)  # fmt: skip
+        if requeued.modified_count:
+            log.info("requeued %d task(s) whose lease expired", requeued.modified_count)
         return ReclaimResult(buried.modified_count, requeued.modified_count)
 
     async def get(self: _Queue, task_id: TaskId) -> Task | None:

@@ -42,8 +42,6 @@ from mongoq.runtime.report import Attempt, log_attempt_end
 from mongoq.tasks import schema
 from mongoq.tasks.batch import TaskBatch
 from mongoq.tasks.models import (
-    PENDING,
-    PROCESSING,
     NewTask,
     PutManyResult,
     PutOutcome,
@@ -88,6 +86,7 @@ class TaskLease:
     task: Task
     outcome: str | None = None
     _keepalive: KeepAlive | None = field(default=None, repr=False)
+    _abandoned: bool = field(default=False, repr=False)
 
     @property
     def lost(self) -> bool:
@@ -131,9 +130,15 @@ class TaskLease:
         held = await self.queue.heartbeat(self.task)
         return None if self.settled else held
 
+    def _abandon(self) -> None:
+        """A settle went unanswered: the exit settles nothing more (it would complete the task
+        without its result); the lease expires and the task runs again."""
+        self.outcome = "unknown"
+        self._abandoned = True
+
     async def _settle_on_exit(self, exc: BaseException | None) -> None:
         """What the exit of the block does when it left the task unsettled (see `leased`)."""
-        if self.settled:
+        if self.settled or self._abandoned:
             return
         lost = LeaseLost(
             f"task {self.task.id!r} is no longer held (taken over, removed, or re-put with a new "
@@ -564,9 +569,10 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
 
         `handler_timeout` (seconds of the queue's clock) cancels a handler that runs longer:
         the attempt counts as failed, with the error ``HandlerTimeout: timed out after N s``.
-        A handler whose task a heartbeat finds lost (taken over after a stall, removed, re-put
-        with a new revision) is cancelled too, and counted `lost`: its result could not be
-        recorded, and another worker may be running the task.
+        A handler whose task a heartbeat finds lost (taken over after a stall, removed) is
+        cancelled too, and counted `lost`: its result could not be recorded, and another worker
+        may be running the task. (A re-put with a new revision does not stop the holder: its
+        settle misses, and the new revision runs afresh.)
 
         With `batch_size` > 1 each slot claims up to that many tasks at once (`claim_many`),
         runs them one after another under one heartbeat (`heartbeat_many`), and completes the
@@ -601,11 +607,13 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
                     )  # fmt: skip
                     # Finished: a hard stop from here on still records it (as a batch does),
                     # bounded like a batch's final settle.
-                    with anyio.move_on_after(self.lease_ttl, shield=True):
+                    with anyio.move_on_after(self.lease_ttl, shield=True) as bound:
                         try:
                             await lease.complete(result)
                         except InvalidInput as exc:  # a result that cannot be stored: a bug
                             await lease.fail(exc)
+                    if bound.cancelled_caught:  # no answer: the lease expires, result untold
+                        lease._abandon()
             except LeaseLost:
                 pass
             except _driver.DRIVER_ERRORS:
@@ -637,15 +645,13 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
 
     async def _next_due(self) -> datetime | None:
         """When the next task left becomes claimable (a pending task's due time, a processing
-        one's lease expiry); None when no task is pending or processing."""
-        times: list[datetime] = []
-        for status in (PENDING, PROCESSING):
-            docs = await _driver.find_list(
-                self.collection, schema.task_in_status(status), sort=schema.DUE_ORDER,
-                limit=1, projection={"lease_until": 1}, hint=schema.STATUS_LEASE.name,
-            )  # fmt: skip
-            times += [due for doc in docs if (due := stored_instant(doc["lease_until"]))]
-        return min(times, default=None)
+        one's lease expiry); None when no task is pending or processing. One query, so that a
+        task moving between the two states is never missed between two reads."""
+        docs = await _driver.find_list(
+            self.collection, schema.tasks_unfinished(), sort=schema.DUE_ORDER, limit=1,
+            projection={"lease_until": 1}, hint=schema.STATUS_LEASE.name,
+        )  # fmt: skip
+        return stored_instant(docs[0]["lease_until"]) if docs else None
 
     def _batch_steps(
         self,

@@ -99,6 +99,7 @@ __all__ = [
     "tasks_held",
     "tasks_listed",
     "tasks_purgeable",
+    "tasks_unfinished",
 ]
 
 
@@ -155,6 +156,12 @@ def task_in_status(status: TaskStatus) -> dict[str, Any]:
 def task_due(now: datetime) -> dict[str, Any]:
     """The pending tasks due at `now`: `stats`' due count and oldest due (``status_lease``)."""
     return {"status": PENDING, "lease_until": {"$lte": now}}
+
+
+def tasks_unfinished() -> dict[str, Any]:
+    """The pending and processing tasks, the first by `DUE_ORDER`: when a drained `run` wakes
+    next (``status_lease``, one range per status, merged)."""
+    return {"status": {"$in": [PENDING, PROCESSING]}}
 
 
 def task_expired(now: datetime) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import anyio
 import pytest
 
 from mongoq import GroupLease, InvalidInput, OutboxDispatcher, Task
+from mongoq.runtime.loop import WorkerLoop
 from mongoq.testing import ManualClock, settle
 from tests.support.group_helpers import dead, messages, new_transport
 from tests.support.helpers import new_queue, read
@@ -130,3 +131,83 @@ async def test_both_ways_to_stop_at_once_are_refused(db: Any, clock: ManualClock
         await queue.run(handle, stop_when_empty="yes")
     doc = await read(db, "t")
     assert doc is not None and (doc["status"], doc["attempts"]) == ("pending", 0)
+
+
+# ------------------------------------------------------- the loop's drain rule, without a database
+
+
+class Loop:
+    """A WorkerLoop over a fake claim: `items` are claimed in turn, each processed until its
+    gate opens; `due` is what "what is left" answers."""
+
+    def __init__(self, clock: ManualClock, items: list[str], due: Any, concurrency: int) -> None:
+        self.items = list(items)
+        self.due = due
+        self.claims = 0
+        self.asked = 0
+        self.gates = {item: anyio.Event() for item in items}
+        self.processed: list[str] = []
+        self.comes_back: dict[str, list[str]] = {}
+        self.loop: WorkerLoop[str] = WorkerLoop(
+            claim=self.claim, process=self.process, clock=clock, concurrency=concurrency,
+            next_due=self.next_due,
+        )  # fmt: skip
+
+    async def claim(self) -> str | None:
+        self.claims += 1
+        return self.items.pop(0) if self.items else None
+
+    async def process(self, item: str) -> None:
+        await self.gates[item].wait()
+        self.processed.append(item)
+        self.items += self.comes_back.pop(item, [])  # e.g. a retry, due at once
+
+    async def next_due(self) -> Any:
+        self.asked += 1
+        return self.due
+
+
+async def test_a_drained_loop_polls_rather_than_spins_when_something_is_due_it_cannot_claim(
+    clock: ManualClock,
+) -> None:
+    """Something due now that this worker cannot claim (below its priority, an expired last
+    attempt awaiting housekeeping, taken by another worker): it waits a poll, never spins."""
+    fake = Loop(clock, [], due=clock.now(), concurrency=2)
+    async with anyio.create_task_group() as group:
+        group.start_soon(fake.loop.run)
+        await settle()
+        first = fake.claims
+        await settle()
+        assert fake.claims == first == 2  # one claim per slot, then each naps a poll
+        clock.advance(1)  # the poll interval
+        await settle()
+        assert fake.claims == 4
+        group.cancel_scope.cancel()
+
+
+async def test_a_drained_loop_does_not_stop_while_another_slot_still_works(
+    clock: ManualClock,
+) -> None:
+    """Nothing left while another slot's item is in flight is not the end: that item may
+    come back (a retry the reading of what is left missed). The loop stops only once nothing
+    is in flight either, so the retry is run."""
+    fake = Loop(clock, ["a"], due=None, concurrency=2)
+    fake.comes_back["a"] = ["a-again"]
+    fake.gates["a-again"] = anyio.Event()
+    fake.gates["a-again"].set()
+    returned: list[bool] = []
+
+    async def run() -> None:
+        await fake.loop.run()
+        returned.append(True)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(run)
+        await settle()
+        assert (fake.claims, fake.asked, returned) == (2, 1, [])  # a in flight: no stop
+        fake.gates["a"].set()
+        await settle()  # a done: its slot claims nothing, asks, and stops the loop
+        clock.advance(1)
+        await settle()
+        assert returned == [True]
+    assert fake.processed == ["a", "a-again"]

@@ -977,9 +977,8 @@ async def test_a_cancelled_batch_completes_the_finished_and_releases_the_rest(
 ) -> None:
     """Cancelling `run` mid-batch while the release for retry of t2 (which failed) is on its
     way: the release still applies (an attempt, with backoff and the error), and t1, handled,
-    is completed. The cancellation then cuts t3 short at its handler's first await (released
-    for retry: an attempt, with backoff, no error), and t4, never started, is released at once
-    without counting an attempt."""
+    is completed. t3 and t4, never started (the cancellation is noticed before t3's handler
+    starts), are released at once without counting an attempt."""
     queue, faults = await faulty_queue(db, clock, backoff_base=10, backoff_cap=10)
     await put_in_order(queue, clock, ["t1", "t2", "t3", "t4"])
     settling = faults.pause_before("update_one", collection="tasks", match=is_retry)
@@ -999,31 +998,59 @@ async def test_a_cancelled_batch_completes_the_finished_and_releases_the_rest(
         group.cancel_scope.cancel()
         settling.release()
 
-    assert started == ["t1", "t2", "t3"]
+    assert started == ["t1", "t2"]
     docs = await read_all(db)
     assert (docs["t1"]["status"], docs["t1"]["result"], docs["t1"]["attempts"]) == (
         "done",
         "done t1",
         1,
     )
-    for task_id in ("t2", "t3"):
+    t2 = docs["t2"]
+    assert (t2["status"], t2["attempts"], t2["lease_token"], t2["worker_id"]) == (
+        "pending", 1, None, None,
+    )  # fmt: skip
+    assert later(clock, 10) <= t2["lease_until"] < later(clock, 15)
+    assert t2["error"].endswith("RuntimeError: t2 failed")
+    for task_id in ("t3", "t4"):
         doc = docs[task_id]
-        assert (doc["status"], doc["attempts"], doc["lease_token"], doc["worker_id"]) == (
-            "pending",
-            1,
-            None,
-            None,
-        )
-        assert later(clock, 10) <= doc["lease_until"] < later(clock, 15)
-    assert docs["t2"]["error"].endswith("RuntimeError: t2 failed")
-    assert docs["t3"]["error"] == WORKER_STOPPED  # cut short: the reason, not a traceback
-    t4 = docs["t4"]
-    assert (t4["status"], t4["attempts"], t4["lease_token"]) == ("pending", 0, None)
-    assert t4["lease_until"] == clock.now()
-    assert ids(await queue.claim_many(10, "w")) == ["t4"]
+        assert (doc["status"], doc["attempts"], doc["lease_token"]) == ("pending", 0, None)
+        assert doc["lease_until"] == clock.now()
+    assert ids(await queue.claim_many(10, "w")) == ["t3", "t4"]
     clock.advance(15)
     retried = await queue.claim_many(10, "w")
-    assert sorted((task.id, task.attempts) for task in retried) == [("t2", 2), ("t3", 2)]
+    assert [(task.id, task.attempts) for task in retried] == [("t2", 2)]
+
+
+async def test_a_batch_cancelled_under_a_handler_records_worker_stopped_for_it(
+    db: Any, clock: ManualClock
+) -> None:
+    """The cancellation comes while t2's handler waits: t1, handled, is completed; t2 is cut
+    short (an attempt, with backoff, the error "worker stopped"); t3, never started, is
+    released at once without counting an attempt."""
+    queue = await new_queue(db, clock, backoff_base=10, backoff_cap=10)
+    await put_in_order(queue, clock, ["t1", "t2", "t3"])
+    started: list[Any] = []
+
+    async def handler(task: Task) -> Any:
+        started.append(task.id)
+        if task.id == "t2":
+            await anyio.sleep_forever()
+        return f"done {task.id}"
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(lambda: queue.run(handler, batch_size=3, worker_id="w"))
+        await wait_for(lambda: started == ["t1", "t2"], "t2's handler")
+        group.cancel_scope.cancel()
+
+    docs = await read_all(db)
+    assert (docs["t1"]["status"], docs["t1"]["result"]) == ("done", "done t1")
+    t2 = docs["t2"]
+    assert (t2["status"], t2["attempts"], t2["lease_token"], t2["error"]) == (
+        "pending", 1, None, WORKER_STOPPED,
+    )  # fmt: skip
+    assert later(clock, 10) <= t2["lease_until"] < later(clock, 15)
+    t3 = docs["t3"]
+    assert (t3["status"], t3["attempts"], t3["lease_until"]) == ("pending", 0, clock.now())
 
 
 async def test_a_batch_longer_than_the_lease_keeps_every_lease_through_heartbeats(
