@@ -1,10 +1,26 @@
-"""The ``mongoq`` command: the demo, and operator commands for task queues.
+"""The ``mongoq`` command (also ``python -m mongoq``): operate the three primitives, export their
+metrics, run the demo.
 
-    mongoq [--log-level LEVEL] demo [--uri URI] [--tasks N] [--workers N] [--seed N]
-    mongoq stats QUEUE --uri URI [--database DB]
-    mongoq reclaim QUEUE --uri URI [--database DB]
-    mongoq requeue QUEUE TASK_ID --uri URI [--database DB]
+    mongoq tasks stats QUEUE
+    mongoq tasks list QUEUE [--status S] [--limit N] [--after CURSOR]
+    mongoq tasks get QUEUE TASK_ID [--int-id]
+    mongoq tasks requeue QUEUE (TASK_ID ... | --all-failed) [--int-ids]
+    mongoq tasks purge QUEUE --status done|failed|tombstone --older-than AGE
+    mongoq tasks reclaim QUEUE [--max-attempts N]
+    mongoq groups stats PREFIX
+    mongoq groups list PREFIX [--state S] [--limit N] [--after CURSOR]
+    mongoq groups dead-letters PREFIX [--group G [--int-group]] [--limit N]
+    mongoq groups redrive PREFIX (SEQ ... | --group G [--int-group] | --all) [--limit N]
+    mongoq outbox stats [--prefix P] [--completion-history]
+    mongoq outbox list [--prefix P] [--status S] [--handler H] [--event-type T] [--limit N]
+    mongoq outbox requeue EVENT_ID HANDLER [--prefix P]
+    mongoq outbox purge [--prefix P] [--dead-older-than AGE] [--completed-older-than AGE]
+    mongoq metrics [--port 9108] [--addr A] [--tasks NAME ...] [--groups P ...] [--outbox P ...]
+    mongoq demo [--tasks N] [--workers N] [--seed N]
 
+Global options, before or after the command: ``--uri`` (``MONGOQ_URI``; else the embedded
+backend), ``--database`` (``MONGOQ_DATABASE``, mongoq), ``--timeout`` (``MONGOQ_TIMEOUT``, 5 s),
+``--json``, ``--log-level``; ``--version``. See `EPILOG` for the exit codes and the aliases.
 Printing is this module's job; the library itself only logs. Owns no collections.
 """
 
@@ -12,22 +28,390 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import logging
+import os
+import re
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, fields, is_dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, NoReturn
+from urllib.parse import unquote, unquote_plus
 
-from mongoq import _driver
+import anyio
+from pymongo.errors import ConnectionFailure, PyMongoError
+
+from mongoq import __version__, _driver
 from mongoq.demo import DemoConfig, DemoReport, run_demo
 from mongoq.errors import MongoqError
+from mongoq.groups import AsyncGroupTransport
+from mongoq.groups.models import NEVER_CLAIMED
+from mongoq.outbox import AsyncOutbox
 from mongoq.tasks import AsyncTaskQueue
+from mongoq.tasks.models import STATUSES
+from mongoq.tasks.schema import PURGEABLE
 
-__all__ = ["main"]
+__all__ = ["main", "redact", "run", "scrub"]
+
+GROUP_STATES = ("ready", "in_flight", "parked")
+DELIVERY_STATUSES = ("pending", "parked", "dead", "completed")
+#: The widest a free-text cell (an error) is printed in a table.
+CELL_WIDTH = 60
+EPILOG = """\
+global options go before or after the command; AGE is seconds or 30s, 15m, 12h, 7d
+exit codes: 0 done, 1 nothing to requeue/redrive (or no such task), 2 error, 130 interrupted
+deprecated (one release): mongoq stats|reclaim QUEUE, mongoq requeue QUEUE TASK_ID"""
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+class UsageError(Exception):
+    """A command line that asks for nothing sensible; `prog` names the (sub)command."""
+
+    def __init__(self, message: str, prog: str = "mongoq") -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (``mongoq tasks list: error: ...``), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see --help)", self.prog)
+
+
+# ------------------------------------------------------------------------- credentials
+
+
+def _split(uri: str) -> tuple[str, str, str, str]:
+    """``scheme, userinfo, hosts, rest`` as PyMongo splits a URI (at the first ``/``, then the
+    last ``@``); an ``@`` only further on (an unescaped ``/`` in a password) masks up to it."""
+    scheme, sep, body = uri.partition("://")
+    if not sep:
+        return "", "", uri, ""
+    head, slash, tail = body.partition("/")
+    if "@" not in head and "@" in body:
+        userinfo, _, after = body.rpartition("@")
+        head, slash, tail = after.partition("/")
+        return scheme, userinfo, head, slash + tail
+    userinfo, _, head = head.rpartition("@")
+    return scheme, userinfo, head, slash + tail
+
+
+_SECRET_OPTION = re.compile(r"(?i)([?&;][^=&;]*(?:password|secret|token)[^=&;]*=)[^&;]*")
+_ANY_USERINFO = re.compile(r"(mongodb(?:\+srv)?://)[^@/\s]+@")
+_MASK = r"\1***"
+
+
+def redact(uri: str) -> str:
+    """`uri` without credentials: the user and password become ``***``, and so do the values
+    of options naming a password, secret or token (``tlsCertificateKeyFilePassword``)."""
+    scheme, userinfo, hosts, rest = _split(uri)
+    if not scheme:
+        return uri
+    masked = "***@" if userinfo else ""
+    return f"{scheme}://{masked}{hosts}{_SECRET_OPTION.sub(_MASK, rest)}"
+
+
+def scrub(text: str, uri: str | None) -> str:
+    """`text` (a driver's error message) with the credentials of `uri`, as written and
+    percent-decoded, and the user part of any URI in it replaced by ``***``."""
+    text = _ANY_USERINFO.sub(r"\1***@", text)
+    if not uri:
+        return text
+    userinfo = _split(uri)[1]
+    secrets = {userinfo, *userinfo.split(":", 1)}
+    secrets |= {m.group(0).split("=", 1)[1] for m in _SECRET_OPTION.finditer(uri)}
+    secrets |= {decode(s) for s in tuple(secrets) for decode in (unquote, unquote_plus)}
+    for secret in sorted((s for s in secrets if s), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+def _unreachable(uri: str, error: ConnectionFailure, timeout: float) -> str:
+    """One line: the hosts (with the default port; an SRV name as it is) and why."""
+    scheme, _, hosts, _ = _split(uri)
+    if scheme == "mongodb":
+        hosts = ",".join(h if re.search(r":\d+$", h) else f"{h}:27017" for h in hosts.split(","))
+    reason = str(error).split(", Timeout:")[0]
+    reason = re.sub(r"\s*\(configured timeouts:[^)]*\)", "", reason)
+    reason = re.sub(r"^\S+:\d+: ", "", reason).strip() or type(error).__name__
+    return f"cannot reach the server at {hosts} ({reason}; gave up after {timeout:g} s)"
+
+
+# ---------------------------------------------------------------------------- printing
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    left, parts = int(seconds), list[str]()
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if left >= size or parts:
+            parts.append(f"{left // size}{unit}")
+            left %= size
+    return "".join([*parts, f"{left}s"][:2])
+
+
+def _line(text: str, width: int = CELL_WIDTH) -> str:
+    """Free text in one line: a stored traceback becomes its last line (the exception)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()] or [""]
+    summary = lines[-1] if lines[0].startswith("Traceback") else lines[0]
+    if len(summary) > width:
+        return summary[: width - 3] + "..."
+    return summary + (" ..." if len(lines) > 1 and summary is lines[0] else "")
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, datetime):  # to the second, in UTC
+        utc = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+        return utc.strftime("%Y-%m-%dT%H:%M:%SZ")
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, str | int):
+        return _line(str(value))
+    return _line(json.dumps(_plain(value)))
+
+
+def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], empty: str) -> list[str]:
+    cells = [list(headers)] + [[_cell(value) for value in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    ]
+    return lines if len(cells) > 1 else [empty]
+
+
+def _pairs(rows: Sequence[tuple[str, Any]]) -> list[str]:
+    width = max(len(label) for label, _ in rows)
+    return [f"{label:<{width}}  {_cell(value)}" for label, value in rows]
+
+
+def _plain(value: Any) -> Any:
+    """`value` as JSON: dataclasses as objects, datetimes in ISO 8601, the rest as text."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, datetime):
+        return (value.replace(tzinfo=UTC) if value.tzinfo is None else value).isoformat()
+    if isinstance(value, dict):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)
+
+
+@dataclass(frozen=True)
+class Out:
+    """What an operator command shows: `data` under ``--json``, else the lines of `text`."""
+
+    data: Any
+    text: list[str]
+    code: int = 0
+
+
+def _duration(text: str) -> float:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd]?)", text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected seconds or 30s, 15m, 12h, 7d; got {text!r}")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+# ----------------------------------------------------------------------------- tasks
+
+
+def _ids(texts: list[str], integers: bool, name: str) -> list[Any]:
+    """Ids as given, or as integers (``--int-id``): a stored 7 and "7" are different ids."""
+    try:
+        return [int(text) for text in texts] if integers else texts
+    except ValueError:
+        raise UsageError(f"{name}: expected integers, got {' '.join(texts)}") from None
+
+
+def _queue(args: argparse.Namespace, db: Any) -> AsyncTaskQueue:
+    return AsyncTaskQueue(db, args.queue, max_attempts=getattr(args, "max_attempts", 5))
+
+
+def _found(count: int | bool, done: str, nothing: str, data: Any) -> Out:
+    """A requeue's or a redrive's outcome: exit code 1 when it found nothing to do."""
+    return Out(data, [done if count else nothing], 0 if count else 1)
+
+
+async def _tasks_stats(args: argparse.Namespace, db: Any) -> Out:
+    stats = await _queue(args, db).stats()
+    rows = [*stats.counts.items(), ("due", stats.due), ("expired", stats.expired)]
+    return Out(stats, _pairs([*rows, ("oldest due age", _age(stats.oldest_due_age))]))
+
+
+async def _tasks_list(args: argparse.Namespace, db: Any) -> Out:
+    page = await _queue(args, db).list_tasks(args.status, limit=args.limit, after=args.after)
+    text = _table(
+        ["ID", "STATUS", "ATTEMPTS", "PRIORITY", "UPDATED", "LEASE UNTIL", "WORKER", "ERROR"],
+        [[t.id, t.status, t.attempts, t.priority, t.updated_at, t.lease_until, t.worker_id,
+          t.error] for t in page.tasks],
+        "no tasks",
+    )  # fmt: skip
+    return Out(page, text + ([f"next: --after {page.next}"] if page.next else []))
+
+
+async def _tasks_get(args: argparse.Namespace, db: Any) -> Out:
+    task = await _queue(args, db).get(_ids([args.task_id], args.int_id, "TASK_ID")[0])
+    if task is None:
+        return Out(None, [f"no task {args.task_id!r} in {args.queue}"], 1)
+    rows = [(f.name, getattr(task, f.name)) for f in fields(task) if f.name != "error"]
+    return Out(task, _pairs(rows) + (["error:", task.error] if task.error else ["error  -"]))
+
+
+async def _tasks_requeue(args: argparse.Namespace, db: Any) -> Out:
+    if bool(args.task_ids) == args.all_failed:
+        raise UsageError("name the task ids to requeue, or pass --all-failed (not both)")
+    ids = _ids(args.task_ids, args.int_ids, "TASK_ID")
+    n = await _queue(args, db).requeue_failed(ids or None)
+    return _found(n, f"requeued {n} failed task(s)", "no failed task to requeue", {"requeued": n})
+
+
+async def _tasks_purge(args: argparse.Namespace, db: Any) -> Out:
+    n = await _queue(args, db).purge(args.status, args.older_than)
+    age = _age(args.older_than)
+    return Out({"purged": n}, [f"purged {n} {args.status} task(s) last changed over {age} ago"])
+
+
+async def _tasks_reclaim(args: argparse.Namespace, db: Any) -> Out:
+    result = await _queue(args, db).reclaim_expired()
+    text = f"expired leases: {result.failed} task(s) failed, {result.requeued} requeued"
+    return Out(result, [text])
+
+
+# ---------------------------------------------------------------------------- groups
+
+
+def _group_id(args: argparse.Namespace) -> Any:
+    return None if args.group is None else _ids([args.group], args.int_group, "--group")[0]
+
+
+async def _groups_stats(args: argparse.Namespace, db: Any) -> Out:
+    stats = await AsyncGroupTransport(db, args.prefix).stats()
+    return Out(stats, _pairs([
+        ("ready", stats.ready), ("in flight", stats.in_flight), ("parked", stats.parked),
+        ("messages", stats.messages), ("dead letters", stats.dead),
+        ("oldest message age", _age(stats.oldest_message_age)),
+    ]))  # fmt: skip
+
+
+async def _groups_list(args: argparse.Namespace, db: Any) -> Out:
+    transport = AsyncGroupTransport(db, args.prefix)
+    page = await transport.list_groups(args.state, limit=args.limit, after=args.after)
+    text = _table(
+        ["GROUP", "STATE", "PRIORITY", "AVAILABLE AT", "HEAD", "HEAD AGE", "DELIVERIES", "ERROR"],
+        [[g.group_id, g.state, g.priority,
+          None if g.available_at == NEVER_CLAIMED else g.available_at,  # never claimed: "-"
+          g.head_seq, _age(g.head_age), g.head_deliveries, g.head_error] for g in page.groups],
+        "no groups",
+    )  # fmt: skip
+    return Out(page, text + ([f"next: --after {page.next}"] if page.next else []))
+
+
+async def _groups_dead_letters(args: argparse.Namespace, db: Any) -> Out:
+    transport = AsyncGroupTransport(db, args.prefix)
+    letters = await transport.dead_letters(group_id=_group_id(args), limit=args.limit)
+    return Out({"dead_letters": letters}, _table(
+        ["SEQ", "GROUP", "PRIORITY", "DELIVERIES", "PUBLISHED", "DEAD AT", "ERROR"],
+        [[d.seq, d.group_id, d.priority, d.deliveries, d.published_at, d.dead_at, d.error]
+         for d in letters],
+        "no dead letters",
+    ))  # fmt: skip
+
+
+async def _groups_redrive(args: argparse.Namespace, db: Any) -> Out:
+    if [bool(args.seqs), args.group is not None, args.all].count(True) != 1:
+        raise UsageError("choose the dead letters: SEQ ..., --group G or --all (one of them)")
+    transport = AsyncGroupTransport(db, args.prefix)
+    n = await transport.redrive(args.seqs or None, group_id=_group_id(args), limit=args.limit)
+    return _found(n, f"redrove {n} dead letter(s)", "no dead letter to redrive", {"redriven": n})
+
+
+# ---------------------------------------------------------------------------- outbox
+
+
+def _outbox(args: argparse.Namespace, db: Any) -> AsyncOutbox:
+    # Subscriptions matter to publishing only; the completion history to listing and purging.
+    return AsyncOutbox(
+        db, args.prefix, subscriptions={}, completion_history=args.completion_history
+    )
+
+
+async def _outbox_stats(args: argparse.Namespace, db: Any) -> Out:
+    stats = await _outbox(args, db).stats()
+    return Out(stats, _pairs([(f.name.replace("_", " "), getattr(stats, f.name))
+                              for f in fields(stats)]))  # fmt: skip
+
+
+async def _outbox_list(args: argparse.Namespace, db: Any) -> Out:
+    deliveries = await _outbox(args, db).list_deliveries(
+        status=args.status, handler=args.handler, event_type=args.event_type, limit=args.limit
+    )
+    return Out({"deliveries": deliveries}, _table(
+        ["EVENT", "TYPE", "HANDLER", "STATUS", "ATTEMPTS", "KEY", "DUE AT", "UPDATED", "ERROR"],
+        [[d.event_id, d.event_type, d.handler, "running" if d.running else d.status, d.attempts,
+          d.key, d.due_at, d.updated_at, d.last_error] for d in deliveries],
+        "no deliveries",
+    ))  # fmt: skip
+
+
+async def _outbox_requeue(args: argparse.Namespace, db: Any) -> Out:
+    done = await _outbox(args, db).requeue(args.event_id, args.handler)
+    nothing = f"no dead delivery of event {args.event_id} to {args.handler}"
+    return _found(done, f"requeued {args.event_id} to {args.handler}", nothing, {"requeued": done})
+
+
+async def _outbox_purge(args: argparse.Namespace, db: Any) -> Out:
+    if args.dead_older_than is None and args.completed_older_than is None:
+        raise UsageError("pass --dead-older-than, --completed-older-than or both")
+    outbox = _outbox(args, db)
+    await outbox.clock.refresh()  # the cutoffs on the server's clock, as the outbox's own
+    dead, completed = (
+        None if age is None else outbox.clock.now() - timedelta(seconds=age)
+        for age in (args.dead_older_than, args.completed_older_than)
+    )
+    result = await outbox.purge(dead_before=dead, completed_before=completed)
+    counts = (result.dead_deliveries, result.completed_records, result.events)
+    text = "purged {} dead deliveries, {} completion records, {} events".format(*counts)
+    return Out(result, [text])
+
+
+# ------------------------------------------------------------------ metrics, demo, aliases
+
+
+async def _serve_until_stopped(url: str) -> None:
+    """Wait for Ctrl-C (the main task is cancelled); tests replace it."""
+    await anyio.sleep_forever()
+
+
+async def _metrics(args: argparse.Namespace) -> int:
+    from mongoq import metrics  # the metrics extra: imported only when asked for
+
+    _note_if_embedded(_uri(args))
+    try:
+        server = metrics.serve(
+            args.port, uri=args.uri, database=args.database, tasks=args.tasks,
+            groups=args.groups, outbox=args.outbox, addr=args.addr,
+        )  # fmt: skip
+    except OSError as error:  # the port is taken, the address is not this host's
+        raise MongoqError(f"cannot serve on {args.addr}:{args.port}: {error}") from error
+    try:
+        print(f"serving metrics on {server.url} (Ctrl-C stops)", flush=True)
+        await _serve_until_stopped(server.url)
+    finally:
+        server.close()
+    return 0
 
 
 def _print_report(report: DemoReport) -> None:
-    print()
-    print(f"{'final state':<24}{'tasks':>8}")
+    print(f"\n{'final state':<24}{'tasks':>8}")
     for status, count in sorted(report.statuses.items()):
         print(f"  {status:<22}{count:>8}")
     print()
@@ -43,77 +427,238 @@ def _print_report(report: DemoReport) -> None:
     ]
     for label, value in rows:
         print(f"  {label:<30}{value!s:>10}")
-    print()
-    print("invariants")
+    print("\ninvariants")
     for label, passed in report.checks:
         print(f"  [{'ok' if passed else 'FAILED'}] {label}")
 
 
-async def _operate(args: argparse.Namespace) -> int:
-    db = _driver.connect(args.uri, args.database)
-    queue = AsyncTaskQueue(db, args.queue)
+async def _demo(args: argparse.Namespace) -> int:
+    config = DemoConfig(uri=args.uri, tasks=args.tasks, workers=args.workers, seed=args.seed)
+    report = await run_demo(config, progress=lambda line: print(line, flush=True))
+    _print_report(report)
+    return 0 if report.ok else 1
+
+
+def _deprecated(name: str) -> Any:
+    """The handler of the old ``mongoq NAME``: a notice, then ``mongoq tasks NAME``."""
+    new = {"stats": _tasks_stats, "reclaim": _tasks_reclaim, "requeue": _tasks_requeue}[name]
+
+    async def alias(args: argparse.Namespace, db: Any) -> Out:
+        print(f"mongoq: warning: 'mongoq {name}' is deprecated and goes in the next release; "
+              f"use 'mongoq tasks {name}'", file=sys.stderr)  # fmt: skip
+        if name == "requeue":
+            args.task_ids, args.int_ids, args.all_failed = [args.task_id], args.int_id, False
+        return await new(args, db)
+
+    return alias
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+def _global_options(suppress: bool) -> _Parser:
+    """The options every level accepts; below the top, unset ones leave the top's values."""
     try:
-        if args.command == "stats":
-            stats = await queue.stats()
-            for status, count in stats.counts.items():
-                print(f"{status:<12}{count:>10}")
-            print(f"{'due':<12}{stats.due:>10}")
-            print(f"{'expired':<12}{stats.expired:>10}")
-            print(f"oldest due age: {stats.oldest_due_age}")
-        elif args.command == "reclaim":
-            result = await queue.reclaim_expired()
-            print(f"failed {result.failed}, requeued {result.requeued}")
-        elif args.command == "requeue":
-            task_id: Any = int(args.task_id) if args.int_id else args.task_id
-            requeued = await queue.requeue(task_id)
-            print("requeued" if requeued else "no failed task with that id")
-            return 0 if requeued else 1
+        timeout = _duration(os.environ.get("MONGOQ_TIMEOUT", "5"))
+    except argparse.ArgumentTypeError as error:
+        raise UsageError(f"MONGOQ_TIMEOUT: {error}") from None
+    database = os.environ.get("MONGOQ_DATABASE", "mongoq")
+    specs: list[tuple[str, Any, dict[str, Any]]] = [
+        ("--uri", None, {"help": "mongodb:// or mongodb+srv:// (default: MONGOQ_URI)"}),
+        ("--database", database, {"help": "default: MONGOQ_DATABASE, else mongoq"}),
+        ("--timeout", timeout, {"type": _duration, "metavar": "SECONDS",
+                                "help": "to find the server (default: MONGOQ_TIMEOUT, else 5)"}),
+        ("--json", False, {"action": "store_true", "help": "one JSON document on stdout"}),
+        ("--log-level", None, {"choices": ["DEBUG", "INFO", "WARNING", "ERROR"],
+                               "help": "what the library logs (default: WARNING; demo: ERROR)"}),
+    ]  # fmt: skip
+    options = _Parser(add_help=False)
+    for flag, default, extra in specs:
+        options.add_argument(flag, default=argparse.SUPPRESS if suppress else default, **extra)
+    return options
+
+
+def _command(where: Any, name: str, func: Any, text: str, *target: str) -> Any:
+    """Add the command `name` running `func` (which connects) with the positionals `target`."""
+    sub = where.add_parser(name, help=text, description=text, parents=[_global_options(True)])
+    sub.set_defaults(func=func, connects=True)
+    for positional in target:
+        sub.add_argument(positional, metavar=positional.upper())
+    return sub
+
+
+def _actions(commands: Any, name: str, text: str) -> Any:
+    sub = commands.add_parser(name, help=text, parents=[_global_options(True)])
+    return sub.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+
+def _add_tasks(commands: Any) -> None:
+    tasks = _actions(commands, "tasks", "a task queue (AsyncTaskQueue): stats, list, requeue...")
+    _command(tasks, "stats", _tasks_stats, "counts per status, due, expired", "queue")
+    sub = _command(tasks, "list", _tasks_list, "tasks, least recently changed first", "queue")
+    sub.add_argument("--status", choices=STATUSES)
+    sub.add_argument("--limit", type=int, default=100, help="at most this many (up to 1000)")
+    sub.add_argument("--after", metavar="CURSOR", help="the `next:` of the previous page")
+    sub = _command(tasks, "get", _tasks_get, "one task, in full", "queue", "task_id")
+    sub.add_argument("--int-id", action="store_true", help="the id is an integer")
+    sub = _command(tasks, "requeue", _tasks_requeue, "failed tasks back to pending", "queue")
+    sub.add_argument("task_ids", nargs="*", metavar="TASK_ID")
+    sub.add_argument("--all-failed", action="store_true", help="every failed task")
+    sub.add_argument("--int-ids", action="store_true", help="the ids are integers")
+    sub = _command(tasks, "purge", _tasks_purge, "delete old finished tasks", "queue")
+    sub.add_argument("--status", choices=PURGEABLE, required=True)
+    sub.add_argument("--older-than", type=_duration, required=True, metavar="AGE")
+    sub = _command(tasks, "reclaim", _tasks_reclaim, "fail or requeue expired leases", "queue")
+    sub.add_argument("--max-attempts", type=int, default=5, help="the workers' (default 5)")
+
+
+def _add_groups(commands: Any) -> None:
+    groups = _actions(commands, "groups", "a group transport (AsyncGroupTransport)")
+    _command(groups, "stats", _groups_stats, "groups by state, messages, dead letters", "prefix")
+    sub = _command(groups, "list", _groups_list, "groups, by group id", "prefix")
+    sub.add_argument("--state", choices=GROUP_STATES)
+    sub.add_argument("--limit", type=int, default=100, help="at most this many (up to 1000)")
+    sub.add_argument("--after", metavar="CURSOR", help="the `next:` of the previous page")
+    for name, func, text in (
+        ("dead-letters", _groups_dead_letters, "dead letters, oldest first"),
+        ("redrive", _groups_redrive, "publish dead letters again, at the tail of their groups"),
+    ):
+        sub = _command(groups, name, func, text, "prefix")
+        if name == "redrive":
+            sub.add_argument("seqs", nargs="*", type=int, metavar="SEQ")
+            sub.add_argument("--all", action="store_true", help="the oldest --limit ones")
+        sub.add_argument("--group", metavar="G", help="only this group's")
+        sub.add_argument("--int-group", action="store_true", help="the group id is an integer")
+        sub.add_argument("--limit", type=int, default=100 if name == "dead-letters" else 1000)
+
+
+def _add_outbox(commands: Any) -> None:
+    outbox = _actions(commands, "outbox", "an outbox (AsyncOutbox): stats, list, requeue, purge")
+    parsers = {}
+    for name, func, text, target in (
+        ("stats", _outbox_stats, "deliveries by status, lanes held", ()),
+        ("list", _outbox_list, "deliveries, oldest first", ()),
+        ("requeue", _outbox_requeue, "a dead delivery back to pending", ("event_id", "handler")),
+        ("purge", _outbox_purge, "delete old dead deliveries, completions, events", ()),
+    ):
+        parsers[name] = sub = _command(outbox, name, func, text, *target)
+        sub.add_argument("--prefix", default="mongoq_outbox_", help="default: mongoq_outbox_")
+        sub.add_argument("--completion-history", action="store_true", help="as the outbox has it")
+    parsers["list"].add_argument("--status", choices=DELIVERY_STATUSES)
+    parsers["list"].add_argument("--handler")
+    parsers["list"].add_argument("--event-type")
+    parsers["list"].add_argument("--limit", type=int, default=100)
+    parsers["purge"].add_argument("--dead-older-than", type=_duration, metavar="AGE")
+    parsers["purge"].add_argument("--completed-older-than", type=_duration, metavar="AGE")
+
+
+def _add_others(commands: Any) -> None:
+    """`metrics`, `demo` (which do not connect here) and the deprecated aliases."""
+    text = "export the stats of the named primitives to Prometheus, until Ctrl-C"
+    sub = _command(commands, "metrics", _metrics, text)
+    sub.set_defaults(connects=False)
+    sub.add_argument("--port", type=int, default=9108, help="default: 9108")
+    sub.add_argument("--addr", default="0.0.0.0")
+    for name, metavar in (("tasks", "QUEUE"), ("groups", "PREFIX"), ("outbox", "PREFIX")):
+        sub.add_argument(f"--{name}", nargs="+", default=[], metavar=metavar)
+    sub = _command(commands, "demo", _demo, "run the task-queue demo (embedded backend default)")
+    sub.set_defaults(connects=False)
+    sub.add_argument("--tasks", type=int, default=DemoConfig.tasks)
+    sub.add_argument("--workers", type=int, default=DemoConfig.workers)
+    sub.add_argument("--seed", type=int, default=DemoConfig.seed)
+    for name in ("stats", "reclaim", "requeue"):
+        target = ["queue", "task_id"] if name == "requeue" else ["queue"]
+        sub = _command(commands, name, _deprecated(name), f"deprecated: tasks {name}", *target)
+        if name == "requeue":
+            sub.add_argument("--int-id", action="store_true")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="mongoq", parents=[_global_options(suppress=False)], epilog=EPILOG,
+        description="Operate mongoq's task queues, group transports and outboxes; export "
+        "their metrics; run the demo.", formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    parser.add_argument("--version", action="version", version=f"mongoq {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_tasks, _add_groups, _add_outbox, _add_others):
+        add(commands)
+    return parser
+
+
+# ---------------------------------------------------------------------------- running
+
+
+def _uri(args: argparse.Namespace) -> str | None:
+    return args.uri or os.environ.get("MONGOQ_URI") or None
+
+
+def _note_if_embedded(uri: str | None) -> None:
+    if uri is None:  # `--uri memory://` asks for it: no note
+        print("mongoq: note: no --uri nor MONGOQ_URI: the embedded backend, an empty "
+              "in-process database", file=sys.stderr)  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def _database(args: argparse.Namespace) -> AsyncIterator[Any]:
+    uri = _uri(args)
+    _note_if_embedded(uri)
+    ms = max(1, int(args.timeout * 1000))
+    options = {"serverSelectionTimeoutMS": ms, "connectTimeoutMS": ms}
+    try:
+        db = _driver.connect(uri, args.database, client_options=options)
+    except ValueError as error:  # PyMongo's refusal of a malformed URI (InvalidInput is ours)
+        raise error if isinstance(error, MongoqError) else MongoqError(f"uri: {error}") from None
+    try:
+        if _driver.backend_of(db) is not _driver.Backend.MEMORY:
+            await db.command("ping")  # an unreachable server: one error now, not a clock warning
+        yield db
     finally:
         await _driver.close(db)
-    return 0
+
+
+def _fail(message: str) -> int:
+    print(" ".join(message.split()), file=sys.stderr)
+    return 2
+
+
+async def run(argv: Sequence[str] | None = None) -> int:
+    """Run one ``mongoq`` command in the running event loop; returns its exit code."""
+    try:
+        args = _build_parser().parse_args(argv)  # --uri & co. before or after the command
+    except UsageError as error:
+        return _fail(f"{error.prog}: error: {error}")
+    except SystemExit as exit:  # --help, --version
+        return exit.code if isinstance(exit.code, int) else 0
+    level = args.log_level or ("ERROR" if args.command == "demo" else "WARNING")
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    uri = _uri(args)
+    try:
+        if args.json and not args.connects:
+            raise UsageError("--json is for the operator commands", f"mongoq {args.command}")
+        if not args.connects:
+            return int(await args.func(args))
+        async with _database(args) as db:
+            out: Out = await args.func(args, db)
+        print(json.dumps(_plain(out.data), indent=2) if args.json else "\n".join(out.text))
+        return out.code
+    except UsageError as error:
+        return _fail(f"{error.prog}: error: {error}")
+    except MongoqError as error:  # a missing extra, a refused argument: said plainly
+        return _fail(f"mongoq: error: {scrub(str(error), uri)}")
+    except ConnectionFailure as error:
+        return _fail(f"mongoq: error: {scrub(_unreachable(uri or '', error, args.timeout), uri)}")
+    except PyMongoError as error:  # a refused login, a malformed URI: the first line, scrubbed
+        return _fail(f"mongoq: error: {_line(scrub(str(error), uri), 300)}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mongoq", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="run the task-queue demo (embedded backend default)")
-    demo.add_argument("--uri", help="a MongoDB URI; default: the embedded in-memory backend")
-    demo.add_argument("--tasks", type=int, default=DemoConfig.tasks)
-    demo.add_argument("--workers", type=int, default=DemoConfig.workers)
-    demo.add_argument("--seed", type=int, default=DemoConfig.seed)
-    for name, text in (
-        ("stats", "counts per status of a task queue"),
-        ("reclaim", "bury/requeue tasks whose lease expired"),
-        ("requeue", "put a failed task back to pending with fresh attempts"),
-    ):
-        command = commands.add_parser(name, help=text)
-        command.add_argument("queue", help="the queue's collection name")
-        if name == "requeue":
-            command.add_argument("task_id")
-            command.add_argument("--int-id", action="store_true", help="the id is an integer")
-        command.add_argument("--uri", required=True)
-        command.add_argument("--database", default="mongoq")
-    parser.add_argument(
-        "--log-level",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="what the library logs to stderr (default: WARNING; ERROR for the demo, whose "
-        "failures are staged and reported in its summary)",
-    )
-    args = parser.parse_args(argv)
-    level = args.log_level or ("ERROR" if args.command == "demo" else "WARNING")
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    """The entry point: `run` under ``asyncio.run``; Ctrl-C stops any command (exit 130)."""
     try:
-        if args.command == "demo":
-            config = DemoConfig(
-                uri=args.uri, tasks=args.tasks, workers=args.workers, seed=args.seed
-            )
-            report = asyncio.run(run_demo(config, progress=lambda line: print(line, flush=True)))
-            _print_report(report)
-            return 0 if report.ok else 1
-        return asyncio.run(_operate(args))
-    except MongoqError as error:  # a missing extra, a bad argument: said plainly, no traceback
-        print(f"mongoq: error: {error}", file=sys.stderr)
-        return 2
+        return asyncio.run(run(argv))
+    except KeyboardInterrupt:
+        print("mongoq: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
