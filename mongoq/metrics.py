@@ -76,7 +76,9 @@ class RunMetrics:
     ``mongoq_items_total{primitive,queue,outcome}`` adds up the run summaries' fields
     (``claimed``, ``completed`` / ``acked``, ``retried``, ``failed`` / ``dead`` / ``buried``,
     ``released``, ``lost``, ``unknown``); ``mongoq_handler_seconds{primitive,queue}`` is a
-    histogram of how long each handler ran, on the primitive's clock. Every `run` of every
+    histogram of how long each handler ran, on the primitive's clock;
+    ``mongoq_start_delay_seconds{primitive,queue}`` one of how long after falling due each item
+    was claimed (a backlog's wait: every claim reports it, run loop or not). Every `run` of every
     `AsyncTaskQueue`, `AsyncGroupTransport` and `OutboxDispatcher` in the process is heard,
     whichever thread or loop it runs in.
 
@@ -107,12 +109,21 @@ class RunMetrics:
             buckets=_HANDLER_BUCKETS,
             registry=registry,
         )
+        self._start_delay = Histogram(
+            "mongoq_start_delay_seconds",
+            "How long after falling due each mongoq work item was claimed.",
+            ("primitive", "queue"),
+            buckets=_HANDLER_BUCKETS,
+            registry=registry,
+        )
         self._lock = threading.Lock()
         self._unsubscribe: Callable[[], None] | None = None
 
     def _observe(self, event: RunEvent) -> None:
         if event.outcome == "handler_seconds":
             self._handler_seconds.labels(event.primitive, event.queue).observe(event.seconds)
+        elif event.outcome == "start_delay_seconds":
+            self._start_delay.labels(event.primitive, event.queue).observe(event.seconds)
         else:
             self._items.labels(event.primitive, event.queue, event.outcome).inc(event.count)
 

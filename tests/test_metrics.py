@@ -440,6 +440,9 @@ async def test_the_run_counters_equal_the_run_summary(
     bucket = run_metrics.registry.get_sample_value
     assert bucket("mongoq_handler_seconds_bucket", {**labels, "le": "1.0"}) == 0
     assert bucket("mongoq_handler_seconds_bucket", {**labels, "le": "2.5"}) == 2
+    # Both due when put: the first claimed at once, the second after the first's 2 s.
+    assert bucket("mongoq_start_delay_seconds_count", labels) == 2
+    assert bucket("mongoq_start_delay_seconds_sum", labels) == 2.0
 
 
 async def test_group_runs_and_dispatchers_are_counted_too(

@@ -232,7 +232,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         now = await self._now()
         token = f"{worker}:{uuid.uuid4().hex}"
         lease_until = now + timedelta(seconds=self.visibility)
-        order = await take_candidates(
+        candidates = await take_candidates(
             self.locks,
             schema.lock_due(min_priority, now),
             schema.lock_leasing(token, lease_until),
@@ -240,6 +240,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
             n=n,
             hint=schema.CLAIM.name,
         )
+        order = [candidate["_id"] for candidate in candidates]
         if not order:
             return []
         locks = {

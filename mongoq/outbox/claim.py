@@ -490,6 +490,7 @@ class Claimer:
             lease_token=f"{pick['lane_id']}:{epoch}:{claims}",
             owner=owner,
             sequence=pick.get("sequence"),
+            due_at=stored_instant(pick.get("due_at")),
         )
 
     async def _park(

@@ -164,6 +164,8 @@ class Delivery:
     lease_token: str
     owner: str
     sequence: int | None = None
+    #: when it fell due (its first due time, or the retry's)
+    due_at: datetime | None = None
 
     @property
     def lane_id(self) -> int:

@@ -41,6 +41,7 @@ from mongoq.outbox.models import (
     lane_of,
 )
 from mongoq.outbox.operators import Operators
+from mongoq.runtime.events import report_start_delay
 from mongoq.runtime.loop import error_text
 from mongoq.runtime.report import Attempt, log_attempt_end
 
@@ -336,7 +337,11 @@ class AsyncOutbox:
             if not wanted:
                 return []
         check_int("limit", limit, low=1, high=MAX_BATCH)
-        return await self._claimer.claim(owner, wanted, limit)
+        claimed = await self._claimer.claim(owner, wanted, limit)
+        now = self.clock.now()
+        for delivery in claimed:
+            report_start_delay("outbox", self.prefix, delivery.due_at, now)
+        return claimed
 
     # ------------------------------------------------------------------------------ settle
 

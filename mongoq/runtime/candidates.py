@@ -38,10 +38,12 @@ async def take_candidates(
     sort: Sequence[tuple[str, int]],
     n: int,
     hint: str,
-) -> list[Any]:
+    fields: Sequence[str] = (),
+) -> list[dict[str, Any]]:
     """Mark up to `n` due documents with `update` (which must make them no longer `due`);
-    returns the candidate ids of the round that took some, in claim order (the caller reads
-    back which of them its update took), or ``[]`` when nothing is due."""
+    returns the candidates of the round that took some, in claim order, each ``{_id}`` plus
+    `fields` as read before the update (the caller reads back which of them its update took),
+    or ``[]`` when nothing is due."""
     if "_id" in due:  # the candidates' `$in` would replace it and take every due document
         raise ValueError("take_candidates: `due` must not filter on _id")
     for lost in range(MAX_ROUNDS):
@@ -49,8 +51,9 @@ async def take_candidates(
         # wider window and tries a random `n` of it (in claim order), so that they split the
         # window instead of colliding again, all but one, round after round.
         window = min(n * (lost + 1), MAX_WINDOW)
+        projection = {"_id": 1, **dict.fromkeys(fields, 1)}
         candidates = await _driver.find_list(
-            collection, due, sort=sort, limit=window, projection={"_id": 1}, hint=hint
+            collection, due, sort=sort, limit=window, projection=projection, hint=hint
         )
         if not candidates:
             return []
@@ -60,7 +63,7 @@ async def take_candidates(
         ids = [doc["_id"] for doc in candidates]
         taken = await collection.update_many({"_id": {"$in": ids}, **due}, dict(update))
         if taken.modified_count:
-            return ids
+            return candidates
     log.debug(
         "claim lost every candidate %d times in a row; trying again later",
         MAX_ROUNDS,

@@ -1,8 +1,9 @@
 """What the run loops report as they go, for observers such as `mongoq.metrics`: each outcome
-counted in a run summary, and how long each handler ran. Process-wide, like logging: an observer
-subscribes once and hears the loops of every primitive; with none subscribed, a report costs a
-loop over an empty list. An observer that raises is logged and kept out of the loop's way.
-Owns no collections.
+counted in a run summary, how long each handler ran, and how long after falling due each item
+was claimed (the claims report that one, whoever calls them). Process-wide, like logging: an
+observer subscribes once and hears the loops of every primitive; with none subscribed, a
+report costs a loop over an empty list. An observer that raises is logged and kept out of the
+loop's way. Owns no collections.
 """
 
 from __future__ import annotations
@@ -10,8 +11,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 
-__all__ = ["RunEvent", "Tally", "report_handler_time", "report_outcome", "subscribe"]
+__all__ = [
+    "RunEvent",
+    "Tally",
+    "report_handler_time",
+    "report_outcome",
+    "report_start_delay",
+    "subscribe",
+]
 
 log = logging.getLogger("mongoq.worker")
 
@@ -20,8 +29,9 @@ log = logging.getLogger("mongoq.worker")
 class RunEvent:
     """One report: `count` items of `primitive` `queue` ended in `outcome` (a run summary's
     field: ``claimed``, ``completed`` / ``acked``, ``retried``, ``failed`` / ``dead`` /
-    ``buried``, ``released``, ``lost``, ``unknown``), or, with `outcome` ``"handler_seconds"``,
-    one handler ran `seconds`."""
+    ``buried``, ``released``, ``lost``, ``unknown``); or, with `outcome` ``"handler_seconds"``,
+    one handler ran `seconds`; or, with ``"start_delay_seconds"``, one item was claimed
+    `seconds` after it fell due (its due time, or its lease's end for a take-over)."""
 
     primitive: str
     queue: str
@@ -61,6 +71,12 @@ def report_outcome(primitive: str, queue: str, outcome: str, count: int = 1) -> 
 def report_handler_time(primitive: str, queue: str, seconds: float) -> None:
     if _observers:
         _emit(RunEvent(primitive, queue, "handler_seconds", 1, seconds))
+
+
+def report_start_delay(primitive: str, queue: str, due: datetime | None, now: datetime) -> None:
+    """A claim took an item at `now` that fell due at `due` (nothing when unknown)."""
+    if _observers and due is not None:
+        _emit(RunEvent(primitive, queue, "start_delay_seconds", 1, (now - due).total_seconds()))
 
 
 @dataclass(frozen=True)

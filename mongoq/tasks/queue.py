@@ -34,7 +34,7 @@ from mongoq.clock import Clock, ServerClock, stored_instant
 from mongoq.errors import InvalidInput, LeaseLost, PermanentError
 from mongoq.runtime.batch import run_batch
 from mongoq.runtime.candidates import take_candidates
-from mongoq.runtime.events import Tally
+from mongoq.runtime.events import Tally, report_start_delay
 from mongoq.runtime.handler import call_handler
 from mongoq.runtime.keepalive import KeepAlive
 from mongoq.runtime.loop import WORKER_STOPPED, WorkerHost, WorkerLoop, error_text
@@ -310,17 +310,20 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
         """
         worker = self._worker(worker_id)
         now = await self._now()
+        claiming = schema.task_claiming(worker, uuid.uuid4().hex, now, self.lease_ttl)
         with _driver.index_required(self.collection, schema.CLAIM_INDEX):
-            doc = await self.collection.find_one_and_update(
+            # As it was: when it fell due is in it; the claimed task follows from the update.
+            before = await self.collection.find_one_and_update(
                 schema.task_claimable(now, self.max_attempts),
-                schema.task_claiming(worker, uuid.uuid4().hex, now, self.lease_ttl),
+                claiming,
                 sort=schema.CLAIM_ORDER,
                 hint=schema.CLAIM_INDEX,
-                return_document=ReturnDocument.AFTER,
+                return_document=ReturnDocument.BEFORE,
             )
-        if doc is None:
+        if before is None:
             return None
-        task = Task.from_document(doc)
+        report_start_delay("tasks", self.name, stored_instant(before.get("lease_until")), now)
+        task = Task.from_document(schema.task_as_claimed(before, claiming))
         log.debug("claimed %r (attempt %d) for %s", task.id, task.attempts, worker)
         return task
 
@@ -338,19 +341,24 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
         worker = self._worker(worker_id)
         now = await self._now()
         token = uuid.uuid4().hex
-        ids = await take_candidates(
+        candidates = await take_candidates(
             self.collection,
             schema.task_claimable(now, self.max_attempts),
             schema.task_claiming(worker, token, now, self.lease_ttl),
             sort=schema.CLAIM_ORDER,
             n=n,
             hint=schema.CLAIM_INDEX,
+            fields=("lease_until",),
         )
-        if not ids:
+        if not candidates:
             return []
+        ids = [candidate["_id"] for candidate in candidates]
         docs = await _driver.find_list(self.collection, schema.tasks_claimed(ids, token))
         order = {task_id: index for index, task_id in enumerate(ids)}
         tasks = sorted((Task.from_document(doc) for doc in docs), key=lambda t: order[t.id])
+        due = {c["_id"]: stored_instant(c.get("lease_until")) for c in candidates}
+        for task in tasks:
+            report_start_delay("tasks", self.name, due[task.id], now)
         log.debug("claimed %d task(s) for %s", len(tasks), worker)
         return tasks
 

@@ -36,13 +36,14 @@ Every time is the injected clock's (`mongoq.clock`), passed in as ``now``, never
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from types import MappingProxyType
 from typing import Any
 
 from mongoq import _driver
 from mongoq._indexes import IndexSpec
+from mongoq.clock import to_millis
 from mongoq.tasks.models import (
     DONE,
     FAILED,
@@ -70,6 +71,7 @@ __all__ = [
     "STATUS_UPDATED",
     "TOMBSTONE_TTL",
     "IndexSpec",
+    "task_as_claimed",
     "task_burying",
     "task_by_id",
     "task_claimable",
@@ -138,6 +140,20 @@ def task_claiming(worker: str, token: str, now: datetime, lease_ttl: float) -> d
         },
         "$inc": {"attempts": 1},
     }
+
+
+def task_as_claimed(before: Mapping[str, Any], claiming: Mapping[str, Any]) -> dict[str, Any]:
+    """The document `task_claiming`'s update `claiming` makes of `before` (no query): the
+    claim asks for the document as it was, to read when the task fell due, and derives the
+    claimed one from the update itself rather than a second description of it."""
+    after = dict(before)
+    for name, value in claiming.get("$set", {}).items():
+        after[name] = to_millis(value) if isinstance(value, datetime) else value  # as stored
+    for name, step in claiming.get("$inc", {}).items():
+        after[name] = after.get(name, 0) + step
+    if set(claiming) - {"$set", "$inc"}:
+        raise ValueError(f"task_as_claimed cannot apply {sorted(claiming)}")
+    return after
 
 
 # ------------------------------------------------------------------- the status_lease index

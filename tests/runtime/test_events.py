@@ -37,13 +37,17 @@ def handler_for(clock: ManualClock) -> Any:
 def outcomes(heard: list[events.RunEvent]) -> Counter[tuple[str, str, str]]:
     counted: Counter[tuple[str, str, str]] = Counter()
     for e in heard:
-        if e.outcome != "handler_seconds":
+        if not e.outcome.endswith("_seconds"):
             counted[(e.primitive, e.queue, e.outcome)] += e.count
     return counted
 
 
 def durations(heard: list[events.RunEvent]) -> list[float]:
     return [e.seconds for e in heard if e.outcome == "handler_seconds"]
+
+
+def delays(heard: list[events.RunEvent]) -> list[tuple[str, float]]:
+    return [(e.primitive, e.seconds) for e in heard if e.outcome == "start_delay_seconds"]
 
 
 @pytest.mark.parametrize("batch_size", [1, 2])
@@ -62,6 +66,9 @@ async def test_a_task_run_reports_what_its_summary_counts(
          ("tasks", queue.name, "retried"): 1}
     )  # fmt: skip
     assert durations(heard) == [2.0, 2.0]
+    # Both due when put; one at a time, the second waits out the first's 2 s handler.
+    assert delays(heard) == ([("tasks", 0.0), ("tasks", 2.0)] if batch_size == 1
+                             else [("tasks", 0.0), ("tasks", 0.0)])  # fmt: skip
     assert (await queue.get("good")).status == "done"  # type: ignore[union-attr]
 
 
@@ -83,6 +90,8 @@ async def test_a_group_run_and_a_dispatcher_report_too(
          ("outbox", outbox.prefix, "completed"): 1}
     )  # fmt: skip
     assert durations(heard) == [2.0, 2.0, 2.0]
+    # The outbox's event was due when published; claimed after the groups' two 2 s handlers.
+    assert [d for d in delays(heard) if d[0] == "outbox"] == [("outbox", 4.0)]
 
 
 async def test_an_observer_that_raises_does_not_stop_the_run(db: Any, clock: ManualClock) -> None:
