@@ -487,6 +487,13 @@ def _command(where: Any, name: str, func: Any, text: str, *target: str) -> Any:
     return sub
 
 
+def _paged(sub: Any, state: str, choices: Sequence[str]) -> None:
+    """A listing's options: which state, how many, and the cursor of the page before."""
+    sub.add_argument(state, choices=choices)
+    sub.add_argument("--limit", type=int, default=100, help="at most this many (up to 1000)")
+    sub.add_argument("--after", metavar="CURSOR", help="the `next:` of the previous page")
+
+
 def _actions(commands: Any, name: str, text: str) -> Any:
     sub = commands.add_parser(name, help=text, parents=[_global_options(True)])
     return sub.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -496,9 +503,7 @@ def _add_tasks(commands: Any) -> None:
     tasks = _actions(commands, "tasks", "a task queue (AsyncTaskQueue): stats, list, requeue...")
     _command(tasks, "stats", _tasks_stats, "counts per status, due, expired", "queue")
     sub = _command(tasks, "list", _tasks_list, "tasks, least recently changed first", "queue")
-    sub.add_argument("--status", choices=STATUSES)
-    sub.add_argument("--limit", type=int, default=100, help="at most this many (up to 1000)")
-    sub.add_argument("--after", metavar="CURSOR", help="the `next:` of the previous page")
+    _paged(sub, "--status", STATUSES)
     sub = _command(tasks, "get", _tasks_get, "one task, in full", "queue", "task_id")
     sub.add_argument("--int-id", action="store_true", help="the id is an integer")
     sub = _command(tasks, "requeue", _tasks_requeue, "failed tasks back to pending", "queue")
@@ -516,9 +521,7 @@ def _add_groups(commands: Any) -> None:
     groups = _actions(commands, "groups", "a group transport (AsyncGroupTransport)")
     _command(groups, "stats", _groups_stats, "groups by state, messages, dead letters", "prefix")
     sub = _command(groups, "list", _groups_list, "groups, by group id", "prefix")
-    sub.add_argument("--state", choices=GROUP_STATES)
-    sub.add_argument("--limit", type=int, default=100, help="at most this many (up to 1000)")
-    sub.add_argument("--after", metavar="CURSOR", help="the `next:` of the previous page")
+    _paged(sub, "--state", GROUP_STATES)
     for name, func, text in (
         ("dead-letters", _groups_dead_letters, "dead letters, oldest first"),
         ("redrive", _groups_redrive, "publish dead letters again, at the tail of their groups"),

@@ -22,7 +22,6 @@ import threading
 from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
-from types import TracebackType
 from typing import Any
 
 import anyio
@@ -70,6 +69,13 @@ _OUTBOX_STATES = ("pending", "parked", "running", "dead")
 # ---------------------------------------------------------------------------- run metrics
 
 
+def _durations(name: str, text: str, registry: CollectorRegistry) -> Histogram:
+    """A histogram of seconds per primitive and queue, from 5 ms to 10 min."""
+    return Histogram(
+        name, text, ("primitive", "queue"), buckets=_HANDLER_BUCKETS, registry=registry
+    )
+
+
 class RunMetrics:
     """Counts what this process's run loops do, for Prometheus.
 
@@ -102,19 +108,15 @@ class RunMetrics:
             ("primitive", "queue", "outcome"),
             registry=registry,
         )
-        self._handler_seconds = Histogram(
+        self._handler_seconds = _durations(
             "mongoq_handler_seconds",
             "How long each handler of a mongoq run loop ran, on the primitive's clock.",
-            ("primitive", "queue"),
-            buckets=_HANDLER_BUCKETS,
-            registry=registry,
+            registry,
         )
-        self._start_delay = Histogram(
+        self._start_delay = _durations(
             "mongoq_start_delay_seconds",
             "How long after falling due each mongoq work item was claimed.",
-            ("primitive", "queue"),
-            buckets=_HANDLER_BUCKETS,
-            registry=registry,
+            registry,
         )
         self._lock = threading.Lock()
         self._unsubscribe: Callable[[], None] | None = None
@@ -148,12 +150,7 @@ class RunMetrics:
     def __enter__(self) -> RunMetrics:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
 
@@ -408,12 +405,7 @@ class MetricsServer:
     def __enter__(self) -> MetricsServer:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 

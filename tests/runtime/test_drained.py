@@ -4,7 +4,7 @@ waits (on the primitive's clock) for delayed retries and stops only when nothing
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import pytest
@@ -13,30 +13,13 @@ from mongoq import GroupLease, InvalidInput, OutboxDispatcher, Task
 from mongoq.runtime.loop import WorkerLoop
 from mongoq.testing import ManualClock, settle
 from tests.support.group_helpers import dead, messages, new_transport
-from tests.support.helpers import new_queue, read
+from tests.support.helpers import in_background, new_queue, read
 from tests.support.outbox_helpers import deliveries, event, new_outbox
 
-T = TypeVar("T")
 
-
-async def drive(clock: ManualClock, run: Awaitable[T], step: float) -> T:
+async def drive(clock: ManualClock, run: Awaitable[Any], step: float) -> Any:
     """Await `run` while moving the clock `step` seconds whenever everything is blocked."""
-    done: list[T] = []
-
-    async def go() -> None:
-        done.append(await run)
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(go)
-        for _ in range(100):
-            await settle()
-            if done:
-                break
-            clock.advance(step)
-        else:
-            group.cancel_scope.cancel()
-    assert done, "run(stop_when_drained=True) did not return"
-    return done[0]
+    return await in_background(clock, run, advance=step, again=True)
 
 
 def fails_first(times: int) -> Any:

@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from mongoq import GroupLease, InvalidInput, OutboxDispatcher, Task
-from mongoq.testing import ManualClock, settle
+from mongoq.testing import ManualClock
 from tests.support.group_helpers import (
     PREFIX,
     VISIBILITY,
@@ -18,7 +18,7 @@ from tests.support.group_helpers import (
     assert_message,
     new_transport,
 )
-from tests.support.helpers import LEASE_TTL, later, new_queue, read
+from tests.support.helpers import LEASE_TTL, in_background, later, new_queue, read
 from tests.support.outbox_helpers import PREFIX as PREFIX_OUTBOX
 from tests.support.outbox_helpers import deliveries, event, new_outbox
 
@@ -45,35 +45,6 @@ class Stuck:
         raise AssertionError("unreachable")
 
 
-async def run_until(
-    clock: ManualClock, run: Any, *, started: Any, then: Any, advance: float
-) -> Any:
-    """Start `run`, wait until `started()` holds, call `then()` (e.g. a takeover), move the
-    clock `advance` seconds, and return what `run` returns."""
-    results: list[Any] = []
-
-    async def go() -> None:
-        results.append(await run)
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(go)
-        for _ in range(100):
-            await settle()
-            if started():
-                break
-        assert started(), "the handler never started"
-        await then()
-        clock.advance(advance)
-        for _ in range(100):
-            await settle()
-            if results:
-                break
-        else:
-            group.cancel_scope.cancel()
-    assert results, "run did not return"
-    return results[0]
-
-
 async def nothing() -> None:
     return None
 
@@ -88,7 +59,7 @@ async def test_a_task_past_its_time_limit_is_cancelled_and_its_attempt_counted(
     stuck = Stuck()
     run = queue.run(stuck, stop_when_empty=True, handler_timeout=TIMEOUT, batch_size=batch_size)
 
-    summary = await run_until(
+    summary = await in_background(
         clock, run, started=lambda: stuck.calls, then=nothing, advance=TIMEOUT
     )
 
@@ -105,7 +76,7 @@ async def test_a_task_that_always_times_out_ends_failed(db: Any, clock: ManualCl
     await queue.put("slow", 1)
     stuck = Stuck()
 
-    summary = await run_until(
+    summary = await in_background(
         clock, queue.run(stuck, stop_when_empty=True, handler_timeout=TIMEOUT),
         started=lambda: stuck.calls, then=nothing, advance=TIMEOUT,
     )  # fmt: skip
@@ -141,7 +112,7 @@ async def test_a_task_removed_under_its_handler_cancels_it_and_counts_it_lost(
     async def remove() -> None:
         assert await queue.remove("t")
 
-    summary = await run_until(
+    summary = await in_background(
         clock, queue.run(stuck, stop_when_empty=True),
         started=lambda: stuck.calls, then=remove, advance=LEASE_TTL / 3,
     )  # fmt: skip
@@ -166,7 +137,7 @@ async def test_a_group_taken_over_under_its_handler_cancels_it(
         taken = await locks.update_one({"_id": "g"}, {"$set": {"token": "another worker"}})
         assert taken.modified_count == 1
 
-    summary = await run_until(
+    summary = await in_background(
         clock, transport.run(stuck, stop_when_empty=True, batch_size=batch_size),
         started=lambda: stuck.calls, then=take_over, advance=VISIBILITY / 3,
     )  # fmt: skip
@@ -183,7 +154,7 @@ async def test_a_group_head_past_its_time_limit_is_nacked_with_the_reason(
     seq = await transport.publish("g", {"n": 1})
     stuck = Stuck()
 
-    summary = await run_until(
+    summary = await in_background(
         clock,
         transport.run(stuck, stop_when_empty=True, handler_timeout=TIMEOUT, retry_delay=10),
         started=lambda: stuck.calls, then=nothing, advance=TIMEOUT,
@@ -206,7 +177,7 @@ async def test_a_delivery_past_its_time_limit_is_rescheduled_with_the_reason(
         outbox, {"h": stuck}, owner="w", backoff=lambda attempt: 60, handler_timeout=TIMEOUT
     )
 
-    summary = await run_until(
+    summary = await in_background(
         clock, dispatcher.run(stop_when_empty=True),
         started=lambda: stuck.calls, then=nothing, advance=TIMEOUT,
     )  # fmt: skip
@@ -250,7 +221,7 @@ async def test_a_dispatcher_whose_lanes_were_all_taken_cancels_its_handlers(
         taken = await lanes.update_many({"owner": "w"}, {"$set": {"owner": "another worker"}})
         assert taken.modified_count >= 1
 
-    summary = await run_until(
+    summary = await in_background(
         clock, dispatcher.run(stop_when_empty=True),
         started=lambda: stuck.calls, then=take_over, advance=outbox.lease / 3,
     )  # fmt: skip

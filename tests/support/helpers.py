@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol, TypeVar
 
+import anyio
 import anyio.lowlevel
 import bson
 import pytest
@@ -311,3 +312,60 @@ async def flaky_tasks(
         [NewTask(task_id, {"n": task_id}, priority=i % 3) for i, task_id in enumerate(ids)]
     )
     return queue, ids, Bookkeeping(set(ids[::7]))
+
+
+async def every_page(
+    fetch: Callable[[str | None], Awaitable[Any]], items: str, limit: int
+) -> list[Any]:
+    """Everything a paged listing lists: `fetch(after)` one page, whose `items` attribute
+    holds at most `limit` entries and `next` the cursor of the following page."""
+    listed: list[Any] = []
+    after = None
+    for _ in range(100):
+        page = await fetch(after)
+        entries = getattr(page, items)
+        assert len(entries) <= limit
+        listed += entries
+        if page.next is None:
+            return listed
+        after = page.next
+    raise AssertionError("the pages never ended")
+
+
+async def in_background(
+    clock: ManualClock,
+    run: Awaitable[Any],
+    *,
+    advance: float,
+    started: Callable[[], Any] = lambda: True,
+    then: Callable[[], Awaitable[None]] | None = None,
+    again: bool = False,
+) -> Any:
+    """Await `run` in the background: once `started()` holds, await `then()`, move the clock
+    `advance` seconds (each time everything is blocked, with `again`), and return what `run`
+    returns (failing if it does not within a hundred rounds)."""
+    results: list[Any] = []
+
+    async def go() -> None:
+        results.append(await run)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(go)
+        for _ in range(100):
+            await settle()
+            if started() or results:
+                break
+        assert started() or results, "the handler never started"
+        if then is not None:
+            await then()
+        clock.advance(advance)
+        for _ in range(100):
+            await settle()
+            if results:
+                break
+            if again:
+                clock.advance(advance)
+        else:
+            group.cancel_scope.cancel()
+    assert results, "run did not return"
+    return results[0]

@@ -9,7 +9,8 @@ import pytest
 
 from mongoq import AsyncTaskQueue, InvalidInput, Task, _driver
 from mongoq.testing import ManualClock
-from tests.support.helpers import claim_one, new_queue, read, read_all, utc
+from tests.support.group_helpers import new_transport
+from tests.support.helpers import claim_one, every_page, new_queue, read, read_all, utc
 
 STATES = ("pending", "processing", "done", "failed", "tombstone")
 
@@ -36,17 +37,18 @@ async def one_task_in_each_state(queue: AsyncTaskQueue, clock: ManualClock) -> N
         await queue.put(f"pending-{n}", {"n": n}, revision="again")
 
 
+@pytest.fixture
+async def seeded(db: Any, clock: ManualClock) -> AsyncTaskQueue:
+    """A queue with two tasks in each state (see `one_task_in_each_state`)."""
+    queue = await new_queue(db, clock)
+    await one_task_in_each_state(queue, clock)
+    return queue
+
+
 async def list_all(queue: AsyncTaskQueue, status: Any = None, limit: int = 3) -> list[Task]:
-    tasks: list[Task] = []
-    after = None
-    for _ in range(100):
-        page = await queue.list_tasks(status, limit=limit, after=after)
-        assert len(page.tasks) <= limit
-        tasks += page.tasks
-        if page.next is None:
-            return tasks
-        after = page.next
-    raise AssertionError("the pages never ended")
+    return await every_page(
+        lambda after: queue.list_tasks(status, limit=limit, after=after), "tasks", limit
+    )
 
 
 def in_list_order(docs: list[dict[str, Any]]) -> list[Any]:
@@ -73,10 +75,9 @@ async def test_pages_with_equal_sort_keys_list_every_task_once_in_a_stable_order
 
 
 async def test_each_status_lists_exactly_the_tasks_the_database_holds_in_it(
-    db: Any, clock: ManualClock
+    db: Any, seeded: AsyncTaskQueue
 ) -> None:
-    queue = await new_queue(db, clock)
-    await one_task_in_each_state(queue, clock)
+    queue = seeded
     docs = list((await read_all(db)).values())
 
     for state in STATES:
@@ -104,32 +105,39 @@ async def test_a_task_changed_between_pages_moves_to_the_end(db: Any, clock: Man
     assert rest == ["b", "c", "a"] and page.next is None
 
 
-@pytest.mark.parametrize(
-    ("arguments", "field"),
-    [
-        ({"status": "finished"}, "status"),
-        ({"limit": 0}, "limit"),
-        ({"limit": 1001}, "limit"),
-        ({"after": "yesterday"}, "after"),
-        ({"after": "12:x:id"}, "after"),
-        ({"after": "12:i:not-a-number"}, "after"),
-        ({"after": 12}, "after"),
-    ],
-)
+#: Bad arguments of `list_tasks` and `list_groups` (tests/groups/test_listing.py), and the
+#: field each error must name.
+BAD_LISTINGS = [
+    ("tasks", {"status": "finished"}, "status"),
+    ("tasks", {"after": "yesterday"}, "after"),
+    ("tasks", {"after": "12:x:id"}, "after"),
+    ("tasks", {"after": "12:i:not-a-number"}, "after"),
+    ("groups", {"state": "stuck"}, "state"),
+    ("groups", {"after": "x:1"}, "after"),
+    ("groups", {"after": "i:one"}, "after"),
+    *((kind, {"limit": limit}, "limit") for kind in ("tasks", "groups") for limit in (0, 1001)),
+    *((kind, {"after": 12}, "after") for kind in ("tasks", "groups")),
+]
+
+
+@pytest.mark.parametrize(("kind", "arguments", "field"), BAD_LISTINGS)
 async def test_a_listing_with_bad_arguments_names_the_field(
-    db: Any, clock: ManualClock, arguments: dict[str, Any], field: str
+    db: Any, clock: ManualClock, kind: str, arguments: dict[str, Any], field: str
 ) -> None:
-    queue = await new_queue(db, clock)
+    listing = (
+        (await new_queue(db, clock)).list_tasks
+        if kind == "tasks"
+        else (await new_transport(db, clock)).list_groups
+    )
     with pytest.raises(InvalidInput) as caught:
-        await queue.list_tasks(**arguments)
+        await listing(**arguments)
     assert caught.value.field == field
 
 
 async def test_requeue_failed_puts_failed_tasks_back_with_fresh_attempts(
-    db: Any, clock: ManualClock
+    db: Any, clock: ManualClock, seeded: AsyncTaskQueue
 ) -> None:
-    queue = await new_queue(db, clock)
-    await one_task_in_each_state(queue, clock)
+    queue = seeded
     before = await read_all(db)
 
     assert await queue.requeue_failed(["failed-0", "done-0", "missing"]) == 1
@@ -151,10 +159,9 @@ async def test_requeue_failed_puts_failed_tasks_back_with_fresh_attempts(
 
 
 async def test_purge_deletes_finished_tasks_older_than_asked_and_nothing_else(
-    db: Any, clock: ManualClock
+    db: Any, clock: ManualClock, seeded: AsyncTaskQueue
 ) -> None:
-    queue = await new_queue(db, clock)
-    await one_task_in_each_state(queue, clock)
+    queue = seeded
     docs = await read_all(db)
     done_times = sorted(utc(docs[f"done-{n}"]["updated_at"]) for n in range(2))
     age_of_first = clock.now() - done_times[0]
