@@ -68,8 +68,6 @@ TOO_LARGE_CODES = frozenset({17419, 17420, 10334})
 _BAD_VALUE = 2
 _INDEX_OPTIONS_CONFLICT = 85
 _NAMESPACE_EXISTS = 48
-_INDEX_NOT_FOUND = 27
-_NAMESPACE_NOT_FOUND = 26
 T = TypeVar("T")
 
 MEMORY_SCHEME = "memory://"
@@ -273,24 +271,16 @@ async def create_partial_ttl_index(
     except OperationFailure as exc:
         if exc.code != _INDEX_OPTIONS_CONFLICT:
             raise
+        existing = (await collection.index_information()).get(name, {})
+        same_index = list(existing.get("key", [])) == [(field, 1)] and dict(
+            existing.get("partialFilterExpression", {})
+        ) == dict(partial)
+        if not same_index:  # not an expiry change: another index in the way (say so)
+            raise
         # The index exists with another expiry: change it in place rather than fail.
         await db.command(
             "collMod", collection.name, index={"name": name, "expireAfterSeconds": expire_after}
         )
-    return True
-
-
-async def drop_index_if_exists(db: Any, collection: Any, name: str) -> bool:
-    """Drop the index `name` if `collection` has it (a TTL setting switched off); True if it
-    did. The embedded backend never creates the partial TTL indexes this is for."""
-    if backend_of(db) is Backend.MEMORY:
-        return False
-    try:
-        await collection.drop_index(name)
-    except OperationFailure as exc:
-        if exc.code in (_INDEX_NOT_FOUND, _NAMESPACE_NOT_FOUND):
-            return False
-        raise
     return True
 
 

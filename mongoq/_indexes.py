@@ -52,8 +52,8 @@ async def create_indexes(
     expiries: Mapping[str, int | None] | None = None,
 ) -> None:
     """Create `indexes` on `collection`, in order, idempotently. A TTL index expires after
-    ``expiries[name]`` seconds; one whose expiry is None is a setting left off: it is not
-    created, and dropped if an earlier configuration created it."""
+    ``expiries[name]`` seconds; one whose expiry is None is a setting this process leaves off:
+    not created, and not dropped either (another process may be the one that sets it)."""
     for index in indexes:
         if not index.ttl:
             await collection.create_index(list(index.keys), **index.options())
@@ -62,7 +62,6 @@ async def create_indexes(
             raise ValueError(f"TTL index {index.name!r} needs a partial filter and an expiry")
         expire_after = (expiries or {})[index.name]
         if expire_after is None:
-            await _driver.drop_index_if_exists(db, collection, index.name)
             continue
         await _driver.create_partial_ttl_index(
             db,

@@ -124,7 +124,9 @@ def scrub(text: str, uri: str | None) -> str:
     secrets = {userinfo, *userinfo.split(":", 1)}
     secrets |= {m.group(0).split("=", 1)[1] for m in _SECRET_OPTION.finditer(uri)}
     secrets |= {decode(s) for s in tuple(secrets) for decode in (unquote, unquote_plus)}
-    for secret in sorted((s for s in secrets if s), key=len, reverse=True):
+    # Under four characters a secret is masked only where it stands in a URI (above): masking
+    # every "u" of a message garbles it, and a password that short guards nothing anyway.
+    for secret in sorted((s for s in secrets if len(s) >= 4), key=len, reverse=True):
         text = text.replace(secret, "***")
     return text
 
@@ -653,6 +655,10 @@ async def run(argv: Sequence[str] | None = None) -> int:
         return _fail(f"mongoq: error: {scrub(_unreachable(uri or '', error, args.timeout), uri)}")
     except PyMongoError as error:  # a refused login, a malformed URI: the first line, scrubbed
         return _fail(f"mongoq: error: {_line(scrub(str(error), uri), 300)}")
+    except Exception as error:  # anything else (a malformed URI, an overflowing age): one line
+        logging.getLogger("mongoq.cli").debug("the command failed", exc_info=True)
+        text = f"{type(error).__name__}: {error}"
+        return _fail(f"mongoq: error: {_line(scrub(text, uri), 300)} (--log-level DEBUG: more)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

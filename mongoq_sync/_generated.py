@@ -104,8 +104,10 @@ class TaskQueue(Facade):
 
     def ensure_indexes(self) -> None:
         """Create the indexes every query needs, and the retention TTL indexes `retain_done` /
-        `retain_failed` ask for (dropping one whose setting was removed); idempotent. The
-        retention settings are the collection's: every queue object on it should agree.
+        `retain_failed` ask for (changing the expiry of one that exists); idempotent. A queue
+        without a retention setting leaves that index alone, so a producer's set-up does not
+        undo the workers'. The settings are the collection's: to stop a retention, drop its
+        index (``await queue.collection.drop_index("retain_done")``).
         """
         self._call("ensure_indexes")
 

@@ -559,3 +559,22 @@ def test_scrub_removes_credentials_from_a_driver_message() -> None:
     assert not any(s in scrubbed for s in ("alice", "p@ss", "p%40ss", "w0rd"))
     assert scrubbed.endswith("at mongodb://***@cluster0.example.net")
     assert cli.scrub("at mongodb://u:p@h/x", None) == "at mongodb://***@h/x"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["outbox", "purge", "--dead-older-than", "99999999999999d", "--uri", "memory://"],
+        ["metrics", "--port", "0", "--tasks", "q", "--uri", "mongodb://u:pa/ss@h"],
+        ["tasks", "list", "q", "--after", "99999999999999999:i:1", "--uri", "memory://"],
+    ],
+    ids=["overflowing-age", "malformed-uri-for-metrics", "cursor-past-year-9999"],
+)
+def test_any_other_failure_is_one_line_with_exit_2_and_no_secret(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mongoq") and "Traceback" not in err
+    assert len(err.strip().splitlines()) <= 2  # the error (and an embedded-backend note)
+    assert "pa/ss" not in err

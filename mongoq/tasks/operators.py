@@ -7,6 +7,7 @@ clean-up after crashed workers, and the stats. They read and write the queue's c
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
@@ -44,24 +45,29 @@ class _Queue(Protocol):
     async def _now(self) -> datetime: ...
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_CURSOR = re.compile(r"(-?[0-9]{1,16}):([is]):(.*)", re.ASCII | re.DOTALL)
+
+
 def _cursor(task: Task) -> str:
+    """``<ms>:<i|s>:<id>``: the listed task's ``updated_at`` in whole milliseconds since the
+    epoch (integer arithmetic: a float would be off by one for some instants) and its id."""
     assert task.updated_at is not None
-    at = int(to_millis(task.updated_at).timestamp() * 1000)
+    at = (to_millis(task.updated_at) - _EPOCH) // timedelta(milliseconds=1)
     kind = "i" if isinstance(task.id, int) else "s"
     return f"{at}:{kind}:{task.id}"
 
 
 def _parse_cursor(cursor: Any) -> tuple[datetime, TaskId]:
     problem = "must be the `next` of an earlier page"
-    if not isinstance(cursor, str):
+    match = _CURSOR.fullmatch(cursor) if isinstance(cursor, str) else None
+    if match is None:
         raise InvalidInput("after", problem)
-    parts = cursor.split(":", 2)
-    if len(parts) != 3 or parts[1] not in ("i", "s") or not parts[0].isdigit():
-        raise InvalidInput("after", problem)
-    at = datetime.fromtimestamp(int(parts[0]) / 1000, tz=UTC)
+    millis, kind, raw = match.groups()
     try:
-        task_id: TaskId = int(parts[2]) if parts[1] == "i" else parts[2]
-    except ValueError:
+        at = _EPOCH + timedelta(milliseconds=int(millis))
+        task_id: TaskId = int(raw) if kind == "i" else raw
+    except (ValueError, OverflowError):
         raise InvalidInput("after", problem) from None
     return at, check_id("after", task_id)
 

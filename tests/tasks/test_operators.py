@@ -3,6 +3,7 @@ purge of finished ones, and retention by partial TTL indexes."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -91,6 +92,25 @@ async def test_each_status_lists_exactly_the_tasks_the_database_holds_in_it(
     assert [(t.error, t.attempts) for t in failed.tasks] == [("broken", 1), ("broken", 1)]
 
 
+@pytest.mark.parametrize(
+    "start",
+    [
+        datetime(2039, 4, 19, 16, 9, 14, 68000, tzinfo=UTC),
+        datetime(1969, 7, 20, 20, 17, tzinfo=UTC),
+    ],
+    ids=["after-2038", "before-1970"],
+)
+async def test_pages_continue_at_any_instant_the_clock_shows(db: Any, start: datetime) -> None:
+    """The cursor's milliseconds are whole numbers of the instant (no float rounding: past
+    2038 a float is off by one for some instants, and a page then repeats forever)."""
+    clock = ManualClock(start)
+    queue = await new_queue(db, clock)
+    for task_id in ("a", "b", "c"):  # one instant: the id orders them
+        await queue.put(task_id, None)
+    listed = [task.id for task in await list_all(queue, limit=1)]
+    assert listed == ["a", "b", "c"]
+
+
 async def test_a_task_changed_between_pages_moves_to_the_end(db: Any, clock: ManualClock) -> None:
     queue = await new_queue(db, clock)
     for task_id in ("a", "b", "c"):
@@ -112,6 +132,9 @@ BAD_LISTINGS = [
     ("tasks", {"after": "yesterday"}, "after"),
     ("tasks", {"after": "12:x:id"}, "after"),
     ("tasks", {"after": "12:i:not-a-number"}, "after"),
+    ("tasks", {"after": "²:i:1"}, "after"),  # a digit to str.isdigit, not to int()
+    ("tasks", {"after": "99999999999999999:i:1"}, "after"),  # past year 9999
+    ("tasks", {"after": "1:i:1\nx"}, "after"),
     ("groups", {"state": "stuck"}, "state"),
     ("groups", {"after": "x:1"}, "after"),
     ("groups", {"after": "i:one"}, "after"),
@@ -183,7 +206,7 @@ async def test_purge_deletes_finished_tasks_older_than_asked_and_nothing_else(
     assert await read_all(db) == left
 
 
-async def test_retention_creates_partial_ttl_indexes_and_drops_one_switched_off(
+async def test_retention_creates_partial_ttl_indexes_and_a_queue_without_it_leaves_them(
     db: Any, clock: ManualClock
 ) -> None:
     queue = await new_queue(db, clock, retain_done=3600, retain_failed=7 * 86400)
@@ -203,7 +226,12 @@ async def test_retention_creates_partial_ttl_indexes_and_drops_one_switched_off(
     await changed.ensure_indexes()
     indexes = await db["tasks"].index_information()
     assert indexes["retain_done"]["expireAfterSeconds"] == 60  # changed in place
-    assert "retain_failed" not in indexes  # switched off: dropped
+    # A queue that does not set it (a producer's set-up) leaves the workers' index alone.
+    assert indexes["retain_failed"]["expireAfterSeconds"] == 7 * 86400
+    await AsyncTaskQueue(db, "tasks", clock=clock).ensure_indexes()
+    after = await db["tasks"].index_information()
+    assert (after["retain_done"]["expireAfterSeconds"], after["retain_failed"]
+            ["expireAfterSeconds"]) == (60, 7 * 86400)  # fmt: skip
     assert await read(db, "t") is not None
 
 
