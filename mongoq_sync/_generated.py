@@ -152,14 +152,16 @@ class TaskQueue(Facade):
         return cast("Task | None", self._call("claim", worker_id))
 
     def claim_many(self, n: int, worker_id: str | None = None) -> list[Task]:
-        """Claim up to `n` due tasks in three commands, in claim order.
+        """Claim up to `n` due tasks in two commands (three when another claimer took some of
+        the candidates first), in claim order.
 
         Reads the `n` most urgent candidates (the claim's index range), claims those still
-        claimable with one conditional ``update_many`` stamped with a fresh token, and reads
-        back what that token took: a candidate another worker claimed in between is simply not
-        returned. When other claimers took every candidate first, it reads the next ones (two
-        more commands a round), so it returns nothing only when nothing is due. Each task is
-        then held exactly as if `claim` had returned it.
+        claimable with one conditional ``update_many`` stamped with a fresh token, and, only
+        when that took fewer than it read, reads back what the token took: a candidate another
+        worker claimed in between is simply not returned. When other claimers took every
+        candidate first, it reads the next ones (two more commands a round), so it returns
+        nothing only when nothing is due. Each task is then held exactly as if `claim` had
+        returned it.
         """
         return cast("list[Task]", self._call("claim_many", n, worker_id))
 

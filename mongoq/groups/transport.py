@@ -240,7 +240,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
             n=n,
             hint=schema.CLAIM.name,
         )
-        order = [candidate["_id"] for candidate in candidates]
+        order = [candidate["_id"] for candidate in candidates.docs]
         if not order:
             return []
         locks = {

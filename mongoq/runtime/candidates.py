@@ -1,7 +1,8 @@
 """The candidate claim shared by the batched claims of the task queue and the group transport.
 
-A batched claim is two commands: read the ids of the `n` most urgent due documents, then take
-those still due with one conditional ``update_many``. On a server other claimers' commands run
+A batched claim is two commands: read the `n` most urgent due documents, then take those
+still due with one conditional ``update_many``; when it took all of them, the caller knows what
+it holds without reading them back. On a server other claimers' commands run
 between the two, so the slots of one worker read the same candidates at once and all but one
 find them taken. A claimer that lost every candidate moves past them: they are no longer due,
 so reading again returns the next ones. It reports "nothing" only when nothing is due, so a run
@@ -15,9 +16,12 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from mongoq import _driver
+
+__all__ = ["Candidates", "take_candidates"]
 
 log = logging.getLogger("mongoq.claims")
 
@@ -30,6 +34,16 @@ MAX_WINDOW = 1000
 _random = random.Random()
 
 
+@dataclass(frozen=True)
+class Candidates:
+    """What a batched claim's update was applied to."""
+
+    #: as read before the update, in claim order
+    docs: list[dict[str, Any]]
+    #: the update took every one of them: none needs reading back
+    all_taken: bool
+
+
 async def take_candidates(
     collection: Any,
     due: Mapping[str, Any],
@@ -38,12 +52,13 @@ async def take_candidates(
     sort: Sequence[tuple[str, int]],
     n: int,
     hint: str,
-    fields: Sequence[str] = (),
-) -> list[dict[str, Any]]:
+    fields: Sequence[str] | None = (),
+) -> Candidates:
     """Mark up to `n` due documents with `update` (which must make them no longer `due`);
     returns the candidates of the round that took some, in claim order, each ``{_id}`` plus
-    `fields` as read before the update (the caller reads back which of them its update took),
-    or ``[]`` when nothing is due."""
+    `fields` (the whole document when None) as read before the update, and whether the update
+    took every one of them (else the caller reads back which it took); no candidates when
+    nothing is due."""
     if "_id" in due:  # the candidates' `$in` would replace it and take every due document
         raise ValueError("take_candidates: `due` must not filter on _id")
     for lost in range(MAX_ROUNDS):
@@ -51,22 +66,22 @@ async def take_candidates(
         # wider window and tries a random `n` of it (in claim order), so that they split the
         # window instead of colliding again, all but one, round after round.
         window = min(n * (lost + 1), MAX_WINDOW)
-        projection = {"_id": 1, **dict.fromkeys(fields, 1)}
+        projection = None if fields is None else {"_id": 1, **dict.fromkeys(fields, 1)}
         candidates = await _driver.find_list(
             collection, due, sort=sort, limit=window, projection=projection, hint=hint
         )
         if not candidates:
-            return []
+            return Candidates([], all_taken=False)
         if len(candidates) > n:
             chosen = sorted(_random.sample(range(len(candidates)), n))
             candidates = [candidates[index] for index in chosen]
         ids = [doc["_id"] for doc in candidates]
         taken = await collection.update_many({"_id": {"$in": ids}, **due}, dict(update))
         if taken.modified_count:
-            return candidates
+            return Candidates(candidates, all_taken=taken.modified_count == len(candidates))
     log.debug(
         "claim lost every candidate %d times in a row; trying again later",
         MAX_ROUNDS,
         extra={"collection": getattr(collection, "name", None)},
     )
-    return []
+    return Candidates([], all_taken=False)

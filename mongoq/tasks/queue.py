@@ -330,35 +330,44 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
         return task
 
     async def claim_many(self, n: int, worker_id: str | None = None) -> list[Task]:
-        """Claim up to `n` due tasks in three commands, in claim order.
+        """Claim up to `n` due tasks in two commands (three when another claimer took some of
+        the candidates first), in claim order.
 
         Reads the `n` most urgent candidates (the claim's index range), claims those still
-        claimable with one conditional ``update_many`` stamped with a fresh token, and reads
-        back what that token took: a candidate another worker claimed in between is simply not
-        returned. When other claimers took every candidate first, it reads the next ones (two
-        more commands a round), so it returns nothing only when nothing is due. Each task is
-        then held exactly as if `claim` had returned it.
+        claimable with one conditional ``update_many`` stamped with a fresh token, and, only
+        when that took fewer than it read, reads back what the token took: a candidate another
+        worker claimed in between is simply not returned. When other claimers took every
+        candidate first, it reads the next ones (two more commands a round), so it returns
+        nothing only when nothing is due. Each task is then held exactly as if `claim` had
+        returned it.
         """
         check_int("n", n, low=1, high=MAX_BATCH)
         worker = self._worker(worker_id)
         now = await self._now()
         token = uuid.uuid4().hex
+        claiming = schema.task_claiming(worker, token, now, self.lease_ttl)
         candidates = await take_candidates(
             self.collection,
             schema.task_claimable(now, self.max_attempts),
-            schema.task_claiming(worker, token, now, self.lease_ttl),
+            claiming,
             sort=schema.CLAIM_ORDER,
             n=n,
             hint=schema.CLAIM_INDEX,
-            fields=("lease_until",),
+            fields=None,  # whole: when the update took them all, they need no reading back
         )
-        if not candidates:
+        if not candidates.docs:
             return []
-        ids = [candidate["_id"] for candidate in candidates]
-        docs = await _driver.find_list(self.collection, schema.tasks_claimed(ids, token))
+        ids = [candidate["_id"] for candidate in candidates.docs]
+        if candidates.all_taken:
+            # A put between the read and the update may have changed one (still due, so
+            # taken): its holder then runs the old revision, whose settle misses (fenced on
+            # the revision) and requeues the new one, as for a put under any holder.
+            docs = [schema.task_as_claimed(doc, claiming) for doc in candidates.docs]
+        else:
+            docs = await _driver.find_list(self.collection, schema.tasks_claimed(ids, token))
         order = {task_id: index for index, task_id in enumerate(ids)}
         tasks = sorted((Task.from_document(doc) for doc in docs), key=lambda t: order[t.id])
-        due = {c["_id"]: stored_instant(c.get("lease_until")) for c in candidates}
+        due = {c["_id"]: stored_instant(c.get("lease_until")) for c in candidates.docs}
         for task in tasks:
             report_start_delay("tasks", self.name, due[task.id], now)
         log.debug("claimed %d task(s) for %s", len(tasks), worker)
