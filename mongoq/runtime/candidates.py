@@ -40,7 +40,7 @@ class Candidates:
 
     #: as read before the update, in claim order
     docs: list[dict[str, Any]]
-    #: the update took every one of them: none needs reading back
+    #: they were read whole and the update took every one: none needs reading back
     all_taken: bool
 
 
@@ -52,13 +52,14 @@ async def take_candidates(
     sort: Sequence[tuple[str, int]],
     n: int,
     hint: str,
-    fields: Sequence[str] | None = (),
+    fields: Sequence[str] = (),
+    whole_first: bool = False,
 ) -> Candidates:
     """Mark up to `n` due documents with `update` (which must make them no longer `due`);
     returns the candidates of the round that took some, in claim order, each ``{_id}`` plus
-    `fields` (the whole document when None) as read before the update, and whether the update
-    took every one of them (else the caller reads back which it took); no candidates when
-    nothing is due."""
+    `fields` as read before the update (the whole document in the first round, with
+    `whole_first`), and whether the update took every one of those whole documents (else the
+    caller reads back which it took); no candidates when nothing is due."""
     if "_id" in due:  # the candidates' `$in` would replace it and take every due document
         raise ValueError("take_candidates: `due` must not filter on _id")
     for lost in range(MAX_ROUNDS):
@@ -66,7 +67,10 @@ async def take_candidates(
         # wider window and tries a random `n` of it (in claim order), so that they split the
         # window instead of colliding again, all but one, round after round.
         window = min(n * (lost + 1), MAX_WINDOW)
-        projection = None if fields is None else {"_id": 1, **dict.fromkeys(fields, 1)}
+        # Whole documents only for the first round's `n`: a wider window after lost rounds
+        # would read payloads it mostly does not take.
+        whole = whole_first and lost == 0
+        projection = None if whole else {"_id": 1, **dict.fromkeys(fields, 1)}
         candidates = await _driver.find_list(
             collection, due, sort=sort, limit=window, projection=projection, hint=hint
         )
@@ -78,7 +82,7 @@ async def take_candidates(
         ids = [doc["_id"] for doc in candidates]
         taken = await collection.update_many({"_id": {"$in": ids}, **due}, dict(update))
         if taken.modified_count:
-            return Candidates(candidates, all_taken=taken.modified_count == len(candidates))
+            return Candidates(candidates, all_taken=whole and taken.modified_count == len(ids))
     log.debug(
         "claim lost every candidate %d times in a row; trying again later",
         MAX_ROUNDS,

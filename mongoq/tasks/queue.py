@@ -353,7 +353,8 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
             sort=schema.CLAIM_ORDER,
             n=n,
             hint=schema.CLAIM_INDEX,
-            fields=None,  # whole: when the update took them all, they need no reading back
+            fields=("lease_until",),
+            whole_first=True,  # when the update took them all, they need no reading back
         )
         if not candidates.docs:
             return []
