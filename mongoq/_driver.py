@@ -208,6 +208,16 @@ async def find_list(
         return list(await cursor.to_list(None))
 
 
+def ids_after(last: str | int) -> dict[str, Any]:
+    """The documents whose ``_id`` (a string or an int) sorts after `last` in BSON order. A
+    server compares an id only with ids of its own type and sorts numbers before strings: after
+    an int, every string id follows too."""
+    later: dict[str, Any] = {"_id": {"$gt": last}}
+    if isinstance(last, int):
+        return {"$or": [later, {"_id": {"$type": "string"}}]}
+    return later
+
+
 def owned_by(pairs: Sequence[tuple[Any, Any]], token_field: str = "token") -> dict[str, Any]:
     """A filter matching the documents ``(_id, token)`` of `pairs`: one ``_id $in`` per distinct
     token (a batch shares one), rather than an ``$or`` branch per document."""

@@ -195,3 +195,20 @@ def check_stop_when(stop_when_empty: Any, stop_when_drained: Any) -> None:
 def check_timeout(field: str, value: Any) -> float | None:
     """None (no limit) or a positive number of seconds."""
     return None if value is None else check_seconds(field, value, positive=True)
+
+
+def id_token(value: str | int) -> str:
+    """An id as a listing cursor writes it: ``i:<int>`` or ``s:<string>`` (the type kept)."""
+    return f"{'i' if isinstance(value, int) else 's'}:{value}"
+
+
+def parse_id_token(field: str, token: str, problem: str) -> str | int:
+    """The id an `id_token` wrote; `InvalidInput` naming `field` for anything else."""
+    kind, _, raw = token.partition(":")
+    if kind not in ("i", "s") or not _:
+        raise InvalidInput(field, problem)
+    try:
+        value: str | int = int(raw) if kind == "i" else raw
+    except ValueError:
+        raise InvalidInput(field, problem) from None
+    return check_id(field, value)

@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from mongoq import _driver
-from mongoq._validation import check_id, check_int, check_seconds
+from mongoq._validation import check_id, check_int, check_seconds, id_token, parse_id_token
 from mongoq.clock import stored_instant
 from mongoq.errors import InvalidInput
 from mongoq.groups import schema
@@ -156,7 +156,7 @@ class GroupOperators:
             heads = {row["_id"]: row for row in rows}
         groups = [_group_info(lock, heads.get(lock["_id"]), now) for lock in page]
         more = len(locks) > limit
-        return GroupPage(groups, _cursor_of(page[-1]["_id"]) if more else None)
+        return GroupPage(groups, id_token(page[-1]["_id"]) if more else None)
 
     async def stats(self: _Transport) -> GroupStats:
         """Groups ready / in flight / parked, messages, dead letters, oldest message age
@@ -184,19 +184,11 @@ class GroupOperators:
 MAX_PAGE = 1000
 
 
-def _cursor_of(group_id: GroupId) -> str:
-    return f"{'i' if isinstance(group_id, int) else 's'}:{group_id}"
-
-
 def _parse_cursor(cursor: Any) -> GroupId:
     problem = "must be the `next` of an earlier page"
-    if not isinstance(cursor, str) or cursor[:2] not in ("i:", "s:"):
+    if not isinstance(cursor, str):
         raise InvalidInput("after", problem)
-    try:
-        group_id: GroupId = int(cursor[2:]) if cursor[0] == "i" else cursor[2:]
-    except ValueError:
-        raise InvalidInput("after", problem) from None
-    return check_id("after", group_id)
+    return parse_id_token("after", cursor, problem)
 
 
 def _group_info(

@@ -191,9 +191,7 @@ def locks_listed(state: str | None, now: datetime, after: GroupId | None) -> Fil
         listed.update(parked={"$ne": True}, available_at={"$gt": now})
     if after is None:
         return listed
-    later: Filter = {"_id": {"$gt": after}}
-    if isinstance(after, int):
-        later = {"$or": [later, {"_id": {"$type": "string"}}]}
+    later = _driver.ids_after(after)
     return {"$and": [listed, later]} if listed else later
 
 

@@ -13,7 +13,14 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 from mongoq import _driver
-from mongoq._validation import check_batch, check_id, check_int, check_seconds
+from mongoq._validation import (
+    check_batch,
+    check_id,
+    check_int,
+    check_seconds,
+    id_token,
+    parse_id_token,
+)
 from mongoq.clock import stored_instant, to_millis
 from mongoq.errors import InvalidInput
 from mongoq.tasks import schema
@@ -46,7 +53,8 @@ class _Queue(Protocol):
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_CURSOR = re.compile(r"(-?[0-9]{1,16}):([is]):(.*)", re.ASCII | re.DOTALL)
+_CURSOR = re.compile(r"(-?[0-9]{1,16}):(.*)", re.ASCII | re.DOTALL)
+_PROBLEM = "must be the `next` of an earlier page"
 
 
 def _cursor(task: Task) -> str:
@@ -54,22 +62,19 @@ def _cursor(task: Task) -> str:
     epoch (integer arithmetic: a float would be off by one for some instants) and its id."""
     assert task.updated_at is not None
     at = (to_millis(task.updated_at) - _EPOCH) // timedelta(milliseconds=1)
-    kind = "i" if isinstance(task.id, int) else "s"
-    return f"{at}:{kind}:{task.id}"
+    return f"{at}:{id_token(task.id)}"
 
 
 def _parse_cursor(cursor: Any) -> tuple[datetime, TaskId]:
-    problem = "must be the `next` of an earlier page"
     match = _CURSOR.fullmatch(cursor) if isinstance(cursor, str) else None
     if match is None:
-        raise InvalidInput("after", problem)
-    millis, kind, raw = match.groups()
+        raise InvalidInput("after", _PROBLEM)
+    millis, token = match.groups()
     try:
         at = _EPOCH + timedelta(milliseconds=int(millis))
-        task_id: TaskId = int(raw) if kind == "i" else raw
-    except (ValueError, OverflowError):
-        raise InvalidInput("after", problem) from None
-    return at, check_id("after", task_id)
+    except OverflowError:
+        raise InvalidInput("after", _PROBLEM) from None
+    return at, parse_id_token("after", token, _PROBLEM)
 
 
 class TaskOperators:

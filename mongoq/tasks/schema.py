@@ -254,10 +254,7 @@ def tasks_listed(
     if after is None:
         return listed
     at, last = after
-    later_id: dict[str, Any] = {"_id": {"$gt": last}}
-    if isinstance(last, int):
-        later_id = {"$or": [later_id, {"_id": {"$type": "string"}}]}
-    listed["$or"] = [{"updated_at": {"$gt": at}}, {"updated_at": at, **later_id}]
+    listed["$or"] = [{"updated_at": {"$gt": at}}, {"updated_at": at, **_driver.ids_after(last)}]
     return listed
 
 
