@@ -1,7 +1,10 @@
 """What every benchmark shares: a counted database, a timer, and the result line.
 
 Commands are counted by wrapping the database with `mongoq.testing.instrument` and a
-`CommandCounter`: every collection command the library issues passes through it. On a real
+`CommandCounter`: every collection command the library issues passes through it, and so do the
+getMores a server would add to return what a read returned. mongoq's own time per call is that
+call's time less the time spent inside the commands (`Stopwatch`): the backend's work is left
+out, whichever backend, and what remains is the library's (and the event loop's). On a real
 server the count reported is the server's own, from PyMongo's command monitoring
 (`benchmarks.server.ServerCommandCounter`: it also sees cursor continuations), and claim-cost
 scenarios add the documents one claim examines, from ``explain``.
@@ -18,7 +21,7 @@ from typing import Any
 
 from benchmarks.server import ServerCommandCounter, examined_by
 from mongoq import _driver
-from mongoq.testing import CommandCounter, instrument
+from mongoq.testing import CommandCounter, Operation, instrument
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,8 @@ class Result:
     commands: int
     #: documents the server examines for one claim (``explain``); real servers only
     docs_examined: int | None = None
+    #: milliseconds of mongoq's own time per item, commands left out (`Stopwatch`)
+    own_ms: float | None = None
 
     @property
     def per_second(self) -> float:
@@ -45,9 +50,10 @@ class Result:
         else:  # slow items read better as a latency
             rate = f"{1000 / self.per_second:>7.0f} ms/it" if self.per_second else " " * 13
         examined = "" if self.docs_examined is None else f"  {self.docs_examined} docs/claim"
+        own = "" if self.own_ms is None else f"  {self.own_ms:.3f} ms own/item"
         return (
             f"{self.scenario:<50} {self.backend:<8} {self.items:>7} items  "
-            f"{rate}  {self.commands_per_item:>6.2f} commands/item{examined}"
+            f"{rate}  {self.commands_per_item:>6.2f} commands/item{examined}{own}"
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -55,6 +61,21 @@ class Result:
             "per_second": self.per_second,
             "commands_per_item": self.commands_per_item,
         }
+
+
+class Stopwatch:
+    """A hook (`mongoq.testing.instrument`) adding up the time spent inside commands, so that
+    what a call took less `inside` is the caller's own time: the commands short-circuited."""
+
+    def __init__(self) -> None:
+        self.inside = 0.0
+        self._entered: dict[int, float] = {}
+
+    async def before(self, op: Operation) -> None:
+        self._entered[id(op)] = time.perf_counter()
+
+    async def after(self, op: Operation, error: BaseException | None) -> None:
+        self.inside += time.perf_counter() - self._entered.pop(id(op))
 
 
 @dataclass
@@ -65,17 +86,24 @@ class Bench:
     raw: Any = None
     server: ServerCommandCounter | None = None
     started: float = 0.0
+    stopwatch: Stopwatch | None = None
 
     def start(self) -> None:
         self.counter.reset()
         if self.server is not None:
             self.server.reset()
+        if self.stopwatch is not None:
+            self.stopwatch.inside = 0.0
         self.started = time.perf_counter()
 
-    def stop(self, scenario: str, items: int) -> Result:
+    def stop(self, scenario: str, items: int, *, own: bool = False) -> Result:
+        """The result since `start`; with `own`, also mongoq's own time per item."""
         seconds = time.perf_counter() - self.started
         commands = self.server.total if self.server is not None else self.counter.total
-        return Result(scenario, self.backend, items, seconds, commands)
+        own_ms = None
+        if own and self.stopwatch is not None and items:
+            own_ms = (seconds - self.stopwatch.inside) * 1000 / items
+        return Result(scenario, self.backend, items, seconds, commands, own_ms=own_ms)
 
     async def examined(self, result: Result, claim: Callable[[], Awaitable[Any]]) -> Result:
         """`result` with the documents one more `claim()` examines (real servers only)."""
@@ -99,9 +127,14 @@ async def counted_database(uri: str | None) -> AsyncIterator[Bench]:
     options = {"event_listeners": [server]} if server is not None else None
     raw = _driver.connect(uri or _driver.MEMORY_SCHEME, name, client_options=options)
     counter = CommandCounter()
+    stopwatch = Stopwatch()
     backend = _driver.backend_of(raw).value
     try:
-        yield Bench(instrument(raw, counter), counter, backend, raw, server)
+        # The stopwatch first: what it times is the command and the other hooks (test tools),
+        # so that what is left is mongoq's own.
+        yield Bench(
+            instrument(raw, stopwatch, counter), counter, backend, raw, server, 0.0, stopwatch
+        )
     finally:
         if uri:
             await raw.client.drop_database(name)

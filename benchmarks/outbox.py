@@ -80,12 +80,43 @@ async def blocked_key(uri: str | None, backlog: int, claims: int = 20) -> list[R
         return [parked, after]
 
 
+async def claim_cpu(uri: str | None, backlog: int = 500, claims: int = 200) -> Result:
+    """mongoq's own time per unbatched claim (limit 1, then its completion, not timed), the
+    commands left out: a backlog of unkeyed deliveries over every lane, one worker."""
+    async with counted_database(uri) as bench:
+        clock = ManualClock()
+        outbox = await _outbox(bench.db, clock)
+        await outbox.publish(_events(backlog, None), session=None)
+        for _ in range(5):  # warm: the worker holds its lanes as it would
+            for delivery in await outbox.claim("bench", limit=1):
+                await outbox.complete(delivery)
+        elapsed, own, commands = 0.0, 0.0, 0
+        for _ in range(claims):
+            bench.start()
+            claimed = await outbox.claim("bench", limit=1)
+            one = bench.stop("claim", 1, own=True)
+            assert claimed and one.own_ms is not None
+            elapsed, own, commands = (
+                elapsed + one.seconds,
+                own + one.own_ms,
+                commands + one.commands,
+            )
+            for delivery in claimed:
+                await outbox.complete(delivery)
+            clock.advance(0.001)
+        return Result(
+            "outbox: mongoq's own time per claim(1), unkeyed", bench.backend, claims, elapsed,
+            commands, own_ms=own / claims,
+        )  # fmt: skip
+
+
 def scenarios(count: int, blocked: list[int]) -> list[tuple[str, Callable[[str | None], object]]]:
     runs: list[tuple[str, Callable[[str | None], object]]] = [
         ("outbox lifecycle single", lambda uri: lifecycle(uri, count, 1, None)),
         ("outbox lifecycle batched", lambda uri: lifecycle(uri, count, 100, None)),
         ("outbox lifecycle single keyed", lambda uri: lifecycle(uri, count, 1, 50)),
         ("outbox lifecycle batched keyed", lambda uri: lifecycle(uri, count, 100, 50)),
+        ("outbox own time per claim", lambda uri: claim_cpu(uri)),
     ]
     for size in blocked:
         runs.append((f"outbox blocked key {size}", lambda uri, size=size: blocked_key(uri, size)))

@@ -191,6 +191,10 @@ def extra_required(extra: str, feature: str) -> Iterator[None]:
         ) from error
 
 
+#: Documents a server returns in a cursor's first batch when the command names no batch size.
+FIRST_BATCH = 101
+
+
 async def find_list(
     collection: Any,
     filter: Mapping[str, Any],
@@ -199,11 +203,17 @@ async def find_list(
     limit: int = 0,
     projection: Mapping[str, Any] | None = None,
     hint: str | None = None,
+    batch_size: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Run a find and read all of it; `limit=0` means no limit."""
+    """Run a find and read all of it; `limit=0` means no limit. A read of more than a server's
+    first batch (101 documents) asks for `batch_size` (default: `limit`) in its first, so that
+    it takes one round trip, not a find and a getMore."""
     cursor = collection.find(filter, projection, sort=sort, limit=limit)
     if hint is not None:  # chained: mongomock's `find` rejects a `hint` argument
         cursor = cursor.hint(hint)
+    size = batch_size or limit
+    if size > FIRST_BATCH:
+        cursor = cursor.batch_size(size)
     with index_required(collection, hint):
         return list(await cursor.to_list(None))
 

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 import anyio
 import anyio.lowlevel
-from pymongo.errors import AutoReconnect, NetworkTimeout
+from pymongo.errors import AutoReconnect, NetworkTimeout, OperationFailure
 
 from mongoq import _driver
 from mongoq.clock import to_millis
@@ -190,6 +190,10 @@ def interleaving_database(
 # ------------------------------------------------------------------------------ instrumentation
 
 
+#: documents in a cursor's first batch when the command names no batch size (the server's)
+_FIRST_BATCH = 101
+
+
 @dataclass
 class Operation:
     """One collection command on its way to the server."""
@@ -201,6 +205,28 @@ class Operation:
     actor: str | None
     #: cursor methods chained on a find or aggregate (``("hint", ("claim",))``...), in order
     chain: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+    #: documents a find or aggregate returned (set once it ran)
+    returned: int | None = None
+
+    @property
+    def getmores(self) -> int:
+        """The getMore commands a server needs to return what this read returned: its first
+        batch holds ``batch_size`` documents (101 by default), later ones ``batch_size`` or, by
+        default, up to 16 MiB (one, for the small documents mongoq reads); a cursor a limit has
+        not closed is read to its end, an empty batch when the last one was full."""
+        if self.returned is None:
+            return 0
+        chained = dict(self.chain)
+        size = (chained.get("batch_size") or (None,))[0] or self.kwargs.get("batch_size")
+        limit = (chained.get("limit") or (None,))[0] or self.kwargs.get("limit") or 0
+        closed = bool(limit) and self.returned >= limit
+        first = size or _FIRST_BATCH
+        if self.returned < first:
+            return 0
+        rest = self.returned - first
+        later = (-(-rest // size) if size else min(rest, 1)) if rest else 0
+        full = rest == 0 or (size is not None and rest % size == 0)
+        return later + (0 if closed or not full else 1)
 
     @property
     def filter(self) -> Any:
@@ -267,7 +293,10 @@ class InstrumentedDatabase:
                 await hook.before(op)
                 entered.append(hook)
             result = method(*args, **kwargs)
-            return await result if hasattr(result, "__await__") else result
+            result = await result if hasattr(result, "__await__") else result
+            if name in ("find", "aggregate") and isinstance(result, list):
+                op.returned = len(result)
+            return result
         except BaseException as exc:
             error = exc
             raise
@@ -355,7 +384,9 @@ def instrument(db: Any, *hooks: Hook) -> InstrumentedDatabase:
 
 
 class CommandCounter:
-    """Counts commands by ``collection.name``; use with `instrument`."""
+    """Counts commands by ``collection.name``, and the getMores a server would need to return
+    what a read returned (``collection.getMore``, see `Operation.getmores`); use with
+    `instrument`."""
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
@@ -376,7 +407,8 @@ class CommandCounter:
             self.operations.append(op)
 
     async def after(self, op: Operation, error: BaseException | None) -> None:
-        return None
+        if error is None and op.getmores:
+            self.counts[f"{op.collection}.getMore"] += op.getmores
 
 
 # ------------------------------------------------------------------------------- yielding
@@ -450,7 +482,8 @@ class FaultInjector:
     """Makes chosen commands fail or wait; use with `instrument`.
 
     - `fail_before`: the command raises without being applied (a connection that broke first);
-    - `fail_after`: the command is applied, then raises as if its reply was lost;
+    - `fail_after`: the command is applied, then raises as if its reply was lost (also a reply
+      that carried a server error, such as a bulk insert's duplicate keys);
     - `pause_before`: the command waits until the test releases it (`Pause.reached` tells when
       it got there), so the test can run other commands in between;
     - `yield_between=True`: every command first yields to the event loop, so concurrent workers
@@ -508,7 +541,9 @@ class FaultInjector:
             )
 
     async def after(self, op: Operation, error: BaseException | None) -> None:
-        if error is not None:
+        # A command the server answered with an error (a duplicate key in a bulk insert) ran
+        # there too: its reply can be lost like any other. One that never reached it cannot.
+        if error is not None and not isinstance(error, OperationFailure):
             return
         rule = self._take("after", op)
         if rule is not None:

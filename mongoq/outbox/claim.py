@@ -1,13 +1,20 @@
 """The outbox's claim: which due deliveries an owner gets, and the lane writes that record it.
 
-`Claimer` is the algorithm `AsyncOutbox.claim` runs, one object per `AsyncOutbox`: it takes
-over lanes left with deliveries listed (charging what ran there), moves unblocked parked keys
-back (unpark), reconciles what its held lanes list with what this instance handed out, scans the
-due deliveries of its lanes and the free ones (``claim`` index), looks up the heads of their
-keys (``ordering`` index), records the picks on their lanes (taking the free ones, handing back
-idle ones), and parks the blocked backlogs it saw. It writes the ``deliveries`` and ``lanes``
-collections (layout and every filter and update: `mongoq.outbox.schema`; the lanes:
-`mongoq.outbox.lanes`) and reads ``events``.
+`Claimer` is the algorithm `AsyncOutbox.claim` runs, one object per `AsyncOutbox`: from its
+view of the lanes (`LaneView`, read again when it may be behind) it takes over lanes left with
+deliveries listed (charging what ran there), moves unblocked parked keys back (unpark, when
+something may have unblocked), reconciles what its held lanes list with what this instance
+handed out, scans the due deliveries of its lanes and the free ones (``claim`` index), looks up
+the heads of their keys (``ordering`` index), records the picks on their lanes (taking the free
+ones, handing back idle ones), and parks the blocked backlogs it saw. It writes the
+``deliveries`` and ``lanes`` collections (layout and every filter and update:
+`mongoq.outbox.schema`; the lanes: `mongoq.outbox.lanes`) and reads ``events``.
+
+A claim that takes all it asked for costs, unkeyed, the scan, the events read and the lane
+write; the lane view is read again when the owner's last claim came up short (a free lane
+another instance handed back is then seen at once), after a lane write of this instance failed,
+and at least every `VIEW_TTL` seconds; unparking runs on the claims that read it and after a
+settle of a key this instance parked.
 
 Per-key order: a keyed delivery is claimed only when it is the lowest pending sequence of its
 handler and key and no delivery of them runs. All deliveries of a key share a lane and only the
@@ -23,7 +30,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -35,8 +43,8 @@ from mongoq._validation import MAX_BATCH
 from mongoq.clock import stored_instant
 from mongoq.errors import InvalidInput
 from mongoq.outbox import schema
-from mongoq.outbox.lanes import Entry, Lane, charge_lost, read_lanes
-from mongoq.outbox.models import Delivery, Event
+from mongoq.outbox.lanes import Entry, Lane, LaneView, charge_lost, read_lanes
+from mongoq.outbox.models import LANES, Delivery, Event
 from mongoq.runtime.loop import error_text
 
 if TYPE_CHECKING:
@@ -44,9 +52,13 @@ if TYPE_CHECKING:
 
 __all__ = ["Claimer", "parse_token"]
 
-#: A claim queries at most this many lanes at once: the server merges at most 200 sorted
-#: index ranges, beyond which it would sort the whole due backlog.
-LANES_PER_QUERY = 128
+#: A server merges at most 200 sorted index ranges (``internalQueryMaxScansToExplode``) and
+#: beyond that sorts the whole due backlog: a claim's first page names at most this many lanes
+#: (a range each), a later page, whose ``(due_at, _id)`` bound is two ranges a lane, half.
+FIRST_PAGE_LANES = 200
+LATER_PAGE_LANES = 100
+#: Seconds (of the clock) a lane view serves claims that take all they ask for.
+VIEW_TTL = 1.0
 #: Waiting deliveries of one key a claim must see behind an unfinished head before parking them.
 PARK_THRESHOLD = 32
 #: Lanes left with deliveries listed that one claim takes over (and charges) at most.
@@ -72,10 +84,84 @@ def parse_token(delivery: Any, field: str = "delivery") -> tuple[bson.ObjectId, 
     return doc_id, lane, epoch, claims
 
 
+class _Picking:
+    """The picks of one claim, taken from the candidates of its scan in ``(due_at, _id)``
+    order: an unkeyed delivery as it comes, a keyed one only when it is the head of its key
+    (looked up in waves, no further than the picks still wanted can reach, so that a claim of
+    one does not probe every key of a page) and its key neither runs nor was picked already.
+    What it passes over, by key, are the candidates parking considers (`waiting`)."""
+
+    def __init__(
+        self,
+        limit: int,
+        running: list[Entry],
+        heads_of: Callable[
+            [Iterable[tuple[str, str]]], Awaitable[dict[tuple[str, str], dict[str, Any] | None]]
+        ],
+    ) -> None:
+        self.limit = limit
+        self.heads_of = heads_of
+        self.running_keys = {(e.handler, e.key) for e in running if e.key is not None}
+        self.excluded = {e.delivery for e in running}
+        self.picks: list[dict[str, Any]] = []
+        self.waiting: dict[tuple[str, str], list[Any]] = defaultdict(list)
+        self.heads: dict[tuple[str, str], dict[str, Any] | None] = {}
+        self.taken_keys: set[tuple[str, str]] = set()
+
+    @property
+    def done(self) -> bool:
+        return len(self.picks) >= self.limit
+
+    def _blocked(self, hk: tuple[str, str]) -> bool:
+        return hk in self.running_keys or hk in self.taken_keys
+
+    def _unknown(self, hk: tuple[str, str] | None) -> bool:
+        return hk is not None and hk not in self.heads and not self._blocked(hk)
+
+    @staticmethod
+    def _key_of(candidate: Mapping[str, Any]) -> tuple[str, str] | None:
+        key = candidate.get("key")
+        return None if key is None else (candidate["handler"], key)
+
+    async def take(self, candidates: list[dict[str, Any]]) -> tuple[datetime, Any] | None:
+        """Pick from `candidates`; returns the ``(due_at, _id)`` of the last one looked at."""
+        after = None
+        position = 0
+        while position < len(candidates) and not self.done:
+            wave: list[tuple[str, str]] = []
+            for candidate in candidates[position:]:
+                hk = self._key_of(candidate)
+                if hk is not None and self._unknown(hk) and hk not in wave:
+                    wave.append(hk)
+                    if len(wave) == self.limit - len(self.picks):
+                        break
+            if wave:
+                self.heads.update(await self.heads_of(wave))
+            for candidate in candidates[position:]:
+                hk = self._key_of(candidate)
+                if self._unknown(hk):
+                    break  # beyond this wave
+                position += 1
+                after = (candidate["due_at"], candidate["_id"])
+                if candidate["_id"] in self.excluded:
+                    continue
+                if hk is not None:
+                    head = self.heads.get(hk)
+                    if self._blocked(hk) or head is None or head["_id"] != candidate["_id"]:
+                        self.waiting[hk].append(candidate["_id"])
+                        continue
+                    self.taken_keys.add(hk)
+                self.picks.append(candidate)
+                if self.done:
+                    break
+        return after
+
+
 class Claimer:
-    """The claim algorithm of one `AsyncOutbox`, and what it remembers between claims: which
-    claims this instance handed out and has not seen settled (`issued`), one lock per owner
-    (claims of one owner on one instance run one after the other), and where unparking goes on.
+    """The claim algorithm of one `AsyncOutbox`, and what it remembers between claims: its lane
+    view, which claims this instance handed out and has not seen settled (`issued`) and which it
+    saw end (`ended`), one lock per owner (claims of one owner on one instance run one after the
+    other), and where unparking goes on and whether it is due.
     """
 
     def __init__(self, outbox: AsyncOutbox) -> None:
@@ -88,35 +174,82 @@ class Claimer:
         # owner -> {delivery _id: generation} of the claims this instance handed out and has
         # not seen settled: what runs in the owner's lanes (see `_reconcile`).
         self.issued: dict[str, dict[Any, int]] = defaultdict(dict)
+        # owner -> the claims (delivery _id, generation) this instance saw end (a settle with a
+        # definite outcome): what its lanes still list of them needs no look-up.
+        self.ended: dict[str, set[tuple[Any, int]]] = defaultdict(set)
         # handler set of a claim -> the last parked key its unparking looked at
         self.unpark_after: dict[tuple[str, ...] | None, tuple[str, str]] = {}
+        self.view = LaneView()
+        # owners whose last claim took all it asked for: their next one trusts a recent view
+        self.filled: set[str] = set()
+        # keys this instance parked; a settle of one of them makes unparking due
+        self.parked_keys: set[tuple[str, str]] = set()
+        self.unpark_due = True
 
     async def claim(self, owner: str, handlers: list[str] | None, limit: int) -> list[Delivery]:
         """Claim up to `limit` due deliveries for `owner` (checked already; see
         `AsyncOutbox.claim`), after the owner's claims in progress on this instance."""
         async with self.locks[owner]:
-            return await self._claim(owner, handlers, limit)
+            claimed = await self._claim(owner, handlers, limit)
+            if len(claimed) < limit and self.view.failed:
+                # A lane write failed (another instance took a lane first, a requeue came
+                # between): once more, from the lanes as they are now.
+                try:
+                    claimed += await self._claim(owner, handlers, limit - len(claimed))
+                except BaseException:
+                    self.forget(claimed)  # never handed out: freed by the next claim
+                    raise
+            return claimed
 
-    def forget(self, deliveries: Iterable[Delivery]) -> None:
+    def forget(self, deliveries: Iterable[Delivery], *, ended: bool = False) -> None:
         """Settled, or its outcome unknown: no longer counted as running by this instance; the
-        next claim frees it if it was not settled after all (see `_reconcile`)."""
+        next claim frees it if it was not settled after all (see `_reconcile`). `ended`: the
+        settle's outcome is known (it took effect, or the claim had ended already), so the
+        claim is no longer pending at its generation and needs no freeing."""
         for delivery in deliveries:
             doc_id, _, _, claims = parse_token(delivery)
             issued = self.issued[delivery.owner]
             if issued.get(doc_id) == claims:  # a stale settle leaves a newer claim running
                 del issued[doc_id]
+            if ended:
+                self.ended[delivery.owner].add((doc_id, claims))
+            if (delivery.handler, delivery.event.key) in self.parked_keys:
+                self.unpark_due = True  # its followers may be first now
+
+    def invalidate(self) -> None:
+        """Read the lanes again before the next claim (a write whose outcome is not what the
+        view expects, or one outside the claim)."""
+        self.view.failed = True
+
+    async def _lane_view(self, owner: str, now: datetime) -> tuple[LaneView, bool]:
+        """The lane view for a claim of `owner`, and whether it was read for it."""
+        view = self.view
+        if (
+            view.failed
+            or owner not in self.filled
+            or (now - view.read_at).total_seconds() >= VIEW_TTL
+            or view.read_at > now  # the clock went back
+        ):
+            view.failed = False
+            since = view.mark()
+            try:
+                lanes = await read_lanes(self.lanes)
+            except BaseException:
+                view.failed = True
+                raise
+            view.update(lanes, read_since=since)
+            view.read_at = now
+            return view, True
+        return view, False
 
     async def _claim(self, owner: str, handlers: list[str] | None, limit: int) -> list[Delivery]:
         now = await self.outbox._now()
-        lanes, requeues = await read_lanes(self.lanes)
-        held = {lane.id: lane for lane in lanes if lane.held_by(owner, self.outbox.instance)}
-        free = {lane.id: lane for lane in lanes if lane.id not in held and lane.is_free(now)}
+        view, read = await self._lane_view(owner, now)
+        held, free, stale = view.split(owner, self.outbox.instance, now)
         # A lane whose previous holder left deliveries listed (a crash, an expired lease, a
         # graceful stop) is taken over before anything is read from it: what was running there
-        # is charged its lost attempt first, so the scan below sees current generations.
-        stale = [lane for lane in free.values() if lane.in_flight or lane.lost]
-        for lane in stale:  # those beyond this claim's share wait for a later claim
-            del free[lane.id]
+        # is charged its lost attempt first, so the scan below sees current generations. Those
+        # beyond this claim's share wait for a later claim.
         if stale:
             held.update(await self._take_over(owner, stale[:STALE_LANES_PER_CLAIM], now))
         # A lost list on a lane this owner holds was left by a claim that failed between the
@@ -124,114 +257,41 @@ class Claimer:
         unpaid = [(lane, lane.epoch) for lane in held.values() if lane.lost]
         if unpaid:
             await charge_lost(self.db, self.deliveries, self.lanes, unpaid, now)
-            for lane, _ in unpaid:
-                lane.lost = []
-        await self._unpark(handlers)
+            paid = [replace(lane, lost=[], rev=None) for lane, _ in unpaid]
+            held.update((lane.id, lane) for lane in paid)
+            view.update(paid)
+        if read or self.unpark_due:
+            self.unpark_due = False
+            await self._unpark(handlers)
         running = await self._reconcile(owner, held.values(), now)
-        running_keys = {(e.handler, e.key) for e in running if e.key is not None}
-        excluded = {e.delivery for e in running}
 
-        picks: list[dict[str, Any]] = []
-        waiting: dict[tuple[str, str], list[Any]] = defaultdict(list)
-        heads: dict[tuple[str, str], dict[str, Any] | None] = {}
-        taken_keys: set[tuple[str, str]] = set()
-        after: tuple[datetime, Any] | None = None
+        picking = _Picking(limit, running, self._heads)
         page = min(limit * 2 + PARK_THRESHOLD, MAX_BATCH)
-        lane_ids = sorted([*held, *free])
-
-        def blocked(hk: tuple[str, str]) -> bool:
-            return hk in running_keys or hk in taken_keys
-
-        def key_of(candidate: Mapping[str, Any]) -> tuple[str, str] | None:
-            key = candidate.get("key")
-            return None if key is None else (candidate["handler"], key)
-
-        def unknown(hk: tuple[str, str] | None) -> bool:
-            return hk is not None and hk not in heads and not blocked(hk)
-
-        while len(picks) < limit and lane_ids:
+        # Every lane this owner's or free: one scan in due order of them all (``ready``);
+        # else a merge of the lanes' ranges (``claim``).
+        lane_ids = None if len(held) + len(free) == LANES else sorted([*held, *free])
+        after: tuple[datetime, Any] | None = None
+        while not picking.done and lane_ids != []:
             candidates = await self._scan(lane_ids, handlers, now, after, page)
-            position = 0
-            while position < len(candidates) and len(picks) < limit:
-                # Look up the heads of the next keys only as far as the picks still needed
-                # can reach, so a claim of one does not probe every key of a page.
-                wave: list[tuple[str, str]] = []
-                for candidate in candidates[position:]:
-                    hk = key_of(candidate)
-                    if hk is not None and unknown(hk) and hk not in wave:
-                        wave.append(hk)
-                        if len(wave) == limit - len(picks):
-                            break
-                heads.update(await self._heads(wave))
-                for candidate in candidates[position:]:
-                    hk = key_of(candidate)
-                    if unknown(hk):
-                        break  # beyond this wave
-                    position += 1
-                    after = (candidate["due_at"], candidate["_id"])
-                    if candidate["_id"] in excluded:
-                        continue
-                    if hk is not None:
-                        head = heads.get(hk)
-                        if blocked(hk) or head is None or head["_id"] != candidate["_id"]:
-                            waiting[hk].append(candidate["_id"])
-                            continue
-                        taken_keys.add(hk)
-                    picks.append(candidate)
-                    if len(picks) == limit:
-                        break
+            after = await picking.take(candidates) or after
             if len(candidates) < page:
                 break
             page = min(page * 2, MAX_BATCH)  # a long blocked stretch: read further per query
+        picks, waiting, heads = picking.picks, picking.waiting, picking.heads
         deliveries = await self._record(owner, now, held, free, running, picks)
         issued = self.issued[owner]
         for delivery in deliveries:
             issued[bson.ObjectId(delivery.id)] = parse_token(delivery)[3]
         try:
-            if any(d.event.key is not None for d in deliveries):
-                deliveries = await self._recheck_after_requeue(owner, deliveries, requeues, now)
             await self._park(waiting, heads, now)
         except BaseException:
-            self.forget(deliveries)  # never handed out (an error, a cancellation): freed next
+            self.forget(deliveries)  # never handed out (a cancellation): freed next
             raise
+        if len(deliveries) == limit:
+            self.filled.add(owner)
+        else:
+            self.filled.discard(owner)
         return deliveries
-
-    async def _recheck_after_requeue(
-        self, owner: str, deliveries: list[Delivery], requeues: int, now: datetime
-    ) -> list[Delivery]:
-        """Give back the keyed picks a dead letter requeued during this claim now precedes.
-
-        `requeue` counts itself after making the delivery pending; a claim whose heads were
-        read before that write and recorded after it sees the count moved here, reads the
-        heads of its keyed picks again and gives back each that is no longer first (its claim
-        generation moves on, no attempt is charged). A requeue that counts itself only after
-        this claim returned is ordered after the claim, like one that came later.
-        """
-        counter = await _driver.find_list(self.lanes, schema.requeue_counter(), limit=1)
-        if not counter or int(counter[0].get("value", 0)) == requeues:
-            return deliveries
-        keys = {(d.handler, d.event.key) for d in deliveries if d.event.key is not None}
-        heads = await self._heads((h, k) for h, k in keys if k is not None)
-        overtaken = [
-            d
-            for d in deliveries
-            if d.event.key is not None
-            and (heads.get((d.handler, d.event.key)) or {}).get("_id") != bson.ObjectId(d.id)
-        ]
-        if not overtaken:
-            return deliveries
-        await self._free([self._lease_entry(d) for d in overtaken], now)
-        for delivery in overtaken:
-            self.issued[owner].pop(bson.ObjectId(delivery.id), None)
-        self.outbox.log.info(
-            "gave back %d pick(s) a requeued delivery now precedes", len(overtaken)
-        )
-        return [d for d in deliveries if d not in overtaken]
-
-    @staticmethod
-    def _lease_entry(delivery: Delivery) -> Entry:
-        doc_id, _, _, claims = parse_token(delivery)
-        return Entry(doc_id, claims, delivery.handler, delivery.event.key)
 
     async def _take_over(self, owner: str, stale: list[Lane], now: datetime) -> dict[int, Lane]:
         """Take `stale` lanes over and charge what their previous holders left running; returns
@@ -241,7 +301,7 @@ class Claimer:
             self._take(lane, owner, lease_until, [], lane.lost + lane.in_flight)
             for lane in stale
         ]  # fmt: skip
-        result = await self.lanes.bulk_write(ops, ordered=False)
+        result = await self._write_lanes(ops)
         expected: dict[int, tuple[int, list[Entry]]] = {
             lane.id: (lane.epoch + 1, []) for lane in stale
         }
@@ -251,92 +311,119 @@ class Claimer:
             else await self._confirm(owner, expected)
         )
         adopted = {
-            lane.id: Lane(lane.id, owner, self.outbox.instance, lease_until, lane.epoch + 1,
-                          rev=lane.rev + 1, lost=lane.lost + lane.in_flight)
+            lane.id: lane.taken(owner, self.outbox.instance, lease_until, [],
+                                lane.lost + lane.in_flight)
             for lane in stale
             if lane.id in taken
         }  # fmt: skip
         if adopted:
+            self._seen(adopted.values())
             self.outbox.log.info("took over %d lane(s) left with deliveries listed", len(adopted))
             await charge_lost(
                 self.db, self.deliveries, self.lanes,
                 [(lane, lane.epoch) for lane in adopted.values()], now,
             )  # fmt: skip
-            for lane in adopted.values():
-                lane.lost = []
+            adopted = {i: replace(lane, lost=[]) for i, lane in adopted.items()}
+            self._seen(adopted.values())
         return adopted
+
+    def _seen(self, lanes: Iterable[Lane], read_since: int | None = None) -> None:
+        """Lanes as a write of this instance left them (or as read back), into the view."""
+        self.view.update(list(lanes), read_since)
+
+    async def _write_lanes(self, ops: list[UpdateOne | UpdateMany]) -> Any:
+        """A bulk write of lanes; one that fails leaves the view wrong somewhere (it may
+        have been applied), so the next claim reads the lanes again."""
+        try:
+            return await self.lanes.bulk_write(ops, ordered=False)
+        except BaseException:
+            self.invalidate()
+            raise
 
     async def _reconcile(self, owner: str, held: Iterable[Lane], now: datetime) -> list[Entry]:
         """What runs in `held` lanes: entries whose delivery still exists at the listed
         generation and that this instance handed out and has not seen settled.
 
-        Any other entry at its listed generation is a claim nobody will settle: its record
-        reached the lane but the claim failed before handing it out (a lost reply), or its
-        settle failed. Its generation moves on (no attempt charged), which frees it and its
-        key at once, and any late settle of that claim is refused.
+        Any other entry is a claim nobody will settle, unless this instance saw it end: its
+        record reached the lane but the claim failed before handing it out (a lost reply), or
+        its settle failed. Its generation moves on (no attempt charged, and only if still at
+        the listed one), which frees it and its key at once, and any late settle of that claim
+        is refused.
 
-        Every listed entry is looked up, those this instance runs too: one whose settle went
-        through another `AsyncOutbox` object, or committed in the caller's transaction, is
-        gone from the collection, not from this instance's records. And `running` is decided
-        after the lookup, so a settle that failed while it ran is freed, not skipped."""
+        The entries this instance runs are looked up: one whose settle went through another
+        `AsyncOutbox` object, or committed in the caller's transaction, is gone from the
+        collection, not from this instance's records. And `running` is decided after the
+        look-up, so a settle that failed while it ran is freed, not skipped."""
         issued = self.issued[owner]
-        entries = [entry for lane in held for entry in lane.in_flight]
+        ended = self.ended.pop(owner, set())
+        entries = [e for lane in held for e in lane.in_flight if e.claim not in ended]
         if not entries:
             issued.clear()
             return []
-        current = {
-            (doc["_id"], int(doc.get("claims", 0)))
-            for doc in await _driver.find_list(
-                self.deliveries,
-                schema.delivery_pending_by_ids([e.delivery for e in entries]),
-                projection={"claims": 1},
-            )
-        }
-        listed = [e for e in entries if (e.delivery, e.generation) in current]
+        mine = [e for e in entries if issued.get(e.delivery) == e.generation]
+        orphaned = [e for e in entries if issued.get(e.delivery) != e.generation]
+        current: set[tuple[Any, int]] = set()
+        if mine:
+            current = {
+                (doc["_id"], int(doc.get("claims", 0)))
+                for doc in await _driver.find_list(
+                    self.deliveries,
+                    schema.delivery_pending_by_ids([e.delivery for e in mine]),
+                    projection={"claims": 1},
+                )
+            }
+        listed = [e for e in mine if e.claim in current]
         running = [e for e in listed if issued.get(e.delivery) == e.generation]
-        orphaned = [e for e in listed if issued.get(e.delivery) != e.generation]
+        orphaned += [e for e in listed if issued.get(e.delivery) != e.generation]
         self.issued[owner] = {e.delivery: e.generation for e in running}
         if orphaned:
-            self.outbox.log.info(
-                "freeing %d claim(s) that were never handed out or settled", len(orphaned)
-            )
-            await self._free(orphaned, now)
+            freed = await self._free(orphaned, now)
+            if freed:
+                self.outbox.log.info(
+                    "freed %d claim(s) that were never handed out or settled", freed
+                )
         return running
 
-    async def _free(self, entries: list[Entry], now: datetime) -> None:
+    async def _free(self, entries: list[Entry], now: datetime) -> int:
         """End the claims `entries` list without an attempt: their generation moves on (each
         only if still at the listed one), so they are claimable again and any late settle of
-        those claims is refused."""
-        await self.deliveries.update_many(
+        those claims is refused. Returns how many were still at it."""
+        result = await self.deliveries.update_many(
             schema.delivery_claimed(e.claim for e in entries), schema.delivery_freeing(now)
         )
+        return int(result.modified_count)
 
     async def _scan(
         self,
-        lane_ids: Sequence[int],
+        lane_ids: Sequence[int] | None,
         handlers: list[str] | None,
         now: datetime,
         after: tuple[datetime, Any] | None,
         page: int,
     ) -> list[dict[str, Any]]:
-        """The next `page` due, ready deliveries of `lane_ids` in ``(due_at, _id)`` order."""
-        chunks = [
-            lane_ids[start : start + LANES_PER_QUERY]
-            for start in range(0, len(lane_ids), LANES_PER_QUERY)
-        ]
-        results = await asyncio.gather(
-            *(
-                _driver.find_list(
-                    self.deliveries,
-                    schema.delivery_due(chunk, now, handlers, after),
-                    sort=schema.DUE_ORDER,
-                    limit=page,
-                    projection=schema.CLAIM_PROJECTION,
-                    hint=schema.CLAIM_INDEX,
-                )
-                for chunk in chunks
-            )
+        """The next `page` due, ready deliveries of `lane_ids` (None: of every lane) in
+        ``(due_at, _id)`` order: one query, or, for more lanes than one query may merge, one
+        per `FIRST_PAGE_LANES` (a first page) or `LATER_PAGE_LANES` (merged here)."""
+        size = FIRST_PAGE_LANES if after is None else LATER_PAGE_LANES
+        chunks: list[Sequence[int] | None] = (
+            [None]
+            if lane_ids is None
+            else [lane_ids[start : start + size] for start in range(0, len(lane_ids), size)]
         )
+        reads = [
+            _driver.find_list(
+                self.deliveries,
+                schema.delivery_due(chunk, now, handlers, after),
+                sort=schema.DUE_ORDER,
+                limit=page,
+                projection=schema.CLAIM_PROJECTION,
+                hint=schema.READY_INDEX if chunk is None else schema.CLAIM_INDEX,
+            )
+            for chunk in chunks
+        ]
+        if len(reads) == 1:
+            return await reads[0]
+        results = await asyncio.gather(*reads)
         merged = sorted(
             (doc for docs in results for doc in docs),
             key=lambda doc: (stored_instant(doc["due_at"]), doc["_id"]),
@@ -387,15 +474,20 @@ class Claimer:
         instance = self.outbox.instance
         ops: list[UpdateOne | UpdateMany] = []
         expected: dict[int, tuple[int, list[Entry]]] = {}  # lane -> (epoch, entries) once written
+        after: list[Lane] = []  # the lanes once every write took effect
         for lane in held.values():
             entries = running_by_lane[lane.id] + [self._entry(p) for p in by_lane[lane.id]]
             if not entries:
                 fence = lane.fence(owner, instance)
                 ops.append(_driver.update_by_id(self.db, fence, schema.lane_handing_back(now, [])))
+                after.append(lane.handed_back(now))
             elif by_lane[lane.id] or len(entries) != len(lane.in_flight):
+                # New picks are listed only if no requeue in the lane came between.
+                fence = (lane.listing_fence if by_lane[lane.id] else lane.fence)(owner, instance)
                 update = schema.lane_listing(entries, lease_until)
-                ops.append(_driver.update_by_id(self.db, lane.fence(owner, instance), update))
+                ops.append(_driver.update_by_id(self.db, fence, update))
                 expected[lane.id] = (lane.epoch, entries)
+                after.append(lane.listing(entries, lease_until))
         for lane_id, lane_picks in by_lane.items():
             if lane_id in held:
                 continue
@@ -404,11 +496,14 @@ class Claimer:
             entries = [self._entry(p) for p in lane_picks]
             ops.append(self._take(lane, owner, lease_until, entries, []))
             expected[lane_id] = (lane.epoch + 1, entries)
+            after.append(lane.taken(owner, instance, lease_until, entries, []))
         written = set(expected)
         if ops:
-            result = await self.lanes.bulk_write(ops, ordered=False)
+            result = await self._write_lanes(ops)
             if result.matched_count != len(ops):
                 written = await self._confirm(owner, expected)
+            else:
+                self._seen(after)
         epochs = {lane_id: epoch for lane_id, (epoch, _) in expected.items()}
         return [
             self._delivery(pick, events[pick["event_id"]], owner, epochs[pick["lane_id"]])
@@ -432,10 +527,15 @@ class Claimer:
         )
 
     async def _confirm(self, owner: str, expected: dict[int, tuple[int, list[Entry]]]) -> set[int]:
-        """Which of the lane writes took effect, read back after a bulk write matched fewer."""
+        """Which of the lane writes took effect, read back after a bulk write matched fewer
+        (the view is read again before the next claim: another instance wrote somewhere)."""
+        self.invalidate()
+        since = self.view.mark()
         docs = await _driver.find_list(self.lanes, schema.lanes_by_ids(expected))
         confirmed = set()
-        for lane in map(Lane.from_document, docs):
+        read = [Lane.from_document(doc) for doc in docs]
+        self._seen(read, read_since=since)
+        for lane in read:
             epoch, entries = expected[lane.id]
             mine = lane.held_by(owner, self.outbox.instance) and lane.epoch == epoch
             listed = {(e.delivery, e.generation) for e in lane.in_flight}
@@ -509,6 +609,7 @@ class Claimer:
             not_due = head is not None and (stored_instant(head.get("due_at")) or now) > now
             if len(ids) >= PARK_THRESHOLD or not_due:
                 parked += ids
+                self.parked_keys.add(hk)
         if not parked:
             return
         try:
@@ -538,10 +639,19 @@ class Claimer:
             hint=schema.PARKED_INDEX,
         )
         pairs = [(str(g["_id"]["h"]), str(g["_id"]["k"])) for g in groups]
+        whole = cursor not in self.unpark_after and len(pairs) < UNPARK_KEYS_PER_CLAIM
         if len(pairs) == UNPARK_KEYS_PER_CLAIM:
             self.unpark_after[cursor] = pairs[-1]
+            self.unpark_due = True  # more keys to look at: the next claim goes on
         else:
             self.unpark_after.pop(cursor, None)
+        # The keys with parked deliveries, which a settle makes worth unparking: all of them
+        # (of these handlers) when this look saw every one.
+        if whole:
+            self.parked_keys = {
+                hk for hk in self.parked_keys if handlers is not None and hk[0] not in handlers
+            }
+        self.parked_keys.update(pairs)
         if not pairs:
             return
         heads = await self._heads(pairs)

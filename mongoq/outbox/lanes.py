@@ -2,7 +2,7 @@
 
 Collection ``<prefix>lanes`` holds 256 small documents, one per lane (``_id`` 0-255)::
 
-    {_id, owner, instance, lease_until, epoch, rev, in_flight: [entry], lost: [entry]}
+    {_id, owner, instance, lease_until, epoch, rev, requeued, in_flight: [entry], lost: [entry]}
 
 with ``entry = {"d": delivery _id, "g": claim generation, "h": handler, "k": key}`` (``k`` left
 out for unkeyed deliveries). A worker (``owner``, on one `AsyncOutbox` instance: ``instance``)
@@ -14,20 +14,28 @@ them has to write the lane. Taking a lane over increments ``epoch`` and moves th
 owner's ``in_flight`` to ``lost``; `charge_lost` then charges each lost delivery one attempt,
 fenced on the generation it was listed with, so charging twice charges once. ``rev`` moves on
 with every write to the lane: a takeover pins the ``rev`` it read, so it applies only to the
-state it judged free.
+state it judged free. ``requeued`` counts the `AsyncOutbox.requeue` calls of deliveries in the
+lane (missing: 0): a holder's write listing new picks is fenced on the count it knew before it
+read their keys' heads, so a requeue in between (a dead delivery that may now come first)
+makes it fail and nothing it picked is handed out.
 
-One more document, ``{_id: "requeues", value}``, counts `AsyncOutbox.requeue` calls: a claim
-that saw it move while it ran checks its keyed picks again.
+One more document, ``{_id: "requeues", value}``, counts every requeue for processes of earlier
+versions, which read it around their claims.
 
-Every write here is a conditional update of one lane by ``_id`` (no secondary index: the
-collection is read whole, 256 documents, once per claim); the filters and updates are in
-`mongoq.outbox.schema`.
+An `AsyncOutbox` instance does not read the lanes on every claim: its `LaneView` is read whole
+now and then (256 small documents) and kept current by its own writes. What it holds it knows
+exactly, since every write to a held lane is its own or moves the epoch its writes are fenced
+on; what another instance did since the last read it learns from a write that fails, or from
+the next read.
+
+Every write here is a conditional update of one lane by ``_id`` (no secondary index); the
+filters and updates are in `mongoq.outbox.schema`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -39,7 +47,7 @@ from mongoq.outbox import schema
 from mongoq.outbox.models import LANES
 from mongoq.outbox.schema import REQUEUES
 
-__all__ = ["REQUEUES", "Entry", "Lane", "charge_lost", "read_lanes", "seed_lanes"]
+__all__ = ["REQUEUES", "Entry", "Lane", "LaneView", "charge_lost", "read_lanes", "seed_lanes"]
 
 #: A lane nobody ever held: its lease expired long ago.
 NEVER = datetime(1970, 1, 1, tzinfo=UTC)
@@ -70,18 +78,20 @@ class Entry:
         return doc
 
 
-@dataclass
+@dataclass(frozen=True)
 class Lane:
-    """A lane document as read at the start of a claim."""
+    """A lane document as read, or as this instance last wrote it. ``rev`` is None when it is
+    not known (after a hand-back: the holder's renewals had moved it on meanwhile)."""
 
     id: int
     owner: str | None
     instance: str | None
     lease_until: datetime
     epoch: int
-    rev: int = 0
+    rev: int | None = 0
     in_flight: list[Entry] = field(default_factory=list)
     lost: list[Entry] = field(default_factory=list)
+    requeued: int = 0
 
     @classmethod
     def from_document(cls, doc: Mapping[str, Any]) -> Lane:
@@ -94,6 +104,7 @@ class Lane:
             rev=int(doc.get("rev", 0)),
             in_flight=[Entry.from_document(e) for e in doc.get("in_flight") or ()],
             lost=[Entry.from_document(e) for e in doc.get("lost") or ()],
+            requeued=int(doc.get("requeued", 0)),
         )
 
     def held_by(self, owner: str, instance: str) -> bool:
@@ -108,10 +119,87 @@ class Lane:
         """The filter of a write by this lane's holder: it still holds the lane it read."""
         return schema.lane_held(self.id, self.epoch, owner, instance)
 
+    def listing_fence(self, owner: str, instance: str) -> dict[str, Any]:
+        """The filter of a holder's write listing new picks: it still holds the lane, and no
+        requeue happened in it since this view of it."""
+        return schema.lane_held(self.id, self.epoch, owner, instance, self.requeued)
+
     def take_filter(self) -> dict[str, Any]:
         """The filter of a takeover: the lane is exactly as read (judged free then); any write
-        in between (a renewal, a hand-back, another take) moves ``rev`` on and the take fails."""
+        in between (a renewal, a hand-back, another take, a requeue) moves ``rev`` on and the
+        take fails. A lane this instance handed back (``rev`` unknown) is taken as it was left:
+        unowned at the same epoch (only a take moves it) and with no requeue since."""
+        if self.rev is None:
+            return schema.lane_as_left(self.id, self.epoch, self.requeued)
         return schema.lane_as_read(self.id, self.rev)
+
+    def listing(self, in_flight: list[Entry], lease_until: datetime) -> Lane:
+        """This lane once its holder's `schema.lane_listing` took effect."""
+        rev = None if self.rev is None else self.rev + 1
+        return replace(self, in_flight=in_flight, lease_until=lease_until, rev=rev)
+
+    def taken(
+        self, owner: str, instance: str, lease_until: datetime, in_flight: list[Entry],
+        lost: list[Entry],
+    ) -> Lane:  # fmt: skip
+        """This lane once a `schema.lane_takeover` by `owner` took effect."""
+        rev = None if self.rev is None else self.rev + 1
+        return replace(self, owner=owner, instance=instance, lease_until=lease_until,
+                       epoch=self.epoch + 1, rev=rev, in_flight=in_flight, lost=lost)  # fmt: skip
+
+    def handed_back(self, now: datetime) -> Lane:
+        """This lane once its holder's `schema.lane_handing_back` (nothing lost) took effect."""
+        return replace(self, owner=None, instance=None, lease_until=now, rev=None,
+                       in_flight=[], lost=[])  # fmt: skip
+
+
+@dataclass
+class LaneView:
+    """What one `AsyncOutbox` instance knows of the lanes: every lane as last read or as its
+    own writes left it, when it was read, and whether a write of its own failed since (the
+    view is then wrong somewhere and is read again before the next claim).
+
+    Claims of several owners on the instance update it concurrently, so a read never
+    overwrites a lane updated after the read was sent (`mark` before sending it): a holder's
+    view of its own lanes stays its last write, which its next write builds on."""
+
+    lanes: dict[int, Lane] = field(default_factory=dict)
+    read_at: datetime = NEVER
+    failed: bool = False
+    _tick: int = 0
+    _touched: dict[int, int] = field(default_factory=dict)
+
+    def split(
+        self, owner: str, instance: str, now: datetime
+    ) -> tuple[dict[int, Lane], dict[int, Lane], list[Lane]]:
+        """The lanes `owner` holds on `instance`, the free ones with nothing listed, and the
+        free ones left with deliveries listed (to take over first), as this view has them."""
+        held: dict[int, Lane] = {}
+        free: dict[int, Lane] = {}
+        stale: list[Lane] = []
+        for lane_id, lane in self.lanes.items():  # one pass: this runs on every claim
+            if lane.owner == owner and lane.instance == instance:
+                held[lane_id] = lane
+            elif lane.owner is None or lane.lease_until <= now:
+                if lane.in_flight or lane.lost:
+                    stale.append(lane)
+                else:
+                    free[lane_id] = lane
+        return held, free, stale
+
+    def mark(self) -> int:
+        """The mark to give `update` with what a read sent now returns."""
+        return self._tick
+
+    def update(self, lanes: Sequence[Lane], read_since: int | None = None) -> None:
+        """Lanes as this instance's own writes left them, or (`read_since`: the `mark` taken
+        before the read) as read."""
+        for lane in lanes:
+            if read_since is not None and self._touched.get(lane.id, -1) > read_since:
+                continue  # updated since the read was sent: the read is older
+            self._tick += 1
+            self.lanes[lane.id] = lane
+            self._touched[lane.id] = self._tick
 
 
 def lane_document(lane_id: int) -> dict[str, Any]:
@@ -122,6 +210,7 @@ def lane_document(lane_id: int) -> dict[str, Any]:
         "lease_until": NEVER,
         "epoch": 0,
         "rev": 0,
+        "requeued": 0,
         "in_flight": [],
         "lost": [],
     }
@@ -138,12 +227,12 @@ async def seed_lanes(db: Any, collection: Any) -> None:
     await collection.bulk_write(ops, ordered=False)
 
 
-async def read_lanes(collection: Any) -> tuple[list[Lane], int]:
-    """Every lane, and the requeue counter."""
-    docs = await _driver.find_list(collection, schema.lanes_all())
-    lanes = [Lane.from_document(doc) for doc in docs if isinstance(doc["_id"], int)]
-    requeues = next((int(d.get("value", 0)) for d in docs if d["_id"] == REQUEUES), 0)
-    return lanes, requeues
+async def read_lanes(collection: Any) -> list[Lane]:
+    """Every lane, in one round trip."""
+    # More than there are (the lanes and the counter): a first batch the documents fill exactly
+    # leaves the cursor open on a server, and draining it would be a getMore.
+    docs = await _driver.find_list(collection, schema.lanes_all(), batch_size=LANES + 2)
+    return [Lane.from_document(doc) for doc in docs if isinstance(doc["_id"], int)]
 
 
 async def charge_lost(

@@ -2,7 +2,7 @@
 run by `Operators`, one object per `AsyncOutbox`.
 
 They read every collection of the outbox and write ``deliveries`` (a requeue; purge of dead
-letters), ``events`` and ``completed_deliveries`` (purge), and the requeue counter in
+letters), ``events`` and ``completed_deliveries`` (purge), and the requeue counts in
 ``lanes``; the layout and every filter and update are in `mongoq.outbox.schema`.
 """
 
@@ -51,32 +51,39 @@ class Operators:
             raise InvalidInput("event_id", "must be a non-empty string")
         check_handler("handler", handler)
         now = await self.outbox._now()
-        # Counted before and after the delivery turns pending: a claim whose heads were read
-        # before that write and that records after it sees the count move either way (see
-        # `Claimer._recheck_after_requeue`), even if the second count never happens.
-        await self.lanes.update_one(
-            schema.requeue_counter(), schema.requeue_counting(), upsert=True
+        found = await self.deliveries.find_one(
+            schema.delivery_of(event_id, handler), schema.REQUEUE_PROJECTION
         )
+        if found is None or not (found.get("status") == DEAD or found.get("requeue_uncounted")):
+            return False
+        # Counted in the delivery's lane before and after it turns pending: a claim that read
+        # the lane before a count and lists picks in it after fails that write, either way,
+        # even if the second count never happens (see `Lane.listing_fence`).
+        await self._count_requeue(int(found["lane_id"]))
         result = await self.deliveries.update_one(
             schema.delivery_dead(event_id, handler), schema.delivery_requeuing(now)
         )
-        if not result.modified_count:
-            # A requeue that stopped before counting itself is finished by calling it again.
-            unfinished = await self.deliveries.find_one(
-                schema.delivery_requeue_uncounted(event_id, handler), {"_id": 1}
-            )
-            if unfinished is None:
-                return False
-        # Counted after the delivery is pending: a claim in progress that sees the count move
-        # checks its keyed picks again (see `Claimer._recheck_after_requeue`); then the mark
-        # goes.
-        await self.lanes.update_one(
-            schema.requeue_counter(), schema.requeue_counting(), upsert=True
-        )
+        if not result.modified_count and not found.get("requeue_uncounted"):
+            return False  # requeued by another call meanwhile
+        # (A requeue that stopped before counting itself is finished by calling it again.)
+        await self._count_requeue(int(found["lane_id"]))
         await self.deliveries.update_one(
             schema.delivery_requeue_uncounted(event_id, handler), schema.delivery_requeue_counted()
         )
         return True
+
+    async def _count_requeue(self, lane_id: int) -> None:
+        """Count a requeue in its lane, and in the counter earlier versions' claims read."""
+        self.outbox._claimer.invalidate()  # this instance's claims know it at once
+        await self.lanes.bulk_write(
+            [
+                _driver.update_by_id(self.db, schema.lane_by_id(lane_id),
+                                     schema.lane_requeue_counting()),
+                _driver.update_by_id(self.db, schema.requeue_counter(),
+                                     schema.requeue_counting(), upsert=True),
+            ],
+            ordered=False,
+        )  # fmt: skip
 
     @staticmethod
     def _live(lanes: Iterable[Lane], now: datetime) -> list[Lane]:
@@ -115,7 +122,7 @@ class Operators:
                 self.deliveries, schema.delivery_listed(status, handler, event_type),
                 sort=None if hint else [("_id", 1)], limit=limit, hint=hint,
             )  # fmt: skip
-            live = self._live((await read_lanes(self.lanes))[0], now) if docs else []
+            live = self._live(await read_lanes(self.lanes), now) if docs else []
             running = await self._running_ids(live)
             infos += [self._info(doc, doc["_id"] in running) for doc in docs]
         history = self.outbox.completion_history
@@ -164,7 +171,7 @@ class Operators:
                 ),
                 read_lanes(self.lanes),
             )  # fmt: skip
-        live = self._live(lanes[0], now)
+        live = self._live(lanes, now)
         running = len(await self._running_ids(live))
         return OutboxStatistics(
             pending=int(pending),

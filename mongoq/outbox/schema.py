@@ -5,7 +5,8 @@ the index that serves it. No I/O.
 Collections (``<prefix>`` defaults to ``mongoq_outbox_``):
 
 - ``events``: ``{_id: event id, type, payload, headers, key?, correlation_id?, causation_id?,
-  sequence?, created_at, handlers: [every handler it ever had a delivery for], completed_at?}``;
+  sequence?, created_at, handlers: [the handlers whose delivery completed or died, and those a
+  transactional publish wrote], completed_at?}``;
 - ``deliveries``: one per unfinished (or dead) event and handler: ``{_id: ObjectId, event_id,
   event_type, handler, key?, sequence?, lane_id, lane: "ready"|"parked", status:
   "pending"|"dead", due_at, attempts, claims, last_error?, requeue_uncounted?, created_at,
@@ -23,7 +24,9 @@ Indexes (created by `setup`) and the queries they serve:
 - deliveries ``event_handler`` ``(event_id, handler)`` unique: backstop of the idempotent append,
   lookups by event;
 - deliveries ``claim`` ``(lane_id, due_at, _id, handler)`` partial ``lane: "ready"``: the claim
-  scan, a merge of one index range per lane (at most 128 lanes per query);
+  scan, a merge of one index range per lane (at most 200 lanes per query, 100 past a first
+  page); ``ready`` ``(due_at, _id, handler)`` partial ``lane: "ready"``: the claim scan when
+  every lane is the claimer's or free (one range, due order across all lanes);
 - deliveries ``ordering`` ``(handler, key, sequence)`` partial on pending keyed deliveries: the
   head of a key (lowest pending sequence);
 - deliveries ``parked`` ``(handler, key, sequence)`` partial ``lane: "parked"``: unparking;
@@ -63,6 +66,7 @@ __all__ = [
     "INDEXES",
     "ORDERING_INDEX",
     "PARKED_INDEX",
+    "READY_INDEX",
     "REQUEUES",
     "IndexSpec",
 ]
@@ -150,9 +154,10 @@ def event_listing(handlers: Sequence[str], document: Mapping[str, Any] | None) -
     return update
 
 
-def event_completing(now: datetime) -> dict[str, Any]:
-    """A completion recorded on its event (`events_by_ids`): the last one counts for purge."""
-    return {"$max": {"completed_at": now}}
+def event_completing(now: datetime, handlers: Sequence[str]) -> dict[str, Any]:
+    """A completion recorded on its event (`event_by_id`): the last one counts for purge, and
+    its handlers are listed (a replay leaves them out)."""
+    return {"$max": {"completed_at": now}, "$addToSet": {"handlers": {"$each": list(handlers)}}}
 
 
 def event_uncompleted_before(cutoff: datetime) -> dict[str, Any]:
@@ -227,6 +232,10 @@ def delivery_inserting(document: Mapping[str, Any]) -> dict[str, Any]:
     return {"$setOnInsert": document}
 
 
+#: What `requeue` reads of a delivery first: whether there is anything to requeue, and where.
+REQUEUE_PROJECTION = {"lane_id": 1, "status": 1, "requeue_uncounted": 1}
+
+
 def delivery_dead(event_id: str, handler: str) -> dict[str, Any]:
     """The dead delivery of an event to a handler: `requeue` (``event_handler``)."""
     return {**delivery_of(event_id, handler), "status": DEAD}
@@ -275,16 +284,26 @@ CLAIM_PROJECTION = {
 }  # fmt: skip
 
 
+#: The claim scan when every lane is the claimer's or free: due order across all of them, which
+#: no merge of ranges per lane can give (a server merges at most 200).
+READY_INDEX = "ready"
+READY_DELIVERIES = IndexSpec(
+    READY_INDEX, (("due_at", 1), ("_id", 1), ("handler", 1)), partial={"lane": READY}
+)
+
+
 def delivery_due(
-    lane_ids: Sequence[int],
+    lane_ids: Sequence[int] | None,
     now: datetime,
     handlers: Sequence[str] | None,
     after: tuple[datetime, Any] | None,
 ) -> dict[str, Any]:
     """The due, ready deliveries of `lane_ids` (of `handlers`), after ``(due_at, _id)``
-    `after`: the claim scan, sorted by `DUE_ORDER` (``claim``, hinted)."""
-    query: dict[str, Any] = {"lane_id": {"$in": list(lane_ids)}, "lane": READY,
-                             "due_at": {"$lte": now}}  # fmt: skip
+    `after`: the claim scan, sorted by `DUE_ORDER` (``claim``, hinted); of every lane when
+    `lane_ids` is None (``ready``, hinted)."""
+    query: dict[str, Any] = {"lane": READY, "due_at": {"$lte": now}}
+    if lane_ids is not None:
+        query["lane_id"] = {"$in": list(lane_ids)}
     if handlers is not None:
         query["handler"] = {"$in": handlers}
     if after is not None:
@@ -539,7 +558,8 @@ def history_completed_before(cutoff: datetime) -> dict[str, Any]:
 
 
 def lanes_all() -> dict[str, Any]:
-    """Every lane and the requeue counter: read whole once per claim (no index, by design)."""
+    """Every lane (and the requeue counter): an instance's lane view read whole now and then,
+    `stats` (no index, by design: 257 small documents)."""
     return {}
 
 
@@ -564,15 +584,32 @@ def lane_seeding(document: Mapping[str, Any]) -> dict[str, Any]:
     return {"$setOnInsert": document}
 
 
-def lane_held(lane_id: int, epoch: int, owner: str, instance: str) -> dict[str, Any]:
-    """A lane its holder still holds as read (same epoch): every write of a holder (``_id``)."""
-    return {"_id": lane_id, "epoch": epoch, "owner": owner, "instance": instance}
+def _requeued(count: int) -> Any:
+    """``requeued`` at `count` (a lane written before the field existed has none: 0)."""
+    return {"$in": [0, None]} if count == 0 else count
+
+
+def lane_held(
+    lane_id: int, epoch: int, owner: str, instance: str, requeued: int | None = None
+) -> dict[str, Any]:
+    """A lane its holder still holds as read (same epoch): every write of a holder; with
+    `requeued`, also no requeue in it since: a holder's write listing new picks (``_id``)."""
+    query: dict[str, Any] = {"_id": lane_id, "epoch": epoch, "owner": owner, "instance": instance}
+    if requeued is not None:
+        query["requeued"] = _requeued(requeued)
+    return query
 
 
 def lane_as_read(lane_id: int, rev: int) -> dict[str, Any]:
     """A lane exactly as read (judged free then): a takeover; any write in between moves
     ``rev`` on and the take fails (``_id``)."""
     return {"_id": lane_id, "rev": rev}
+
+
+def lane_as_left(lane_id: int, epoch: int, requeued: int) -> dict[str, Any]:
+    """A lane as this instance handed it back: unowned, not taken since (only a take moves the
+    epoch), no requeue since; a takeover of it (``_id``)."""
+    return {"_id": lane_id, "epoch": epoch, "owner": None, "requeued": _requeued(requeued)}
 
 
 def lane_at_epoch(lane_id: int, epoch: int) -> dict[str, Any]:
@@ -627,13 +664,21 @@ def lane_clearing_lost() -> dict[str, Any]:
 
 
 def requeue_counter() -> dict[str, Any]:
-    """The requeue counter (``_id``): `requeue` counting itself, a claim checking it moved."""
+    """The requeue counter (``_id``): `requeue` counting itself for processes of earlier
+    versions, whose claims read it."""
     return {"_id": REQUEUES}
 
 
 def requeue_counting() -> dict[str, Any]:
     """`requeue` counting itself (`requeue_counter`, upsert)."""
     return {"$inc": {"value": 1}}
+
+
+def lane_requeue_counting() -> dict[str, Any]:
+    """`requeue` counting itself in the lane of the delivery it requeues (`lane_by_id`): a
+    holder's listing write fenced on the count before fails (`lane_held`), and so does a take
+    (``rev``)."""
+    return {"$inc": {"requeued": 1, "rev": 1}}
 
 
 # ======================================================================= the index list
@@ -643,6 +688,7 @@ INDEXES: dict[str, tuple[IndexSpec, ...]] = {
     DELIVERIES: (
         EVENT_HANDLER,
         CLAIM,
+        READY_DELIVERIES,
         ORDERING,
         PARKED_DELIVERIES,
         DUE,

@@ -260,11 +260,13 @@ class AsyncOutbox:
         return PublishResult(len(new), added)
 
     async def _publish_plain(self, events: list[Event], now: datetime) -> PublishResult:
-        # Without a transaction the order of the writes carries the guarantees: the event
-        # exists before its deliveries (a claim never finds a delivery without its event), and
-        # a handler is listed on the event only after its delivery exists (a crash in between
-        # is repaired by publishing again: the unique index turns the repeated delivery into a
-        # no-op, or, if it already completed, it runs once more: at least once, never lost).
+        # Without a transaction the order of the writes carries the guarantees, in two commands
+        # for new events: the event exists before its deliveries (a claim never finds a
+        # delivery without its event), and a handler is listed on the event only once its
+        # delivery finished (`_mark_completed`, `bury`), never before its delivery exists. A
+        # replay creates the deliveries of the handlers not listed: the unique index turns the
+        # ones still there into no-ops, and a crash before they were written is repaired by
+        # publishing again (at least once, never lost; a completed handler never runs again).
         # Sequences are taken for every keyed event before knowing which are new: a replay
         # leaves a gap in its key's sequence, which blocks nothing.
         sequences = await self._sequences(events, None)
@@ -283,25 +285,23 @@ class AsyncOutbox:
         replayed = [e.id for e in events if e.id not in new_ids]
         existing = await self._existing(replayed, None) if replayed else {}
         deliveries: list[dict[str, Any]] = []
-        listed: list[UpdateOne | UpdateMany] = []
+        restored: list[UpdateOne | UpdateMany] = []
         for event in events:
             stored = existing.get(event.id) or documents[event.id]
             wanted = self._wanted(stored)
             if not wanted:
                 continue
             deliveries += self._delivery_documents(event.id, stored, wanted, now)
-            # An upsert: should a purge have deleted the event since it was read (a replay of
-            # an old id), it is written again rather than leave its new deliveries orphaned.
-            listed.append(
-                _driver.update_single(
-                    self.db,
-                    schema.event_by_id(event.id),
-                    schema.event_listing(
-                        wanted, schema.event_document(event, now, stored.get("sequence"))
-                    ),
-                    upsert=True,
-                )
-            )
+            if event.id in existing:
+                # Should a purge have deleted the replayed event since it was read, it is
+                # written again rather than leave its new deliveries orphaned.
+                document = schema.event_document(event, now, stored.get("sequence"))
+                restored.append(
+                    _driver.update_single(
+                        self.db, schema.event_by_id(event.id), schema.event_inserting(document),
+                        upsert=True,
+                    )
+                )  # fmt: skip
         added = len(deliveries)
         if deliveries:
             try:
@@ -310,8 +310,8 @@ class AsyncOutbox:
                 if not _only_duplicates(exc):
                     raise
                 added -= len(exc.details.get("writeErrors", []))
-        if listed:
-            await self.events.bulk_write(listed, ordered=False)
+        if restored:
+            await self.events.bulk_write(restored, ordered=False)
         return PublishResult(len(new_ids), added)
 
     # ------------------------------------------------------------------------------- claim
@@ -367,7 +367,7 @@ class AsyncOutbox:
             try:
                 await self._complete_in(session, [delivery], [fence], now)
             except LeaseLost:
-                self._forget([delivery])  # its claim had ended
+                self._forget([delivery], ended=True)  # its claim had ended
                 raise
             # Still counted as running until the caller's transaction commits (the next claim
             # then finds it gone). If it aborts, settle the delivery otherwise (`reschedule`,
@@ -378,20 +378,22 @@ class AsyncOutbox:
             if self.completion_history and await _driver.supports_transactions(self.db):
                 done = await self._complete_in_own_transaction([delivery], [fence], now)
             else:
+                await self._mark_completed([delivery], now, None)
                 result = await self.deliveries.delete_one(fence)
                 done = result.deleted_count == 1
                 if done:
-                    await self._after_completion([delivery], now, None)
+                    await self._write_history([delivery], now, None)
         except BaseException:
             self._forget([delivery])
             raise
-        self._forget([delivery])
+        self._forget([delivery], ended=True)
         return done
 
-    def _forget(self, deliveries: Iterable[Delivery]) -> None:
+    def _forget(self, deliveries: Iterable[Delivery], *, ended: bool = False) -> None:
         """Settled, or its outcome unknown: no longer counted as running by this instance; the
-        next claim frees it if it was not settled after all (see `Claimer._reconcile`)."""
-        self._claimer.forget(deliveries)
+        next claim frees it if it was not settled after all (see `Claimer._reconcile`).
+        `ended`: the outcome is known, the claim is over either way."""
+        self._claimer.forget(deliveries, ended=ended)
 
     async def _complete_in(
         self, session: Any, deliveries: list[Delivery], fences: list[dict[str, Any]], now: datetime
@@ -405,7 +407,8 @@ class AsyncOutbox:
                 f"{len(fences) - result.deleted_count} of {len(fences)} deliveries are no longer "
                 "held by their claim"
             )
-        await self._after_completion(deliveries, now, session)
+        await self._mark_completed(deliveries, now, session)
+        await self._write_history(deliveries, now, session)
 
     async def _complete_in_own_transaction(
         self, deliveries: list[Delivery], fences: list[dict[str, Any]], now: datetime
@@ -419,35 +422,55 @@ class AsyncOutbox:
             return False
         return True
 
-    async def _after_completion(
+    async def _mark_completed(
         self, deliveries: Sequence[Delivery], now: datetime, session: Any
     ) -> None:
-        await self.events.update_many(
-            schema.events_by_ids({d.event.id for d in deliveries}),
-            schema.event_completing(now),
+        """Record on their events that `deliveries` completed: the completion time (the last
+        one counts for purge) and their handlers listed (a replay then leaves them out). Sent
+        before the deletion without a transaction: a handler is listed while its delivery
+        still exists, never missing once it is gone. One that then does not complete (its
+        claim had ended) is listed with its delivery still there, which a replay leaves alone
+        too; its completion time only keeps the event longer."""
+        handlers: dict[str, list[str]] = defaultdict(list)
+        for delivery in deliveries:
+            handlers[delivery.event.id].append(delivery.handler)
+        await self.events.bulk_write(
+            [
+                _driver.update_by_id(
+                    self.db, schema.event_by_id(event_id), schema.event_completing(now, names)
+                )
+                for event_id, names in handlers.items()
+            ],
+            ordered=False,
             session=session,
         )
-        if self.completion_history:
-            # Upserts, never an insert whose duplicate keys are ignored: inside a transaction
-            # any write error aborts it on the server, caught or not, and the commit then fails
-            # (NoSuchTransaction, retried by `with_transaction` into the same duplicate). A record
-            # there already is kept as it is; the server retries the duplicate-key race of an
-            # upsert by _id itself (in a transaction it is a write conflict, which is retried).
-            # The same command with a session or without: no write error is swallowed anywhere.
-            records = [schema.history_record(d, now) for d in deliveries]
-            await self.history.bulk_write(
-                [
-                    _driver.update_single(
-                        self.db,
-                        schema.history_by_id(record),
-                        schema.history_inserting(record),
-                        upsert=True,
-                    )
-                    for record in records
-                ],
-                ordered=False,
-                session=session,
-            )
+
+    async def _write_history(
+        self, deliveries: Sequence[Delivery], now: datetime, session: Any
+    ) -> None:
+        """The completion records of `deliveries` (with ``completion_history``)."""
+        if not self.completion_history:
+            return
+        # Upserts, never an insert whose duplicate keys are ignored: inside a transaction any
+        # write error aborts it on the server, caught or not, and the commit then fails
+        # (NoSuchTransaction, retried by `with_transaction` into the same duplicate). A record
+        # there already is kept as it is; the server retries the duplicate-key race of an
+        # upsert by _id itself (in a transaction it is a write conflict, which is retried). The
+        # same command with a session or without: no write error is swallowed anywhere.
+        records = [schema.history_record(d, now) for d in deliveries]
+        await self.history.bulk_write(
+            [
+                _driver.update_single(
+                    self.db,
+                    schema.history_by_id(record),
+                    schema.history_inserting(record),
+                    upsert=True,
+                )
+                for record in records
+            ],
+            ordered=False,
+            session=session,
+        )
 
     async def complete_many(self, deliveries: Sequence[Delivery]) -> list[bool]:
         """Complete a batch, from any number of lanes, in a few commands whatever its size.
@@ -467,7 +490,7 @@ class AsyncOutbox:
         except BaseException:
             self._forget(batch)
             raise
-        self._forget(batch)
+        self._forget(batch, ended=True)
         return done
 
     async def _complete_batch(
@@ -478,6 +501,7 @@ class AsyncOutbox:
                 return [True] * len(batch)
             # Some claim ended (the transaction wrote nothing): complete the others one by one.
             return [await self.complete(d) for d in batch]
+        await self._mark_completed(batch, now, None)
         claimed = schema.delivery_claimed((f["_id"], f["claims"]) for f in fences)
         result = await self.deliveries.delete_many(claimed)
         if result.deleted_count == len(batch):
@@ -491,20 +515,13 @@ class AsyncOutbox:
                     projection={"_id": 1},
                 )
             }
+            # Unproven is not undone: the events of every delivery gone keep their completion
+            # time and listing; the history records only what is proven.
             proven = result.deleted_count == len(batch) - len(still)
             done = [proven and f["_id"] not in still for f in fences]
-            if not proven:
-                # Unproven is not undone: the events of every delivery gone keep their
-                # completion time (it only lengthens how long they stay as deduplication
-                # records); the history records only what is proven.
-                gone = [d for d, f in zip(batch, fences, strict=True) if f["_id"] not in still]
-                await self.events.update_many(
-                    schema.events_by_ids({d.event.id for d in gone}), schema.event_completing(now)
-                )
-                return done
         finished = [d for d, ok in zip(batch, done, strict=True) if ok]
         if finished:
-            await self._after_completion(finished, now, None)
+            await self._write_history(finished, now, None)
         return done
 
     async def _settle(
@@ -513,6 +530,7 @@ class AsyncOutbox:
         update: Callable[[datetime], Mapping[str, Any]],
         *,
         failed: tuple[str, BaseException | str | None, float | None] | None = None,
+        listed: bool = False,
     ) -> bool:
         """Apply ``update(now)`` to the delivery if its claim still holds. Whatever happens
         from here on, the claim no longer counts as running on this instance. `failed`, the
@@ -521,11 +539,18 @@ class AsyncOutbox:
         fence = self._fence(delivery)
         try:
             now = await self._now()
+            if listed:
+                # A dead letter's handler is listed on its event, as a completed one's is: a
+                # replay after the dead letter was purged does not create it again.
+                await self.events.update_one(
+                    schema.event_by_id(delivery.event.id),
+                    schema.event_listing([delivery.handler], None),
+                )
             result = await self.deliveries.update_one(fence, dict(update(now)))
         except BaseException:
             self._forget([delivery])
             raise
-        self._forget([delivery])
+        self._forget([delivery], ended=True)
         done = bool(result.modified_count)
         if done and failed is not None:
             outcome, error, delay = failed
@@ -568,6 +593,7 @@ class AsyncOutbox:
             delivery,
             lambda now: schema.delivery_burying(error_text(error), now, charge=True),
             failed=("buried", error, None),
+            listed=True,
         )
 
     async def extend_lease(self, owner: str) -> int:
@@ -588,6 +614,7 @@ class AsyncOutbox:
         owner = _check_owner("owner", owner)
         now = await self._now()
         async with self._claimer.locks[owner]:
+            self._claimer.invalidate()
             docs = await _driver.find_list(self.lanes, schema.lanes_held(owner, self.instance))
             ops = []
             for lane in map(Lane.from_document, docs):

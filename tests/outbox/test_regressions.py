@@ -16,6 +16,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import bson
 import pytest
 from pymongo.errors import AutoReconnect, NetworkTimeout, OperationFailure, PyMongoError
 
@@ -143,7 +144,8 @@ async def test_a_takeover_applies_only_to_the_lane_state_it_judged_free(
     """s4: B reads K's lane free (A's lease lapsed, nothing listed) and picks e0. Before B's
     take lands, A renews, runs and completes e0, hands the lane back (same epoch, no owner) and
     e1 of K is published. B's take pins the lane's `rev`, so it matches nothing: B hands out
-    neither the completed e0 nor, later, e1 beside it."""
+    neither the completed e0 nor e1 beside it; its claim tries once more, from the lanes as they
+    are now, and takes e1 in a take of its own (a new epoch)."""
     crashed, faults = await faulty_outbox(odb, clock)
     a, b = another(crashed.db, clock), another(crashed.db, clock)
     lane_id = lane_of("K")
@@ -170,13 +172,12 @@ async def test_a_takeover_applies_only_to_the_lane_state_it_judged_free(
         assert await a.claim("A") == []  # nothing left: the lane is handed back
         await a.publish(paid("e1", "K"), session=None)
         pause.release()
-    assert got_b == []
-    lane = await lane_of_key(odb, "K")
-    assert (lane["owner"], lane["epoch"], lane["in_flight"], lane["lost"]) == (None, 2, [], [])
-    assert attempts(await deliveries(odb)) == {"e1": (0, 0)}
-
-    [e1] = await b.claim("B")
+    [e1] = got_b
     assert (e1.event.id, e1.attempt, e1.lease_token) == ("e1", 1, f"{lane_id}:3:0")
+    lane = await lane_of_key(odb, "K")
+    assert (lane["owner"], lane["epoch"], lane["lost"]) == ("B", 3, [])
+    assert [entry["d"] for entry in lane["in_flight"]] == [bson.ObjectId(e1.id)]
+    assert attempts(await deliveries(odb)) == {"e1": (0, 0)}
     assert await b.claim("B") == []
     assert await b.complete(e1)
     assert await deliveries(odb) == []
@@ -190,13 +191,14 @@ async def requeues_counted(db: Any) -> int:
 
 
 @pytest.mark.parametrize("count", ["counted", "count failed"])
-async def test_a_pick_a_requeue_overtook_during_its_claim_is_given_back_uncharged(
+async def test_a_pick_a_requeue_overtook_during_its_claim_is_not_handed_out(
     odb: Any, clock: ManualClock, count: str
 ) -> None:
     """s5 and requeue_uncounted: e1 of k is dead, e2 and e3 wait. A claim reads e2 as k's head;
-    e1 is requeued before the claim records e2 (in the second case the requeue's counter write
-    fails, and calling requeue again finishes it: True, the counter moves, the mark goes). The
-    claim gives e2 back (generation +1, no attempt charged) and e1 runs first."""
+    e1 is requeued before the claim records e2 (in the second case the requeue's second count
+    fails, and calling requeue again finishes it: True, the counters move, the mark goes). The
+    count in the lane fails the claim's lane write, so e2 is never recorded nor charged; the
+    claim tries once more from the lanes as they are now and hands out e1, which runs first."""
     outbox, faults = await faulty_outbox(odb, clock)
     await bury_head(outbox, error="boom")
     pause = faults.pause_before("bulk_write", collection="ob_lanes")
@@ -207,7 +209,7 @@ async def test_a_pick_a_requeue_overtook_during_its_claim_is_given_back_uncharge
         if count == "count failed":
             # The requeue counts itself before and after making e1 pending: the second count
             # fails here.
-            faults.fail_before("update_one", collection="ob_lanes", match=nth(1))
+            faults.fail_before("bulk_write", collection="ob_lanes", match=nth(1))
             with pytest.raises(PyMongoError):
                 await outbox.requeue("e1", "stats")
             doc = await delivery_of(odb, "e1", "stats")
@@ -216,14 +218,18 @@ async def test_a_pick_a_requeue_overtook_during_its_claim_is_given_back_uncharge
             assert await requeues_counted(odb) == 1
         assert await outbox.requeue("e1", "stats") is True
         pause.release()
-    assert got == []
+    assert [(d.event.id, d.attempt) for d in got] == [("e1", 1)]
     docs = await deliveries(odb)
-    assert attempts(docs) == {"e1": (0, 2), "e2": (0, 1), "e3": (0, 0)}
+    assert attempts(docs) == {"e1": (0, 2), "e2": (0, 0), "e3": (0, 0)}
     assert [(d["status"], "requeue_uncounted" in d) for d in docs] == [("pending", False)] * 3
     assert await requeues_counted(odb) == (2 if count == "counted" else 3)
+    lane = await lane_of_key(odb, "k")
+    assert lane["requeued"] == (2 if count == "counted" else 3)
+    assert [entry["d"] for entry in lane["in_flight"]] == [bson.ObjectId(got[0].id)]
     assert await outbox.requeue("e1", "stats") is False  # nothing left to finish
-    assert (await outbox.statistics()).running == 0
-    assert [d.event.id for d in await drain(outbox, "A")] == ["e1", "e2", "e3"]
+    assert (await outbox.statistics()).running == 1
+    assert await outbox.complete(got[0])
+    assert [d.event.id for d in await drain(outbox, "A")] == ["e2", "e3"]
     assert await deliveries(odb) == []
 
 
