@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from benchmarks.harness import Result, counted_database
-from mongoq.outbox import AsyncOutbox, Event
+from mongoq.outbox import AsyncOutbox, Delivery, Event
 from mongoq.testing import ManualClock
 
 
@@ -80,6 +80,39 @@ async def blocked_key(uri: str | None, backlog: int, claims: int = 20) -> list[R
         return [parked, after]
 
 
+async def parked_keys(uri: str | None, keys: int, claims: int = 20) -> list[Result]:
+    """`keys` keys, each with a head whose retry is not due for an hour and two deliveries
+    parked behind it; unkeyed deliveries are due beside them. Claims after the parking do not
+    look at the parked keys; a claim that reads the lanes again (one that came up short) looks
+    at them all (`UNPARK_KEYS_PER_CLAIM` a look) in two commands a look."""
+    async with counted_database(uri) as bench:
+        clock = ManualClock()
+        outbox = await _outbox(bench.db, clock)
+        events = [Event(f"k{k}-{n}", "e", key=f"k{k}") for k in range(keys) for n in range(3)]
+        for start in range(0, len(events), 1000):
+            await outbox.publish(events[start : start + 1000], session=None)
+        heads: list[Delivery] = []
+        while batch := await outbox.claim("bench", limit=1000):
+            heads += batch
+        for head in heads:
+            await outbox.reschedule(head, delay=3600)
+        while await outbox.claim("bench", limit=1000):
+            pass  # parks the followers: no head is due
+        stats = await outbox.stats()
+        assert stats.parked == 2 * keys, stats
+        await outbox.publish([Event(f"u{n}", "e") for n in range(claims + 1)], session=None)
+        assert await outbox.claim("bench", limit=1)  # fills: the next ones trust the view
+        bench.start()
+        for _ in range(claims):
+            for delivery in await outbox.claim("bench", limit=1):
+                await outbox.complete(delivery)
+        after = bench.stop(f"outbox: claims after parking, {keys} parked keys", claims)
+        bench.start()
+        assert await outbox.claim("bench", limit=2) == []  # nothing left: short
+        looked = bench.stop(f"outbox: a claim that looks at {keys} parked keys", 1)
+        return [after, looked]
+
+
 async def claim_cpu(uri: str | None, backlog: int = 500, claims: int = 200) -> Result:
     """mongoq's own time per unbatched claim (limit 1, then its completion, not timed), the
     commands left out: a backlog of unkeyed deliveries over every lane, one worker."""
@@ -120,4 +153,6 @@ def scenarios(count: int, blocked: list[int]) -> list[tuple[str, Callable[[str |
     ]
     for size in blocked:
         runs.append((f"outbox blocked key {size}", lambda uri, size=size: blocked_key(uri, size)))
+    for keys in (100, 1000):
+        runs.append((f"outbox parked keys {keys}", lambda uri, keys=keys: parked_keys(uri, keys)))
     return runs

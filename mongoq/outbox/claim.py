@@ -87,16 +87,18 @@ def parse_token(delivery: Any, field: str = "delivery") -> tuple[bson.ObjectId, 
 class _Picking:
     """The picks of one claim, taken from the candidates of its scan in ``(due_at, _id)``
     order: an unkeyed delivery as it comes, a keyed one only when it is the head of its key
-    (looked up in waves, no further than the picks still wanted can reach, so that a claim of
-    one does not probe every key of a page) and its key neither runs nor was picked already.
-    What it passes over, by key, are the candidates parking considers (`waiting`)."""
+    (looked up in waves, one query each, no further than the picks still wanted can reach, so
+    that a claim of one does not look up every key of a page) and its key neither runs nor was
+    picked already. What it passes over, by key, are the candidates parking considers
+    (`waiting`)."""
 
     def __init__(
         self,
         limit: int,
         running: list[Entry],
         heads_of: Callable[
-            [Iterable[tuple[str, str]]], Awaitable[dict[tuple[str, str], dict[str, Any] | None]]
+            [Mapping[tuple[str, str], Mapping[str, Any]]],
+            Awaitable[dict[tuple[str, str], dict[str, Any] | None]],
         ],
     ) -> None:
         self.limit = limit
@@ -128,11 +130,11 @@ class _Picking:
         after = None
         position = 0
         while position < len(candidates) and not self.done:
-            wave: list[tuple[str, str]] = []
+            wave: dict[tuple[str, str], dict[str, Any]] = {}  # key -> its first candidate
             for candidate in candidates[position:]:
                 hk = self._key_of(candidate)
                 if hk is not None and self._unknown(hk) and hk not in wave:
-                    wave.append(hk)
+                    wave[hk] = candidate
                     if len(wave) == self.limit - len(self.picks):
                         break
             if wave:
@@ -177,6 +179,9 @@ class Claimer:
         # owner -> the claims (delivery _id, generation) this instance saw end (a settle with a
         # definite outcome): what its lanes still list of them needs no look-up.
         self.ended: dict[str, set[tuple[Any, int]]] = defaultdict(set)
+        # owners with a completion in the caller's transaction since their last claim: what
+        # they run is looked up (it may have committed)
+        self.unsure: set[str] = set()
         # handler set of a claim -> the last parked key its unparking looked at
         self.unpark_after: dict[tuple[str, ...] | None, tuple[str, str]] = {}
         self.view = LaneView()
@@ -263,7 +268,7 @@ class Claimer:
         if read or self.unpark_due:
             self.unpark_due = False
             await self._unpark(handlers)
-        running = await self._reconcile(owner, held.values(), now)
+        running = await self._reconcile(owner, held.values(), now, look=read)
 
         picking = _Picking(limit, running, self._heads)
         page = min(limit * 2 + PARK_THRESHOLD, MAX_BATCH)
@@ -340,7 +345,9 @@ class Claimer:
             self.invalidate()
             raise
 
-    async def _reconcile(self, owner: str, held: Iterable[Lane], now: datetime) -> list[Entry]:
+    async def _reconcile(
+        self, owner: str, held: Iterable[Lane], now: datetime, *, look: bool
+    ) -> list[Entry]:
         """What runs in `held` lanes: entries whose delivery still exists at the listed
         generation and that this instance handed out and has not seen settled.
 
@@ -350,10 +357,13 @@ class Claimer:
         the listed one), which frees it and its key at once, and any late settle of that claim
         is refused.
 
-        The entries this instance runs are looked up: one whose settle went through another
-        `AsyncOutbox` object, or committed in the caller's transaction, is gone from the
-        collection, not from this instance's records. And `running` is decided after the
-        look-up, so a settle that failed while it ran is freed, not skipped."""
+        The entries this instance runs are looked up when the claim read the lanes (`look`) or
+        a completion in the caller's transaction may have committed since: one whose settle
+        went through another `AsyncOutbox` object, or committed in the caller's transaction, is
+        gone from the collection, not from this instance's records. Between two look-ups such
+        an entry counts as running a little longer, which delays its key and never runs
+        anything twice. And `running` is decided after the look-up, so a settle that failed
+        while it ran is freed, not skipped."""
         issued = self.issued[owner]
         ended = self.ended.pop(owner, set())
         entries = [e for lane in held for e in lane.in_flight if e.claim not in ended]
@@ -362,16 +372,21 @@ class Claimer:
             return []
         mine = [e for e in entries if issued.get(e.delivery) == e.generation]
         orphaned = [e for e in entries if issued.get(e.delivery) != e.generation]
-        current: set[tuple[Any, int]] = set()
-        if mine:
-            current = {
-                (doc["_id"], int(doc.get("claims", 0)))
-                for doc in await _driver.find_list(
-                    self.deliveries,
-                    schema.delivery_pending_by_ids([e.delivery for e in mine]),
-                    projection={"claims": 1},
-                )
-            }
+        current: set[tuple[Any, int]] = {e.claim for e in mine}
+        if mine and (look or owner in self.unsure):
+            self.unsure.discard(owner)
+            try:
+                current = {
+                    (doc["_id"], int(doc.get("claims", 0)))
+                    for doc in await _driver.find_list(
+                        self.deliveries,
+                        schema.delivery_pending_by_ids([e.delivery for e in mine]),
+                        projection={"claims": 1},
+                    )
+                }
+            except BaseException:
+                self.unsure.add(owner)
+                raise
         listed = [e for e in mine if e.claim in current]
         running = [e for e in listed if issued.get(e.delivery) == e.generation]
         orphaned += [e for e in listed if issued.get(e.delivery) != e.generation]
@@ -431,23 +446,32 @@ class Claimer:
         return merged[:page]
 
     async def _heads(
-        self, keys: Iterable[tuple[str, str]]
+        self, firsts: Mapping[tuple[str, str], Mapping[str, Any]]
     ) -> dict[tuple[str, str], dict[str, Any] | None]:
-        """The lowest pending delivery of each handler and key (one indexed probe each, in
-        parallel): ``{_id, due_at, lane}``, or None when the key has nothing pending."""
-
-        async def head(hk: tuple[str, str]) -> tuple[tuple[str, str], dict[str, Any] | None]:
-            found = await _driver.find_list(
-                self.deliveries,
-                schema.delivery_head(*hk),
-                sort=schema.SEQUENCE_ORDER,
-                limit=1,
-                projection=schema.HEAD_PROJECTION,
-                hint=schema.ORDERING_INDEX,
-            )
-            return hk, found[0] if found else None
-
-        return dict(await asyncio.gather(*(head(hk) for hk in keys)))
+        """The lowest pending delivery of each handler and key, given a pending one of each
+        (`firsts`: ``{_id, sequence, due_at}``, ``lane`` if not ready): that one, unless
+        deliveries of its key with lower sequences are pending (one query for all keys, which
+        reads what comes before each: the running head, a retry not due yet), then the lowest
+        of those. ``{_id, due_at, lane}`` each."""
+        if not firsts:
+            return {}
+        heads: dict[tuple[str, str], dict[str, Any] | None] = {
+            hk: {"_id": doc["_id"], "due_at": doc.get("due_at"),
+                 "lane": doc.get("lane", schema.READY), "sequence": doc.get("sequence")}
+            for hk, doc in firsts.items()
+        }  # fmt: skip
+        ahead = await _driver.find_list(
+            self.deliveries,
+            schema.deliveries_ahead((h, k, int(doc["sequence"])) for (h, k), doc in firsts.items()),
+            projection=schema.HEAD_PROJECTION,
+            hint=schema.ORDERING_INDEX,
+        )
+        for doc in ahead:
+            hk = (doc["handler"], doc["key"])
+            head = heads.get(hk)
+            if head is not None and doc["sequence"] < head["sequence"]:
+                heads[hk] = doc
+        return heads
 
     async def _record(
         self,
@@ -625,12 +649,13 @@ class Claimer:
         """Level-triggered: each parked key whose lowest pending delivery is parked (nothing
         unfinished before it) gets that delivery back in the claim index. It looks at the
         current state only, so a crash while parking, or a head finishing while its followers
-        were being parked, delays a key until the next claim but never strands it."""
+        were being parked, delays a key until a later claim but never strands it. It runs when
+        the claim read the lane view, or when a settle made it due (`forget`)."""
         cursor = None if handlers is None else tuple(sorted(handlers))
-        # Each claim goes on after the last key the previous one (for the same handlers) looked
+        # Each look goes on after the last key the previous one (for the same handlers) looked
         # at, wrapping around, so every parked key is looked at however many there are. The
-        # aggregation is a distinct scan of the parked index on a server (one entry per key,
-        # however long its backlog).
+        # aggregation walks the parked index in its order (a group on two fields is no distinct
+        # scan), then one query reads what comes before each key's lowest parked delivery.
         groups = await _driver.aggregate_list(
             self.deliveries,
             schema.delivery_parked_keys(
@@ -654,7 +679,12 @@ class Claimer:
         self.parked_keys.update(pairs)
         if not pairs:
             return
-        heads = await self._heads(pairs)
+        lowest = {
+            (str(g["_id"]["h"]), str(g["_id"]["k"])):
+                {"_id": g["d"], "sequence": g["s"], "due_at": g.get("t"), "lane": schema.PARKED}
+            for g in groups
+        }  # fmt: skip
+        heads = await self._heads(lowest)
         ready = [
             h["_id"] for h in heads.values() if h is not None and h.get("lane") == schema.PARKED
         ]

@@ -27,8 +27,8 @@ Indexes (created by `setup`) and the queries they serve:
   scan, a merge of one index range per lane (at most 200 lanes per query, 100 past a first
   page); ``ready`` ``(due_at, _id, handler)`` partial ``lane: "ready"``: the claim scan when
   every lane is the claimer's or free (one range, due order across all lanes);
-- deliveries ``ordering`` ``(handler, key, sequence)`` partial on pending keyed deliveries: the
-  head of a key (lowest pending sequence);
+- deliveries ``ordering`` ``(handler, key, sequence)`` partial on pending keyed deliveries: what
+  comes before the candidate heads of keys (one range a key, all keys in one query);
 - deliveries ``parked`` ``(handler, key, sequence)`` partial ``lane: "parked"``: unparking;
 - deliveries ``due`` ``(due_at)`` partial on pending: `stats` (oldest due);
 - deliveries ``status`` ``(status, _id)``, ``handler`` ``(handler, _id)``, ``event_type``
@@ -319,14 +319,20 @@ ORDERING = IndexSpec(
     (("handler", 1), ("key", 1), ("sequence", 1)),
     partial={"due_at": {"$exists": True}, "key": {"$exists": True}},
 )
-SEQUENCE_ORDER = [("sequence", 1)]
-HEAD_PROJECTION = {"_id": 1, "due_at": 1, "lane": 1}
+#: What the head look-up reads of a delivery before a key's candidate.
+HEAD_PROJECTION = {"_id": 1, "due_at": 1, "lane": 1, "handler": 1, "key": 1, "sequence": 1}
 
 
-def delivery_head(handler: str, key: str) -> dict[str, Any]:
-    """The pending deliveries of a handler and key: the head of the key is the first by
-    `SEQUENCE_ORDER` (``ordering``, hinted)."""
-    return {"handler": handler, "key": key, "due_at": {"$exists": True}}
+def deliveries_ahead(firsts: Iterable[tuple[str, str, int]]) -> dict[str, Any]:
+    """The pending deliveries of each (handler, key, sequence) in `firsts` with a lower sequence
+    of that handler and key: what comes before a candidate head (none: it is the head; else
+    the lowest of them is). One query for any number of keys, a range of ``ordering`` each
+    (hinted)."""
+    clauses = [
+        {"handler": handler, "key": key, "due_at": {"$exists": True}, "sequence": {"$lt": seq}}
+        for handler, key, seq in firsts
+    ]
+    return clauses[0] if len(clauses) == 1 else {"$or": clauses}
 
 
 # -------------------------------------------------------------------------- the parked index
@@ -345,9 +351,9 @@ def delivery_parked() -> dict[str, Any]:
 def delivery_parked_keys(
     handlers: Sequence[str] | None, after: tuple[str, str] | None, limit: int
 ) -> list[dict[str, Any]]:
-    """The first `limit` parked (handler, key) pairs (of `handlers`) after `after`: unparking's
-    aggregation, sorted and grouped on the index's leading keys, a distinct scan on a server
-    (``parked``, hinted)."""
+    """The first `limit` parked (handler, key) pairs (of `handlers`) after `after`, each with
+    its lowest parked delivery (``d``: _id, ``s``: sequence, ``t``: due_at): unparking's
+    aggregation, sorted and grouped in the index's order (``parked``, hinted)."""
     match: dict[str, Any] = {"lane": PARKED}
     if handlers is not None:
         match["handler"] = {"$in": handlers}
@@ -356,11 +362,12 @@ def delivery_parked_keys(
         match["$or"] = [{"handler": {"$gt": handler}}, {"handler": handler, "key": {"$gt": key}}]
     return [
         {"$match": match},
-        {"$sort": {"handler": 1, "key": 1}},
-        {"$group": {"_id": {"h": "$handler", "k": "$key"}}},
+        {"$sort": {"handler": 1, "key": 1, "sequence": 1}},
+        {"$group": {"_id": {"h": "$handler", "k": "$key"}, "d": {"$first": "$_id"},
+                    "s": {"$first": "$sequence"}, "t": {"$first": "$due_at"}}},
         {"$sort": {"_id.h": 1, "_id.k": 1}},
         {"$limit": limit},
-    ]
+    ]  # fmt: skip
 
 
 def delivery_parkable(ids: Sequence[Any]) -> dict[str, Any]:

@@ -369,9 +369,10 @@ class AsyncOutbox:
             except LeaseLost:
                 self._forget([delivery], ended=True)  # its claim had ended
                 raise
-            # Still counted as running until the caller's transaction commits (the next claim
-            # then finds it gone). If it aborts, settle the delivery otherwise (`reschedule`,
-            # `release`), as `OutboxDispatcher` does.
+            # Still counted as running until the caller's transaction commits (the owner's next
+            # claim looks it up and finds it gone). If it aborts, settle the delivery otherwise
+            # (`reschedule`, `release`), as `OutboxDispatcher` does.
+            self._claimer.unsure.add(delivery.owner)
             return True
         try:
             now = await self._now()

@@ -1,0 +1,103 @@
+"""The outbox claim's query plans on a real server (``explain``): what the embedded backend
+cannot tell. Each runs on the server lanes only (``MONGOQ_TEST_URI``) and is skipped elsewhere.
+
+- the scan of every lane uses ``ready`` and sorts nothing in memory;
+- the scan of some lanes (one held by another owner) merges the ``claim`` ranges of at most 200
+  lanes (``SORT_MERGE``), and its next page, two ranges a lane, stays within the same limit;
+- what comes before the heads of several keys is one ``$or`` of ``ordering`` ranges;
+- unparking walks the ``parked`` index in its order, no collection scan, no in-memory sort.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pytest
+
+from mongoq.outbox import AsyncOutbox, Event
+from mongoq.testing import CommandCounter, ManualClock, Operation, instrument
+from tests.conftest import SERVERS
+from tests.support.outbox_helpers import PREFIX, SUBSCRIPTIONS, key_in_lane
+from tests.support.test_index_audit import ChainRecorder, _explain_command
+
+
+def plan_nodes(plan: Any) -> Iterator[Mapping[str, Any]]:
+    """Every stage of an explain output, as its mapping (``stage``, ``indexName``...)."""
+    if isinstance(plan, Mapping):
+        if isinstance(plan.get("stage"), str):
+            yield plan
+        for value in plan.values():
+            yield from plan_nodes(value)
+    elif isinstance(plan, list):
+        for value in plan:
+            yield from plan_nodes(value)
+
+
+async def explained(db: Any, recorder: ChainRecorder, op: Operation) -> list[Mapping[str, Any]]:
+    command = _explain_command(op, recorder)
+    winning = await db.command({"explain": command, "verbosity": "queryPlanner"})
+    return list(plan_nodes(winning))
+
+
+def stages(nodes: list[Mapping[str, Any]]) -> set[str]:
+    return {str(node["stage"]) for node in nodes}
+
+
+def indexes(nodes: list[Mapping[str, Any]]) -> set[str]:
+    return {str(node["indexName"]) for node in nodes if "indexName" in node}
+
+
+def deliveries_finds(counter: CommandCounter) -> list[Operation]:
+    return [op for op in counter.operations if op.collection == f"{PREFIX}deliveries"]
+
+
+async def test_the_claim_scans_unpark_and_heads_use_their_indexes_on_a_real_server(
+    odb: Any, request: pytest.FixtureRequest, clock: ManualClock
+) -> None:
+    if request.node.callspec.params["odb"] not in SERVERS:
+        pytest.skip("explain needs a real server: set MONGOQ_TEST_URI")
+    recorder = ChainRecorder(odb)
+    counter = CommandCounter()
+    outbox = AsyncOutbox(instrument(recorder, counter), PREFIX, subscriptions=SUBSCRIPTIONS,
+                         clock=clock)  # fmt: skip
+    await outbox.setup()
+    # Three keys with 40 waiting each behind their heads, then a backlog over every lane.
+    keys = [key_in_lane(lane, "hot") for lane in (5, 6, 7)]
+    await outbox.publish(
+        [Event(f"{k}-{n}", "order.paid", key=k) for k in keys for n in range(41)], session=None
+    )
+    await outbox.publish([Event(f"u{n}", "order.paid") for n in range(300)], session=None)
+    counter.record = True
+    # Every lane free: the `ready` scan, pages past each blocked backlog, the heads looked up.
+    heads = await outbox.claim("A", limit=3)
+    assert sorted(d.event.key or "" for d in heads) == sorted(keys)
+    # B holds a lane: A's scans merge the ranges of the other lanes.
+    other = AsyncOutbox(instrument(recorder, counter), PREFIX, subscriptions=SUBSCRIPTIONS,
+                        clock=clock)  # fmt: skip
+    assert await other.claim("B", limit=1)
+    assert await outbox.claim("A", limit=5)
+    clock.advance(2)  # the view is read again: unparking looks at the parked keys
+    assert await outbox.claim("A", limit=5)
+    counter.record = False
+
+    seen: set[str] = set()
+    for op in deliveries_finds(counter):
+        spec = op.filter or {}
+        if op.name == "aggregate":
+            kind, index = "unpark", "parked"
+        elif op.name != "find" or ("lane" not in spec and "$or" not in spec):
+            continue
+        elif "lane_id" in spec:
+            kind, index = "merge", "claim"
+        elif spec.get("lane") == "ready":
+            kind, index = "ready", "ready"
+        else:
+            kind, index = "ahead", "ordering"
+        if "$or" in spec and kind in ("merge", "ready"):
+            kind += " page"
+        nodes = await explained(odb, recorder, op)
+        assert "COLLSCAN" not in stages(nodes) and "SORT" not in stages(nodes), (kind, spec)
+        assert index in indexes(nodes), (kind, indexes(nodes))
+        seen.add(kind)
+    assert {"ready", "ready page", "merge", "ahead", "unpark"} <= seen, seen

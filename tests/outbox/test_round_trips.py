@@ -1,0 +1,225 @@
+"""What the outbox's calls cost in commands, and that what they no longer send was not needed.
+
+A claim that takes all it asked for trusts its instance's lane view (`LaneView`) and reads no
+lane document: the scan, the events of its picks and the lane write. These tests count the
+commands of each call, then show that what the view does not know yet is learnt in time: a
+lane another instance handed back (the next claim that comes up short reads the lanes again),
+a requeue on another instance (the listing write fails and the claim tries again), a settle
+through another `AsyncOutbox` object (counted as running until the view is read again, never
+handed out twice). A publish without a transaction is two commands for new events: handlers are
+listed on an event when their delivery finishes, and the crash windows that opens are covered.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+from pymongo.errors import PyMongoError
+
+from mongoq.outbox import AsyncOutbox, PublishResult
+from mongoq.outbox.claim import VIEW_TTL
+from mongoq.testing import CommandCounter, ManualClock, instrument
+from tests.support.outbox_helpers import (
+    PREFIX,
+    another,
+    attempts,
+    bury_head,
+    deliveries,
+    delivery_of,
+    drain,
+    events,
+    faulty_outbox,
+    keys_in_distinct_lanes,
+    lane_docs,
+    new_outbox,
+    order,
+    paid,
+    ran,
+)
+
+
+async def counted(db: Any, clock: ManualClock) -> tuple[AsyncOutbox, CommandCounter]:
+    counter = CommandCounter()
+    outbox = await new_outbox(instrument(db, counter), clock)
+    counter.reset()
+    return outbox, counter
+
+
+def names(counter: CommandCounter) -> Counter[str]:
+    """The commands counted since the last reset, without the collection prefix."""
+    return Counter({name.removeprefix(PREFIX): n for name, n in counter.counts.items()})
+
+
+# ---------------------------------------------------------------------------- what a call costs
+
+
+async def test_a_claim_that_takes_all_it_asks_for_reads_no_lane_document(
+    odb: Any, clock: ManualClock
+) -> None:
+    outbox, counter = await counted(odb, clock)
+    await outbox.publish([paid(f"u{n}") for n in range(5)], session=None)
+    assert names(counter) == {"events.bulk_write": 1, "deliveries.insert_many": 1}
+    counter.reset()
+    first = await outbox.claim("A", limit=1)  # the first claim reads the lanes
+    assert names(counter)["lanes.find"] == 1
+    assert await outbox.complete(first[0])
+    for _ in range(3):
+        counter.reset()
+        [delivery] = await outbox.claim("A", limit=1)
+        assert names(counter) == {"deliveries.find": 1, "events.find": 1, "lanes.bulk_write": 1}
+        counter.reset()
+        assert await outbox.complete(delivery)
+        assert names(counter) == {"events.bulk_write": 1, "deliveries.delete_one": 1}
+    # What the lanes say is what the view said: one lane held, listing the last one handed out.
+    held = [lane for lane in (await lane_docs(odb)).values() if lane["owner"] == "A"]
+    assert [len(lane["in_flight"]) for lane in held] == [1]
+
+
+async def test_a_keyed_claim_looks_up_every_key_of_a_wave_in_one_query(
+    odb: Any, clock: ManualClock
+) -> None:
+    outbox, counter = await counted(odb, clock)
+    keys = [f"k{n}" for n in range(20)]
+    await outbox.publish([paid(f"{k}-{n}", k) for n in (1, 2) for k in keys], session=None)
+    counter.reset()
+    first = await outbox.claim("A", limit=20)
+    assert sorted(d.event.id for d in first) == sorted(f"{k}-1" for k in keys)
+    assert names(counter)["deliveries.find"] == 2  # the scan, then what comes before each head
+    # The seconds of each key wait behind the heads that run: looked up again, none handed out.
+    counter.reset()
+    assert await outbox.claim("A", limit=20) == []
+    assert await outbox.complete_many(first) == [True] * 20
+    assert sorted(d.event.id for d in await outbox.claim("A", limit=20)) == sorted(
+        f"{k}-2" for k in keys
+    )
+
+
+# ------------------------------------------------------------------- what the view learns in time
+
+
+async def test_a_lane_another_instance_hands_back_is_claimed_by_the_next_short_claim(
+    odb: Any, clock: ManualClock
+) -> None:
+    a = await new_outbox(odb, clock)
+    b = another(odb, clock)
+    k1, k2 = keys_in_distinct_lanes(2)
+    await a.publish([paid("x", k1), paid("y", k2), paid("z", k2)], session=None)
+    [x] = await a.claim("A", limit=1)  # A's view: every other lane free
+    [y] = await b.claim("B", limit=1)  # B takes k2's lane
+    assert (x.event.id, y.event.id) == ("x", "y")
+    assert await a.claim("A", limit=1) == []  # k2's lane is B's: short, A reads the lanes
+    assert await b.complete(y)
+    assert await b.claim("B", ["mail"]) == []  # nothing for B's mail: k2's lane handed back
+    assert (await lane_docs(odb))[y.lane_id]["owner"] is None
+    assert ran(await a.claim("A", limit=1)) == [("z", 1)]  # seen at once: A came up short
+
+
+async def test_a_requeue_on_another_instance_fails_the_listing_of_a_cached_lane(
+    odb: Any, clock: ManualClock
+) -> None:
+    """A's view trusts k's lane as A left it (A's last claim filled). e1 is requeued by another
+    instance: A's take of k's lane is fenced on the lane's requeue count, fails, and the claim
+    tries once more from the lanes as they are; e1 runs before e2, nothing is charged."""
+    counter = CommandCounter()
+    a = await new_outbox(instrument(odb, counter), clock)
+    await bury_head(a)  # e1 dead; e2 and e3 wait
+    await a.publish(order(5), session=None)
+    mail = await a.claim("A", ["mail"], limit=1)  # fills: the view is trusted
+    assert ran(mail) == [("e5", 1)]
+    assert await another(odb, clock).requeue("e1", "stats") is True
+    counter.reset()
+    got = await a.claim("A", ["stats"], limit=1)
+    assert ran(got) == [("e1", 1)]
+    calls = names(counter)
+    assert (calls["lanes.bulk_write"], calls["lanes.find"]) == (2, 2)  # failed, read, again
+    assert attempts(await deliveries(odb))["e2"] == (0, 0)
+    assert await a.complete_many([*got, *mail]) == [True, True]
+    rest = [d.event.id for d in await drain(a, "A")]
+    assert sorted(rest) == ["e2", "e3", "e5"] and rest.index("e2") < rest.index("e3")
+
+
+async def test_a_settle_through_another_object_counts_as_running_until_the_view_is_read(
+    odb: Any, clock: ManualClock
+) -> None:
+    """x (key k) was claimed through `a` and completed through `b` (another object): `a` still
+    counts it as running, so k's next waits, until `a` reads the lanes again (a second later,
+    or at a claim that comes up short). Nothing runs twice meanwhile."""
+    a = await new_outbox(odb, clock)
+    b = another(odb, clock)
+    [k] = keys_in_distinct_lanes(1)
+    await a.publish([paid("x", k), paid("x2", k), paid("u1"), paid("u2")], session=None)
+    [x] = await a.claim("A", limit=1)
+    assert await b.complete(x)
+    assert ran(await a.claim("A", limit=1)) == [("u1", 1)]  # x2 waits: x counts as running
+    clock.advance(VIEW_TTL)
+    got = await a.claim("A", limit=2)  # the view is read again: x is gone, x2 is k's head
+    assert sorted(d.event.id for d in got) == ["u2", "x2"]
+
+
+# ------------------------------------------------------------------- publish without a transaction
+
+
+async def test_a_publish_costs_two_commands_and_a_replay_four(odb: Any, clock: ManualClock) -> None:
+    outbox, counter = await counted(odb, clock)
+    assert await outbox.publish([order(1), order(2)], session=None) == PublishResult(2, 4)
+    assert names(counter) == {"events.bulk_write": 1, "deliveries.insert_many": 1}
+    counter.reset()
+    assert await outbox.publish([order(1), order(3)], session=None) == PublishResult(1, 2)
+    # The upserts, e1's read (a replay), the deliveries (e1's already there), e1 written again
+    # should a purge have deleted it meanwhile.
+    assert names(counter) == {
+        "events.bulk_write": 2, "events.find": 1, "deliveries.insert_many": 1,
+    }  # fmt: skip
+    assert {e: doc["handlers"] for e, doc in (await events(odb)).items()} == {
+        "e1": [],
+        "e2": [],
+        "e3": [],
+    }
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+async def test_a_completion_that_failed_after_listing_its_handler_runs_again_not_twice(
+    odb: Any, clock: ManualClock, when: str
+) -> None:
+    """The completion lists the handler on its event, then its deletion fails (lost, or
+    applied with the reply lost). Lost: the delivery is still there and runs again; a replay
+    meanwhile adds nothing (listed, and its delivery there). Applied: done, and a replay does
+    not bring it back."""
+    outbox, faults = await faulty_outbox(odb, clock)
+    await outbox.publish(paid("e1"), session=None)
+    [e1] = await outbox.claim("A")
+    (faults.fail_before if when == "before" else faults.fail_after)(
+        "delete_one", collection=f"{PREFIX}deliveries"
+    )
+    with pytest.raises(PyMongoError):
+        await outbox.complete(e1)
+    assert (await events(odb))["e1"]["handlers"] == ["stats"]
+    assert await outbox.publish(paid("e1"), session=None) == PublishResult(0, 0)
+    left = await delivery_of(odb, "e1", "stats")
+    if when == "before":
+        assert left is not None
+        assert ran(await outbox.claim("A")) == [("e1", 1)]  # freed by the next claim, again
+    else:
+        assert left is None
+        assert await outbox.claim("A") == []
+
+
+async def test_a_purged_dead_letter_is_not_brought_back_by_a_replay(
+    odb: Any, clock: ManualClock
+) -> None:
+    """e1's stats delivery dies and is purged; its mail delivery completed, so the event stays
+    as the deduplication record of its id. A replay creates neither again: the burial listed
+    stats on the event, as the completion listed mail."""
+    outbox = await new_outbox(odb, clock)
+    await outbox.publish(order(1), session=None)
+    batch = {d.handler: d for d in await outbox.claim("A", limit=2)}
+    assert await outbox.bury(batch["stats"], error="poison")
+    assert await outbox.complete(batch["mail"])
+    clock.advance(60)
+    result = await outbox.purge(dead_before=clock.now())
+    assert (result.dead_deliveries, result.events) == (1, 0)
+    assert sorted((await events(odb))["e1"]["handlers"]) == ["mail", "stats"]
+    assert await outbox.publish(order(1), session=None) == PublishResult(0, 0)
+    assert await deliveries(odb) == []
