@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         help="group counts for the group claim-cost scenario",
     )  # fmt: skip
     parser.add_argument(
-        "--blocked", type=int, nargs="*", default=[1000, 10000],
+        "--blocked", type=int, nargs="*", default=[1000],
         help="backlog sizes behind a blocked key for the outbox claim-cost scenario",
     )  # fmt: skip
     parser.add_argument(

@@ -29,6 +29,7 @@ charged, so nothing stays listed as running with nobody running it.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -302,22 +303,21 @@ class Claimer:
         """Take `stale` lanes over and charge what their previous holders left running; returns
         the lanes now held (a lane another claimer took first is left out)."""
         lease_until = now + timedelta(seconds=self.outbox.lease)
+        write = uuid.uuid4().hex
         ops = [
-            self._take(lane, owner, lease_until, [], lane.lost + lane.in_flight)
+            self._take(lane, owner, lease_until, [], lane.lost + lane.in_flight, write)
             for lane in stale
         ]  # fmt: skip
         result = await self._write_lanes(ops)
-        expected: dict[int, tuple[int, list[Entry]]] = {
-            lane.id: (lane.epoch + 1, []) for lane in stale
-        }
+        expected = {lane.id: lane.epoch + 1 for lane in stale}
         taken = (
             set(expected)
             if result.matched_count == len(ops)
-            else await self._confirm(owner, expected)
+            else await self._confirm(owner, expected, write)
         )
         adopted = {
             lane.id: lane.taken(owner, self.outbox.instance, lease_until, [],
-                                lane.lost + lane.in_flight)
+                                lane.lost + lane.in_flight, write)
             for lane in stale
             if lane.id in taken
         }  # fmt: skip
@@ -496,8 +496,9 @@ class Claimer:
             running_by_lane[lane.id] = [e for e in lane.in_flight if e.delivery in running_ids]
         lease_until = now + timedelta(seconds=self.outbox.lease)
         instance = self.outbox.instance
+        write = uuid.uuid4().hex  # what proves a lane write of this claim, read back
         ops: list[UpdateOne | UpdateMany] = []
-        expected: dict[int, tuple[int, list[Entry]]] = {}  # lane -> (epoch, entries) once written
+        expected: dict[int, int] = {}  # lane -> its epoch once written
         after: list[Lane] = []  # the lanes once every write took effect
         for lane in held.values():
             entries = running_by_lane[lane.id] + [self._entry(p) for p in by_lane[lane.id]]
@@ -508,29 +509,28 @@ class Claimer:
             elif by_lane[lane.id] or len(entries) != len(lane.in_flight):
                 # New picks are listed only if no requeue in the lane came between.
                 fence = (lane.listing_fence if by_lane[lane.id] else lane.fence)(owner, instance)
-                update = schema.lane_listing(entries, lease_until)
+                update = schema.lane_listing(entries, lease_until, write)
                 ops.append(_driver.update_by_id(self.db, fence, update))
-                expected[lane.id] = (lane.epoch, entries)
-                after.append(lane.listing(entries, lease_until))
+                expected[lane.id] = lane.epoch
+                after.append(lane.listing(entries, lease_until, write))
         for lane_id, lane_picks in by_lane.items():
             if lane_id in held:
                 continue
             # A free lane with nothing listed (stale ones were taken over above).
             lane = free[lane_id]
             entries = [self._entry(p) for p in lane_picks]
-            ops.append(self._take(lane, owner, lease_until, entries, []))
-            expected[lane_id] = (lane.epoch + 1, entries)
-            after.append(lane.taken(owner, instance, lease_until, entries, []))
+            ops.append(self._take(lane, owner, lease_until, entries, [], write))
+            expected[lane_id] = lane.epoch + 1
+            after.append(lane.taken(owner, instance, lease_until, entries, [], write))
         written = set(expected)
         if ops:
             result = await self._write_lanes(ops)
             if result.matched_count != len(ops):
-                written = await self._confirm(owner, expected)
+                written = await self._confirm(owner, expected, write)
             else:
                 self._seen(after)
-        epochs = {lane_id: epoch for lane_id, (epoch, _) in expected.items()}
         return [
-            self._delivery(pick, events[pick["event_id"]], owner, epochs[pick["lane_id"]])
+            self._delivery(pick, events[pick["event_id"]], owner, expected[pick["lane_id"]])
             for pick in picks
             if pick["lane_id"] in written
         ]
@@ -542,30 +542,33 @@ class Claimer:
         lease_until: datetime,
         in_flight: list[Entry],
         lost: list[Entry],
+        write: str,
     ) -> UpdateOne | UpdateMany:
         """The write that takes `lane` over for `owner`, as read (see `Lane.take_filter`)."""
         return _driver.update_by_id(
             self.db,
             lane.take_filter(),
-            schema.lane_takeover(owner, self.outbox.instance, lease_until, in_flight, lost),
+            schema.lane_takeover(owner, self.outbox.instance, lease_until, in_flight, lost, write),
         )
 
-    async def _confirm(self, owner: str, expected: dict[int, tuple[int, list[Entry]]]) -> set[int]:
-        """Which of the lane writes took effect, read back after a bulk write matched fewer
-        (the view is read again before the next claim: another instance wrote somewhere)."""
+    async def _confirm(self, owner: str, expected: dict[int, int], write: str) -> set[int]:
+        """Which of the lane writes of claim `write` took effect, read back after its bulk
+        write matched fewer (lane -> its epoch once written): those the owner holds at that
+        epoch carrying the claim's id, which only the claim's own write sets. The view takes
+        them as own writes, the others as read (and is read whole before the next claim:
+        another instance wrote somewhere)."""
         self.invalidate()
         since = self.view.mark()
         docs = await _driver.find_list(self.lanes, schema.lanes_by_ids(expected))
-        confirmed = set()
         read = [Lane.from_document(doc) for doc in docs]
-        self._seen(read, read_since=since)
-        for lane in read:
-            epoch, entries = expected[lane.id]
-            mine = lane.held_by(owner, self.outbox.instance) and lane.epoch == epoch
-            listed = {(e.delivery, e.generation) for e in lane.in_flight}
-            if mine and all((e.delivery, e.generation) in listed for e in entries):
-                confirmed.add(lane.id)
-        return confirmed
+        mine = [
+            lane for lane in read
+            if lane.held_by(owner, self.outbox.instance) and lane.epoch == expected[lane.id]
+            and lane.write == write
+        ]  # fmt: skip
+        self._seen(mine)
+        self._seen([lane for lane in read if lane not in mine], read_since=since)
+        return {lane.id for lane in mine}
 
     @staticmethod
     def _entry(pick: Mapping[str, Any]) -> Entry:

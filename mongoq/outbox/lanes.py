@@ -2,7 +2,8 @@
 
 Collection ``<prefix>lanes`` holds 256 small documents, one per lane (``_id`` 0-255)::
 
-    {_id, owner, instance, lease_until, epoch, rev, requeued, in_flight: [entry], lost: [entry]}
+    {_id, owner, instance, lease_until, epoch, rev, requeued, write, in_flight: [entry],
+     lost: [entry]}
 
 with ``entry = {"d": delivery _id, "g": claim generation, "h": handler, "k": key}`` (``k`` left
 out for unkeyed deliveries). A worker (``owner``, on one `AsyncOutbox` instance: ``instance``)
@@ -17,7 +18,9 @@ with every write to the lane: a takeover pins the ``rev`` it read, so it applies
 state it judged free. ``requeued`` counts the `AsyncOutbox.requeue` calls of deliveries in the
 lane (missing: 0): a holder's write listing new picks is fenced on the count it knew before it
 read their keys' heads, so a requeue in between (a dead delivery that may now come first)
-makes it fail and nothing it picked is handed out.
+makes it fail and nothing it picked is handed out. ``write`` is the id of the claim that last
+listed or took the lane: a claim whose bulk write matched fewer lanes than it wrote reads them
+back and counts as its own only those carrying its id.
 
 One more document, ``{_id: "requeues", value}``, counts every requeue for processes of earlier
 versions, which read it around their claims.
@@ -92,6 +95,8 @@ class Lane:
     in_flight: list[Entry] = field(default_factory=list)
     lost: list[Entry] = field(default_factory=list)
     requeued: int = 0
+    #: the id of the claim that last listed or took the lane (what a read-back proves)
+    write: str | None = None
 
     @classmethod
     def from_document(cls, doc: Mapping[str, Any]) -> Lane:
@@ -105,6 +110,7 @@ class Lane:
             in_flight=[Entry.from_document(e) for e in doc.get("in_flight") or ()],
             lost=[Entry.from_document(e) for e in doc.get("lost") or ()],
             requeued=int(doc.get("requeued", 0)),
+            write=doc.get("write"),
         )
 
     def held_by(self, owner: str, instance: str) -> bool:
@@ -133,19 +139,19 @@ class Lane:
             return schema.lane_as_left(self.id, self.epoch, self.requeued)
         return schema.lane_as_read(self.id, self.rev)
 
-    def listing(self, in_flight: list[Entry], lease_until: datetime) -> Lane:
+    def listing(self, in_flight: list[Entry], lease_until: datetime, write: str) -> Lane:
         """This lane once its holder's `schema.lane_listing` took effect."""
-        rev = None if self.rev is None else self.rev + 1
-        return replace(self, in_flight=in_flight, lease_until=lease_until, rev=rev)
+        return replace(self, in_flight=in_flight, lease_until=lease_until, rev=None, write=write)
 
     def taken(
         self, owner: str, instance: str, lease_until: datetime, in_flight: list[Entry],
-        lost: list[Entry],
+        lost: list[Entry], write: str,
     ) -> Lane:  # fmt: skip
-        """This lane once a `schema.lane_takeover` by `owner` took effect."""
-        rev = None if self.rev is None else self.rev + 1
+        """This lane once a `schema.lane_takeover` by `owner` took effect (its ``rev`` is not
+        known: the holder's renewals move it on)."""
         return replace(self, owner=owner, instance=instance, lease_until=lease_until,
-                       epoch=self.epoch + 1, rev=rev, in_flight=in_flight, lost=lost)  # fmt: skip
+                       epoch=self.epoch + 1, rev=None, in_flight=in_flight, lost=lost,
+                       write=write)  # fmt: skip
 
     def handed_back(self, now: datetime) -> Lane:
         """This lane once its holder's `schema.lane_handing_back` (nothing lost) took effect."""
@@ -160,14 +166,15 @@ class LaneView:
     view is then wrong somewhere and is read again before the next claim).
 
     Claims of several owners on the instance update it concurrently, so a read never
-    overwrites a lane updated after the read was sent (`mark` before sending it): a holder's
-    view of its own lanes stays its last write, which its next write builds on."""
+    overwrites a lane updated after the read was sent (`mark` before sending it), by an own
+    write or by a read sent later: a holder's view of its own lanes stays its last write, which
+    its next write builds on."""
 
     lanes: dict[int, Lane] = field(default_factory=dict)
     read_at: datetime = NEVER
     failed: bool = False
     _tick: int = 0
-    _touched: dict[int, int] = field(default_factory=dict)
+    _stamps: dict[int, int] = field(default_factory=dict)
 
     def split(
         self, owner: str, instance: str, now: datetime
@@ -188,18 +195,25 @@ class LaneView:
         return held, free, stale
 
     def mark(self) -> int:
-        """The mark to give `update` with what a read sent now returns."""
+        """The mark to give `update` with what a read sent now returns: later than every
+        update so far and every earlier mark."""
+        self._tick += 1
         return self._tick
 
     def update(self, lanes: Sequence[Lane], read_since: int | None = None) -> None:
         """Lanes as this instance's own writes left them, or (`read_since`: the `mark` taken
-        before the read) as read."""
+        before the read was sent) as read. A read applies to a lane only if it was sent after
+        what the view has of it: after the own write, or after the read, that set it."""
         for lane in lanes:
-            if read_since is not None and self._touched.get(lane.id, -1) > read_since:
-                continue  # updated since the read was sent: the read is older
-            self._tick += 1
+            if read_since is None:
+                self._tick += 1
+                stamp = self._tick
+            elif read_since < self._stamps.get(lane.id, 0):
+                continue  # the view has something newer than this read
+            else:
+                stamp = read_since
             self.lanes[lane.id] = lane
-            self._touched[lane.id] = self._tick
+            self._stamps[lane.id] = stamp
 
 
 def lane_document(lane_id: int) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from mongoq import _driver
@@ -223,8 +223,9 @@ class Operators:
         self, dead_before: datetime | None, completed_before: datetime | None
     ) -> int:
         cutoffs = [c for c in (dead_before, completed_before) if c is not None]
+        young = await self.outbox._now() - timedelta(seconds=schema.PUBLISH_GRACE)
         queries: list[tuple[dict[str, Any], str]] = [
-            (schema.event_uncompleted_before(min(cutoffs)), "created_at")
+            (schema.event_uncompleted_before(min(cutoffs), young), "created_at")
         ]
         if completed_before is not None:
             queries.append((schema.event_completed_before(completed_before), "completed_at"))

@@ -5,8 +5,8 @@ the index that serves it. No I/O.
 Collections (``<prefix>`` defaults to ``mongoq_outbox_``):
 
 - ``events``: ``{_id: event id, type, payload, headers, key?, correlation_id?, causation_id?,
-  sequence?, created_at, handlers: [the handlers whose delivery completed or died, and those a
-  transactional publish wrote], completed_at?}``;
+  sequence?, created_at, stored_at (the clock's, at publish), handlers: [the handlers whose
+  delivery completed or died, and those a transactional publish wrote], completed_at?}``;
 - ``deliveries``: one per unfinished (or dead) event and handler: ``{_id: ObjectId, event_id,
   event_type, handler, key?, sequence?, lane_id, lane: "ready"|"parked", status:
   "pending"|"dead", due_at, attempts, claims, last_error?, requeue_uncounted?, created_at,
@@ -39,8 +39,9 @@ Indexes (created by `setup`) and the queries they serve:
   ``(event_id)``: references; ``handler`` ``(handler, _id)``, ``event_type``
   ``(event_type, _id)``: listing.
 
-The lanes have no secondary index: the collection is read whole (256 small documents) once per
-claim, and every write to a lane names its ``_id``. Every time is the injected clock's
+The lanes have no secondary index: the collection is read whole (256 small documents) by an
+instance's lane view now and then (`mongoq.outbox.lanes`), and every write to a lane names its
+``_id``. Every time is the injected clock's
 (`mongoq.clock`), passed in as ``now``.
 """
 
@@ -107,6 +108,12 @@ def with_ids(query: Mapping[str, Any], ids: Sequence[Any]) -> dict[str, Any]:
 
 EVENT_CREATED = IndexSpec("created", (("created_at", 1), ("_id", 1)))
 EVENT_COMPLETED = IndexSpec("completed", (("completed_at", 1), ("_id", 1)))
+#: Seconds a never-completed event is kept at least after its publish stored it, whatever its
+#: ``created_at``: longer than any publish between its two writes.
+PUBLISH_GRACE = 600
+#: Seconds a replay holds the deliveries it adds before it releases them (only a replay that
+#: stopped midway leaves them held that long).
+REPLAY_HOLD = 600
 #: What a publish reads of an event that exists already.
 EVENT_REPLAY_PROJECTION = {"handlers": 1, "key": 1, "type": 1, "sequence": 1}
 
@@ -118,6 +125,7 @@ def event_document(event: Event, now: datetime, sequence: int | None) -> dict[st
         "payload": event.payload,
         "headers": event.headers,
         "created_at": event.created_at or now,
+        "stored_at": now,
     }
     for name in ("key", "correlation_id", "causation_id"):
         if getattr(event, name) is not None:
@@ -160,9 +168,15 @@ def event_completing(now: datetime, handlers: Sequence[str]) -> dict[str, Any]:
     return {"$max": {"completed_at": now}, "$addToSet": {"handlers": {"$each": list(handlers)}}}
 
 
-def event_uncompleted_before(cutoff: datetime) -> dict[str, Any]:
-    """Events that never completed, created before `cutoff`: purge (``created``)."""
-    return {"completed_at": {"$exists": False}, "created_at": {"$lt": cutoff}}
+def event_uncompleted_before(cutoff: datetime, stored_before: datetime) -> dict[str, Any]:
+    """Events that never completed, created before `cutoff` and stored before `stored_before`
+    (a publish without a transaction writes its deliveries after its event: a purge leaves a
+    young event alone, whatever ``created_at`` its caller gave it): purge (``created``)."""
+    return {
+        "completed_at": {"$exists": False},
+        "created_at": {"$lt": cutoff},
+        "stored_at": {"$not": {"$gte": stored_before}},
+    }
 
 
 def event_completed_before(cutoff: datetime) -> dict[str, Any]:
@@ -481,6 +495,22 @@ def delivery_pending_by_ids(ids: Sequence[Any]) -> dict[str, Any]:
     return {"_id": {"$in": list(ids)}, "due_at": {"$exists": True}}
 
 
+def delivery_held(doc: Mapping[str, Any], until: datetime) -> dict[str, Any]:
+    """A replay's new delivery, not due until `until`: written before the replay reads its
+    event's handlers again, so no claim runs it meanwhile."""
+    return {**doc, "due_at": until}
+
+
+def deliveries_held(ids: Sequence[Any], until: datetime) -> dict[str, Any]:
+    """A replay's held deliveries, if still as written (``_id``)."""
+    return {"_id": {"$in": list(ids)}, "claims": 0, "due_at": until}
+
+
+def delivery_releasing_held(now: datetime) -> dict[str, Any]:
+    """A replay releasing its held deliveries (`deliveries_held`): due now."""
+    return {"$set": {"due_at": now, "updated_at": now}}
+
+
 def delivery_freeing(now: datetime) -> dict[str, Any]:
     """A claim ending without an attempt (`delivery_claimed`): claimable again, and any late
     settle of it refused."""
@@ -630,21 +660,23 @@ def lane_takeover(
     lease_until: datetime,
     in_flight: Sequence[Entry],
     lost: Sequence[Entry],
+    write: str,
 ) -> dict[str, Any]:
-    """A claim taking a lane (`lane_as_read`): a new epoch, listing what it claims there and
-    what the previous holder left running (charged next)."""
+    """A claim (`write`: its id) taking a lane (`lane_as_read`): a new epoch, listing what it
+    claims there and what the previous holder left running (charged next)."""
     return {
         "$set": {"owner": owner, "instance": instance, "lease_until": lease_until,
                  "in_flight": [e.document() for e in in_flight],
-                 "lost": [e.document() for e in lost]},
+                 "lost": [e.document() for e in lost], "write": write},
         "$inc": {"epoch": 1, "rev": 1},
     }  # fmt: skip
 
 
-def lane_listing(in_flight: Sequence[Entry], lease_until: datetime) -> dict[str, Any]:
-    """A holder's claim recording what runs in its lane now, renewing the lease (`lane_held`)."""
+def lane_listing(in_flight: Sequence[Entry], lease_until: datetime, write: str) -> dict[str, Any]:
+    """A holder's claim (`write`: its id) recording what runs in its lane now, renewing the
+    lease (`lane_held`)."""
     return {
-        "$set": {"in_flight": [e.document() for e in in_flight]},
+        "$set": {"in_flight": [e.document() for e in in_flight], "write": write},
         "$max": {"lease_until": lease_until},
         "$inc": {"rev": 1},
     }

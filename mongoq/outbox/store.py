@@ -262,13 +262,13 @@ class AsyncOutbox:
     async def _publish_plain(self, events: list[Event], now: datetime) -> PublishResult:
         # Without a transaction the order of the writes carries the guarantees, in two commands
         # for new events: the event exists before its deliveries (a claim never finds a
-        # delivery without its event), and a handler is listed on the event only once its
-        # delivery finished (`_mark_completed`, `bury`), never before its delivery exists. A
-        # replay creates the deliveries of the handlers not listed: the unique index turns the
-        # ones still there into no-ops, and a crash before they were written is repaired by
-        # publishing again (at least once, never lost; a completed handler never runs again).
-        # Sequences are taken for every keyed event before knowing which are new: a replay
-        # leaves a gap in its key's sequence, which blocks nothing.
+        # delivery without its event, and a purge leaves a young event alone), and a handler is
+        # listed on the event only once its delivery finished (`_mark_completed`, `bury`),
+        # never while it has none. A replay creates the deliveries of the handlers not listed:
+        # the unique index turns the ones still there into no-ops, and a crash before they were
+        # written is repaired by publishing again (at least once, never lost). Sequences are
+        # taken for every keyed event before knowing which are new: a replay leaves a gap in
+        # its key's sequence, which blocks nothing.
         sequences = await self._sequences(events, None)
         documents = {e.id: schema.event_document(e, now, sequences.get(e.id)) for e in events}
         upserts: list[UpdateOne | UpdateMany] = [
@@ -281,38 +281,75 @@ class AsyncOutbox:
             for e in events
         ]
         result = await self.events.bulk_write(upserts, ordered=True)
-        new_ids = {events[index].id for index in result.upserted_ids}
+        # By the upserted _id (the event id), not its position: mongomock numbers the upserts
+        # of a bulk write among themselves, a server by request.
+        new_ids = set(result.upserted_ids.values())
         replayed = [e.id for e in events if e.id not in new_ids]
         existing = await self._existing(replayed, None) if replayed else {}
+        hold_until = now + timedelta(seconds=schema.REPLAY_HOLD)
         deliveries: list[dict[str, Any]] = []
-        restored: list[UpdateOne | UpdateMany] = []
         for event in events:
             stored = existing.get(event.id) or documents[event.id]
-            wanted = self._wanted(stored)
-            if not wanted:
-                continue
-            deliveries += self._delivery_documents(event.id, stored, wanted, now)
-            if event.id in existing:
-                # Should a purge have deleted the replayed event since it was read, it is
-                # written again rather than leave its new deliveries orphaned.
-                document = schema.event_document(event, now, stored.get("sequence"))
-                restored.append(
-                    _driver.update_single(
-                        self.db, schema.event_by_id(event.id), schema.event_inserting(document),
-                        upsert=True,
-                    )
-                )  # fmt: skip
-        added = len(deliveries)
+            docs = self._delivery_documents(event.id, stored, self._wanted(stored), now)
+            if event.id not in new_ids:  # held: see `_release_replayed`
+                docs = [schema.delivery_held(doc, hold_until) for doc in docs]
+            deliveries += docs
+        inserted = list(deliveries)
         if deliveries:
             try:
                 await self.deliveries.insert_many(deliveries, ordered=False)
             except BulkWriteError as exc:
                 if not _only_duplicates(exc):
                     raise
-                added -= len(exc.details.get("writeErrors", []))
+                refused = {e["index"] for e in exc.details.get("writeErrors", [])}
+                inserted = [d for i, d in enumerate(deliveries) if i not in refused]
+        held = [d for d in inserted if d["event_id"] not in new_ids]
+        dropped = 0
+        if held:
+            sequences_of = {e.id: (existing.get(e.id) or documents[e.id]).get("sequence")
+                            for e in events}  # fmt: skip
+            dropped = await self._release_replayed(events, sequences_of, held, hold_until, now)
+        return PublishResult(len(new_ids), len(inserted) - dropped)
+
+    async def _release_replayed(
+        self,
+        events: list[Event],
+        sequences: Mapping[str, int | None],
+        held: list[dict[str, Any]],
+        hold_until: datetime,
+        now: datetime,
+    ) -> int:
+        """A replay's new deliveries were written held (not due): read their events again. A
+        handler listed since (its delivery completed while the replay ran, after the replay
+        read the event) gets no second delivery: deleted. The others are released, due now;
+        an event a purge deleted meanwhile is written again first (with its sequence). Returns
+        how many were deleted."""
+        ids = list({d["event_id"] for d in held})
+        current = await self._existing(ids, None)
+        restored = [
+            _driver.update_single(
+                self.db, schema.event_by_id(e.id),
+                schema.event_inserting(schema.event_document(e, now, sequences.get(e.id))),
+                upsert=True,
+            )
+            for e in events if e.id in ids and e.id not in current
+        ]  # fmt: skip
         if restored:
             await self.events.bulk_write(restored, ordered=False)
-        return PublishResult(len(new_ids), added)
+        finished = [
+            d["_id"] for d in held
+            if d["handler"] in current.get(d["event_id"], {}).get("handlers", ())
+        ]  # fmt: skip
+        release = [d["_id"] for d in held if d["_id"] not in set(finished)]
+        dropped = 0
+        if finished:
+            result = await self.deliveries.delete_many(schema.deliveries_held(finished, hold_until))
+            dropped = int(result.deleted_count)
+        if release:
+            await self.deliveries.update_many(
+                schema.deliveries_held(release, hold_until), schema.delivery_releasing_held(now)
+            )
+        return dropped
 
     # ------------------------------------------------------------------------------- claim
 

@@ -110,7 +110,7 @@ WITNESSES: set[Shape] = {
     (HISTORY, "distinct", ("event_id",)),
     (HISTORY, "find", ()),  # list_deliveries(status='completed')
     (HISTORY, "find", ("completed_at",)),  # purge of completion records
-    (EVENTS, "find", ("completed_at", "created_at")),  # purge of never-completed events
+    (EVENTS, "find", ("completed_at", "created_at", "stored_at")),  # purge of never-completed
     (EVENTS, "find", ("$or", "completed_at")),  # ... of completed ones, their next page
     (EVENTS, "delete_many", ("_id", "completed_at")),
     (LANES, "find", ("_id",)),  # a claim reading back which lane writes took effect

@@ -550,9 +550,6 @@ FAULTS = {
     "event-upsert-applied": ("after", "bulk_write", f"{PREFIX}events", 0),
     "deliveries-lost": ("before", "insert_many", f"{PREFIX}deliveries", 0),
     "deliveries-applied": ("after", "insert_many", f"{PREFIX}deliveries", 0),
-    # e3's replay writes its event again, should a purge have deleted it meanwhile
-    "restore-lost": ("before", "bulk_write", f"{PREFIX}events", 1),
-    "restore-applied": ("after", "bulk_write", f"{PREFIX}events", 1),
 }
 every_fault = pytest.mark.parametrize("point", list(FAULTS))
 

@@ -13,14 +13,17 @@ listed on an event when their delivery finishes, and the crash windows that open
 from __future__ import annotations
 
 from collections import Counter
+from datetime import timedelta
 from typing import Any
 
+import anyio
 import pytest
 from pymongo.errors import PyMongoError
 
-from mongoq.outbox import AsyncOutbox, PublishResult
+from mongoq.outbox import AsyncOutbox, Event, PublishResult
 from mongoq.outbox.claim import VIEW_TTL
-from mongoq.testing import CommandCounter, ManualClock, instrument
+from mongoq.outbox.schema import PUBLISH_GRACE
+from mongoq.testing import CommandCounter, ManualClock, instrument, settle
 from tests.support.outbox_helpers import (
     PREFIX,
     another,
@@ -161,16 +164,18 @@ async def test_a_settle_through_another_object_counts_as_running_until_the_view_
 # ------------------------------------------------------------------- publish without a transaction
 
 
-async def test_a_publish_costs_two_commands_and_a_replay_four(odb: Any, clock: ManualClock) -> None:
+async def test_a_publish_costs_two_commands_and_a_replay_three(
+    odb: Any, clock: ManualClock
+) -> None:
     outbox, counter = await counted(odb, clock)
     assert await outbox.publish([order(1), order(2)], session=None) == PublishResult(2, 4)
     assert names(counter) == {"events.bulk_write": 1, "deliveries.insert_many": 1}
     counter.reset()
     assert await outbox.publish([order(1), order(3)], session=None) == PublishResult(1, 2)
-    # The upserts, e1's read (a replay), the deliveries (e1's already there), e1 written again
-    # should a purge have deleted it meanwhile.
+    # The upserts, e1's read (a replay), the deliveries (e1's already there), e3's and a
+    # second look at e1 (none: nothing of e1 was written held, so nothing to release).
     assert names(counter) == {
-        "events.bulk_write": 2, "events.find": 1, "deliveries.insert_many": 1,
+        "events.bulk_write": 1, "events.find": 1, "deliveries.insert_many": 1,
     }  # fmt: skip
     assert {e: doc["handlers"] for e, doc in (await events(odb)).items()} == {
         "e1": [],
@@ -223,3 +228,145 @@ async def test_a_purged_dead_letter_is_not_brought_back_by_a_replay(
     assert sorted((await events(odb))["e1"]["handlers"]) == ["mail", "stats"]
     assert await outbox.publish(order(1), session=None) == PublishResult(0, 0)
     assert await deliveries(odb) == []
+
+
+# ------------------------------------------------------- a replay or a purge racing the publish
+
+
+async def during(faults: Any, command: str, collection: str, publish: Any, meanwhile: Any) -> Any:
+    """Run `publish` until it reaches `command` on `collection`, run `meanwhile`, go on."""
+    pause = faults.pause_before(command, collection=f"{PREFIX}{collection}")
+    result: dict[str, Any] = {}
+
+    async def run() -> None:
+        result["publish"] = await publish()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(run)
+        await pause.reached.wait()
+        await meanwhile()
+        pause.release()
+    return result["publish"]
+
+
+async def test_a_replay_racing_the_completion_of_its_delivery_runs_nothing_again(
+    odb: Any, clock: ManualClock
+) -> None:
+    """The replay read e1 before its delivery completed (the handler not listed yet) and writes
+    its delivery after: written held, then dropped once the replay sees the handler listed."""
+    outbox, faults = await faulty_outbox(odb, clock)
+    await outbox.publish(paid("e1"), session=None)
+    [e1] = await outbox.claim("A")
+
+    async def complete() -> None:
+        assert await outbox.complete(e1)
+
+    replay = await during(
+        faults, "insert_many", "deliveries", lambda: outbox.publish(paid("e1"), session=None),
+        complete,
+    )  # fmt: skip
+    assert replay == PublishResult(0, 0)
+    assert await deliveries(odb) == []
+    assert await outbox.claim("A") == []
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["new", "replayed"])
+async def test_a_purge_between_a_publishs_writes_leaves_no_delivery_without_its_event(
+    odb: Any, clock: ManualClock, replay: bool
+) -> None:
+    """New: a purge between the event and its deliveries leaves the young event alone (stored
+    since less than `PUBLISH_GRACE`, whatever its ``created_at``). Replayed: a purge deletes the
+    old event before the replay reads it; the replay writes it again before its delivery can
+    run. Either way the delivery runs, with its event."""
+    outbox, faults = await faulty_outbox(odb, clock)
+    event = Event("e1", "order.paid", created_at=clock.now() - timedelta(days=1))
+    if replay:
+        await outbox.publish(event, session=None)
+        [first] = await outbox.claim("A")
+        assert await outbox.complete(first)
+        clock.advance(PUBLISH_GRACE)
+
+    async def purge() -> None:
+        await outbox.purge(dead_before=clock.now(), completed_before=clock.now())
+
+    command, collection = ("find", "events") if replay else ("insert_many", "deliveries")
+    await during(faults, command, collection, lambda: outbox.publish(event, session=None), purge)
+    assert "e1" in await events(odb)
+    assert ran(await outbox.claim("B")) == [("e1", 1)]
+
+
+# ------------------------------------------------------------- the view under concurrent claims
+
+
+class HoldReplies:
+    """A hook holding the replies of chosen commands (served already) until released."""
+
+    def __init__(self) -> None:
+        self.rules: list[tuple[Any, anyio.Event, anyio.Event]] = []
+
+    def hold(self, match: Any) -> tuple[anyio.Event, anyio.Event]:
+        reached, go = anyio.Event(), anyio.Event()
+        self.rules.append((match, reached, go))
+        return reached, go
+
+    async def before(self, op: Any) -> None:
+        return None
+
+    async def after(self, op: Any, error: BaseException | None) -> None:
+        for rule in self.rules:
+            match, reached, go = rule
+            if match(op):
+                self.rules.remove(rule)
+                reached.set()
+                await go.wait()
+                return
+
+
+def lane_read(whole: bool) -> Any:
+    def match(op: Any) -> bool:
+        read = op.collection == f"{PREFIX}lanes" and op.name == "find"
+        return bool(read and (op.filter == {}) == whole)
+
+    return match
+
+
+async def test_an_old_lane_read_landing_late_never_hides_an_own_write_from_the_view(
+    odb: Any, clock: ManualClock
+) -> None:
+    """Owners A, B and C on one instance. B's whole read of the lanes is served before A takes
+    k1's lane for x, and its reply lands after A's read-back and C's newer read. The view keeps
+    A's write: A's next claim does not hand x out again, and x's one claim completes."""
+    holds = HoldReplies()
+    subscriptions = {"t1": ["h1"], "t2": ["h2"]}
+    outbox = await new_outbox(instrument(odb, holds), clock, subscriptions=subscriptions,
+                              lease=0.5)  # fmt: skip
+    other = AsyncOutbox(odb, PREFIX, subscriptions=subscriptions, clock=clock, lease=0.5)
+    k1, k2 = keys_in_distinct_lanes(2)
+    await outbox.publish(Event("a2", "t2", key=k2), session=None)
+    [a2] = await outbox.claim("A", limit=1)  # A holds k2's lane
+    assert await outbox.complete(a2)
+    await outbox.publish([Event("x", "t1", key=k1), Event("y", "t2", key=k2)], session=None)
+    clock.advance(0.6)  # A's lease on k2's lane lapsed: another instance takes it
+    assert ran(await other.claim("Z", ["h2"], limit=1)) == [("y", 1)]
+
+    got: dict[str, list[Any]] = {}
+
+    async def claim(name: str, owner: str, **options: Any) -> None:
+        got[name] = await outbox.claim(owner, **options)
+
+    async with anyio.create_task_group() as group:
+        old_read, release_old = holds.hold(lane_read(whole=True))
+        group.start_soon(lambda: claim("B", "B", handlers=["h2"], limit=1))
+        await old_read.wait()
+        read_back, release_back = holds.hold(lane_read(whole=False))
+        group.start_soon(lambda: claim("A", "A", limit=1))  # takes k1's lane; k2's hand-back fails
+        await read_back.wait()
+        new_read, release_new = holds.hold(lane_read(whole=True))
+        group.start_soon(lambda: claim("C", "C", handlers=["h2"], limit=1))
+        await new_read.wait()
+        for release in (release_old, release_back, release_new):
+            release.set()
+            await settle()
+    assert ran(got["A"]) == [("x", 1)]
+    assert await outbox.claim("A", limit=1) == []
+    assert await outbox.complete(got["A"][0])
