@@ -188,9 +188,12 @@ class Claimer:
         self.view = LaneView()
         # owners whose last claim took all it asked for: their next one trusts a recent view
         self.filled: set[str] = set()
-        # keys this instance parked; a settle of one of them makes unparking due
+        # keys with parked deliveries, as far as this instance knows: a settle of one of them
+        # makes unparking due for its handler (`unpark_due`)
         self.parked_keys: set[tuple[str, str]] = set()
-        self.unpark_due = True
+        self.unpark_due: set[str] = set()
+        # the handler sets whose parked keys a claim of this instance looked at at least once
+        self.looked: set[tuple[str, ...] | None] = set()
 
     async def claim(self, owner: str, handlers: list[str] | None, limit: int) -> list[Delivery]:
         """Claim up to `limit` due deliveries for `owner` (checked already; see
@@ -220,7 +223,17 @@ class Claimer:
             if ended:
                 self.ended[delivery.owner].add((doc_id, claims))
             if (delivery.handler, delivery.event.key) in self.parked_keys:
-                self.unpark_due = True  # its followers may be first now
+                self.unpark_due.add(delivery.handler)  # its followers may be first now
+
+    def _unpark_wanted(self, handlers: list[str] | None) -> bool:
+        """Whether a claim of `handlers` should look at the parked keys although it did not
+        read the lanes: its first, or one after a settle of a key of theirs with parked
+        deliveries (or after a look that had more keys to look at)."""
+        if (None if handlers is None else tuple(sorted(handlers))) not in self.looked:
+            return True
+        if handlers is None:
+            return bool(self.unpark_due)
+        return not self.unpark_due.isdisjoint(handlers)
 
     def invalidate(self) -> None:
         """Read the lanes again before the next claim (a write whose outcome is not what the
@@ -266,8 +279,7 @@ class Claimer:
             paid = [replace(lane, lost=[], rev=None) for lane, _ in unpaid]
             held.update((lane.id, lane) for lane in paid)
             view.update(paid)
-        if read or self.unpark_due:
-            self.unpark_due = False
+        if read or self._unpark_wanted(handlers):
             await self._unpark(handlers)
         running = await self._reconcile(owner, held.values(), now, look=read)
 
@@ -637,6 +649,9 @@ class Claimer:
             if len(ids) >= PARK_THRESHOLD or not_due:
                 parked += ids
                 self.parked_keys.add(hk)
+                # A head that finished while its followers were being parked settled before
+                # its key was known here: the next claim looks.
+                self.unpark_due.add(hk[0])
         if not parked:
             return
         try:
@@ -668,9 +683,15 @@ class Claimer:
         )
         pairs = [(str(g["_id"]["h"]), str(g["_id"]["k"])) for g in groups]
         whole = cursor not in self.unpark_after and len(pairs) < UNPARK_KEYS_PER_CLAIM
+        self.looked.add(cursor)
+        if handlers is None:
+            self.unpark_due.clear()
+        else:
+            self.unpark_due.difference_update(handlers)
         if len(pairs) == UNPARK_KEYS_PER_CLAIM:
             self.unpark_after[cursor] = pairs[-1]
-            self.unpark_due = True  # more keys to look at: the next claim goes on
+            # more keys to look at: the next claim goes on
+            self.unpark_due.update(handlers if handlers is not None else {h for h, _ in pairs})
         else:
             self.unpark_after.pop(cursor, None)
         # The keys with parked deliveries, which a settle makes worth unparking: all of them

@@ -653,6 +653,7 @@ class AsyncOutbox:
         now = await self._now()
         async with self._claimer.locks[owner]:
             self._claimer.invalidate()
+            self._claimer.ended.pop(owner, None)  # what its lanes list is lost from here on
             docs = await _driver.find_list(self.lanes, schema.lanes_held(owner, self.instance))
             ops = []
             for lane in map(Lane.from_document, docs):

@@ -370,3 +370,27 @@ async def test_an_old_lane_read_landing_late_never_hides_an_own_write_from_the_v
     assert ran(got["A"]) == [("x", 1)]
     assert await outbox.claim("A", limit=1) == []
     assert await outbox.complete(got["A"][0])
+
+
+async def test_a_head_finishing_while_its_followers_are_parked_unblocks_them_next_claim(
+    odb: Any, clock: ManualClock
+) -> None:
+    """A claim parks the 40 waiting behind k's running head; the head completes after the claim
+    saw it run, before the claim parks its followers. The next claim looks at the parked keys
+    although it trusts its view, and hands out k's next."""
+    outbox, faults = await faulty_outbox(odb, clock)
+    [k] = keys_in_distinct_lanes(1)
+    await outbox.publish([paid(f"k{n}", k) for n in range(41)], session=None)
+    [head] = await outbox.claim("A", limit=1)
+    await outbox.publish(paid("u1"), session=None)
+
+    async def complete() -> None:
+        assert await outbox.complete(head)
+
+    async def claim() -> list[Any]:
+        return await outbox.claim("A", limit=1)
+
+    parking = during(faults, "bulk_write", "lanes", claim, complete)  # its lane write
+    assert ran(await parking) == [("u1", 1)]  # it filled: the next claim trusts the view
+    assert sum(d.get("lane") == "parked" for d in await deliveries(odb)) == 40
+    assert ran(await outbox.claim("A", limit=1)) == [("k1", 1)]
