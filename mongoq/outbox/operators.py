@@ -228,7 +228,7 @@ class Operators:
             (schema.event_uncompleted_before(min(cutoffs), young), "created_at")
         ]
         if completed_before is not None:
-            queries.append((schema.event_completed_before(completed_before), "completed_at"))
+            queries.append((schema.event_completed_before(completed_before, young), "completed_at"))
         total = 0
         for query, field in queries:
             after: tuple[Any, Any] | None = None

@@ -5,8 +5,9 @@ the index that serves it. No I/O.
 Collections (``<prefix>`` defaults to ``mongoq_outbox_``):
 
 - ``events``: ``{_id: event id, type, payload, headers, key?, correlation_id?, causation_id?,
-  sequence?, created_at, stored_at (the clock's, at publish), handlers: [the handlers whose
-  delivery completed or died, and those a transactional publish wrote], completed_at?}``;
+  sequence?, created_at, stored_at (the clock's, at its last publish), handlers: [the handlers
+  whose delivery completed or died, and those a transactional publish wrote], finished: [those
+  that completed or died], completed_at?}``;
 - ``deliveries``: one per unfinished (or dead) event and handler: ``{_id: ObjectId, event_id,
   event_type, handler, key?, sequence?, lane_id, lane: "ready"|"parked", status:
   "pending"|"dead", due_at, attempts, claims, last_error?, requeue_uncounted?, created_at,
@@ -113,9 +114,9 @@ EVENT_COMPLETED = IndexSpec("completed", (("completed_at", 1), ("_id", 1)))
 PUBLISH_GRACE = 600
 #: Seconds a replay holds the deliveries it adds before it releases them (only a replay that
 #: stopped midway leaves them held that long).
-REPLAY_HOLD = 600
+REPLAY_HOLD = 60
 #: What a publish reads of an event that exists already.
-EVENT_REPLAY_PROJECTION = {"handlers": 1, "key": 1, "type": 1, "sequence": 1}
+EVENT_REPLAY_PROJECTION = {"handlers": 1, "finished": 1, "key": 1, "type": 1, "sequence": 1}
 
 
 def event_document(event: Event, now: datetime, sequence: int | None) -> dict[str, Any]:
@@ -148,24 +149,48 @@ def events_by_ids(ids: Iterable[str]) -> dict[str, Any]:
     return {"_id": {"$in": list(ids)}}
 
 
+def _stored(document: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`document` without ``stored_at``, and the ``$max`` that writes it: every publish of an
+    event moves it on (a purge leaves an event a publish just touched alone)."""
+    rest = {k: v for k, v in document.items() if k != "stored_at"}
+    return rest, {"stored_at": document["stored_at"]} if "stored_at" in document else {}
+
+
 def event_inserting(document: Mapping[str, Any]) -> dict[str, Any]:
-    """A non-transactional publish writing an event that lists no handler yet (`event_by_id`)."""
-    return {"$setOnInsert": {**document, "handlers": []}}
+    """A non-transactional publish writing an event that lists no handler yet, or touching one
+    that exists (`event_by_id`, upsert)."""
+    rest, stored = _stored(document)
+    update: dict[str, Any] = {"$setOnInsert": {**rest, "handlers": []}}
+    if stored:
+        update["$max"] = stored
+    return update
 
 
-def event_listing(handlers: Sequence[str], document: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A publish listing `handlers` on an event, written whole (`document`) if it is missing
-    (`event_by_id`)."""
+def event_listing(
+    handlers: Sequence[str], document: Mapping[str, Any] | None, now: datetime | None = None
+) -> dict[str, Any]:
+    """A publish listing `handlers` on an event, written whole (`document`) if it is missing,
+    touched (``stored_at``) at `now` (`event_by_id`)."""
     update: dict[str, Any] = {"$addToSet": {"handlers": {"$each": list(handlers)}}}
     if document is not None:
-        update["$setOnInsert"] = document
+        rest, _ = _stored(document)
+        update["$setOnInsert"] = rest
+    if now is not None:
+        update["$max"] = {"stored_at": now}
     return update
+
+
+def event_finishing(handlers: Sequence[str]) -> dict[str, Any]:
+    """A burial listing its handler on its event, as finished (`event_by_id`)."""
+    each = {"$each": list(handlers)}
+    return {"$addToSet": {"handlers": each, "finished": each}}
 
 
 def event_completing(now: datetime, handlers: Sequence[str]) -> dict[str, Any]:
     """A completion recorded on its event (`event_by_id`): the last one counts for purge, and
-    its handlers are listed (a replay leaves them out)."""
-    return {"$max": {"completed_at": now}, "$addToSet": {"handlers": {"$each": list(handlers)}}}
+    its handlers are listed, as finished (a replay leaves them out)."""
+    each = {"$each": list(handlers)}
+    return {"$max": {"completed_at": now}, "$addToSet": {"handlers": each, "finished": each}}
 
 
 def event_uncompleted_before(cutoff: datetime, stored_before: datetime) -> dict[str, Any]:
@@ -179,9 +204,10 @@ def event_uncompleted_before(cutoff: datetime, stored_before: datetime) -> dict[
     }
 
 
-def event_completed_before(cutoff: datetime) -> dict[str, Any]:
-    """Events whose last completion is before `cutoff`: purge (``completed``)."""
-    return {"completed_at": {"$lt": cutoff}}
+def event_completed_before(cutoff: datetime, stored_before: datetime) -> dict[str, Any]:
+    """Events whose last completion is before `cutoff`, not published since `stored_before`
+    (a replay adding a delivery): purge (``completed``)."""
+    return {"completed_at": {"$lt": cutoff}, "stored_at": {"$not": {"$gte": stored_before}}}
 
 
 # ======================================================================= key_sequences

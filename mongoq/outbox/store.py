@@ -236,7 +236,8 @@ class AsyncOutbox:
             wanted = self._wanted(stored)
             if event.id in existing and not wanted:
                 continue
-            update = schema.event_listing(wanted, None if event.id in existing else stored)
+            # Touched (`stored_at`) too: a purge whose delete comes after this commit leaves it.
+            update = schema.event_listing(wanted, None if event.id in existing else stored, now)
             ops.append(
                 _driver.update_single(self.db, schema.event_by_id(event.id), update, upsert=True)
             )
@@ -336,9 +337,10 @@ class AsyncOutbox:
         ]  # fmt: skip
         if restored:
             await self.events.bulk_write(restored, ordered=False)
+        # Finished, not merely listed: a transactional publish lists the handlers it creates.
         finished = [
             d["_id"] for d in held
-            if d["handler"] in current.get(d["event_id"], {}).get("handlers", ())
+            if d["handler"] in current.get(d["event_id"], {}).get("finished", ())
         ]  # fmt: skip
         release = [d["_id"] for d in held if d["_id"] not in set(finished)]
         dropped = 0
@@ -582,7 +584,7 @@ class AsyncOutbox:
                 # replay after the dead letter was purged does not create it again.
                 await self.events.update_one(
                     schema.event_by_id(delivery.event.id),
-                    schema.event_listing([delivery.handler], None),
+                    schema.event_finishing([delivery.handler]),
                 )
             result = await self.deliveries.update_one(fence, dict(update(now)))
         except BaseException:

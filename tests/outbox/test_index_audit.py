@@ -111,8 +111,8 @@ WITNESSES: set[Shape] = {
     (HISTORY, "find", ()),  # list_deliveries(status='completed')
     (HISTORY, "find", ("completed_at",)),  # purge of completion records
     (EVENTS, "find", ("completed_at", "created_at", "stored_at")),  # purge of never-completed
-    (EVENTS, "find", ("$or", "completed_at")),  # ... of completed ones, their next page
-    (EVENTS, "delete_many", ("_id", "completed_at")),
+    (EVENTS, "find", ("$or", "completed_at", "stored_at")),  # ... of completed ones, next page
+    (EVENTS, "delete_many", ("_id", "completed_at", "stored_at")),
     (LANES, "find", ("_id",)),  # a claim reading back which lane writes took effect
 }
 MEMORY_WITNESSES: set[Shape] = {

@@ -343,6 +343,7 @@ async def test_purge_keeps_a_completed_event_as_dedup_record_until_its_last_comp
         assert await deliveries(odb) == []
     assert await outbox.purge(dead_before=clock.now()) == PurgeResult()  # not a dead_before job
 
+    clock.advance(PUBLISH_GRACE + 1)  # the replays touched it: a purge leaves it that long
     assert await outbox.purge(completed_before=last + timedelta(milliseconds=1)) == PurgeResult(
         events=1
     )
@@ -365,12 +366,14 @@ async def test_purge_with_completion_history_removes_records_before_their_events
     assert await outbox.complete(claimed["e2/stats"])
     assert len(await history(odb)) == 3
 
+    clock.advance(PUBLISH_GRACE + 1)  # a purge leaves events published since less than that alone
     assert await outbox.purge(completed_before=cutoff) == PurgeResult(completed_records=2, events=1)
     assert [(r["event_id"], r["handler"]) for r in await history(odb)] == [("e2", "stats")]
     assert sorted(await events(odb)) == ["e2"]
     assert (await outbox.statistics()).completed == 1
     assert await outbox.publish(order(2, kind="order.paid"), session=None) == PublishResult(0, 0)
 
+    clock.advance(PUBLISH_GRACE + 1)  # the replay touched e2
     assert await outbox.purge(completed_before=clock.now() + timedelta(seconds=1)) == PurgeResult(
         completed_records=1, events=1
     )

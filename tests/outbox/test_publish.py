@@ -72,6 +72,11 @@ async def publish(db: Any, outbox: AsyncOutbox, batch: Any, way: str) -> Publish
     return result
 
 
+def unstored(stored: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Events without ``stored_at`` (which every publish of them moves on)."""
+    return {i: {k: v for k, v in e.items() if k != "stored_at"} for i, e in stored.items()}
+
+
 async def handlers_by_event(db: Any) -> dict[str, list[str]]:
     """The handlers of the stored deliveries, per event id, sorted; fails on a duplicate."""
     found: dict[str, list[str]] = {}
@@ -465,7 +470,8 @@ async def test_replays_in_the_same_and_later_calls_add_nothing(
     # Another body under a known id changes nothing either: the first publish wins.
     changed = [Event("e1", "order.paid", {"other": True}, key="z"), Event("e2", "order.paid")]
     assert await publish(odb, outbox, changed, way) == PublishResult(0, 0)
-    assert (await events(odb), await deliveries(odb)) == before
+    # (a replay without a transaction touches its event: `stored_at`, which purge reads)
+    assert (unstored(await events(odb)), await deliveries(odb)) == (unstored(before[0]), before[1])
     if way == "transaction":  # without one, a replay may leave a gap in its key's sequence
         assert await sequence_counters(odb) == counters
 

@@ -20,10 +20,11 @@ import anyio
 import pytest
 from pymongo.errors import PyMongoError
 
+from mongoq import _driver
 from mongoq.outbox import AsyncOutbox, Event, PublishResult
 from mongoq.outbox.claim import VIEW_TTL
 from mongoq.outbox.schema import PUBLISH_GRACE
-from mongoq.testing import CommandCounter, ManualClock, instrument, settle
+from mongoq.testing import CommandCounter, FaultInjector, ManualClock, instrument, settle
 from tests.support.outbox_helpers import (
     PREFIX,
     another,
@@ -233,9 +234,18 @@ async def test_a_purged_dead_letter_is_not_brought_back_by_a_replay(
 # ------------------------------------------------------- a replay or a purge racing the publish
 
 
-async def during(faults: Any, command: str, collection: str, publish: Any, meanwhile: Any) -> Any:
-    """Run `publish` until it reaches `command` on `collection`, run `meanwhile`, go on."""
-    pause = faults.pause_before(command, collection=f"{PREFIX}{collection}")
+async def during(
+    faults: Any, command: str, collection: str, publish: Any, meanwhile: Any, nth: int = 0
+) -> Any:
+    """Run `publish` until it reaches its `nth` `command` on `collection`, run `meanwhile`, go
+    on."""
+    seen = {"calls": -1}
+
+    def match(op: Any) -> bool:
+        seen["calls"] += 1
+        return seen["calls"] == nth
+
+    pause = faults.pause_before(command, collection=f"{PREFIX}{collection}", match=match)
     result: dict[str, Any] = {}
 
     async def run() -> None:
@@ -275,9 +285,9 @@ async def test_a_purge_between_a_publishs_writes_leaves_no_delivery_without_its_
     odb: Any, clock: ManualClock, replay: bool
 ) -> None:
     """New: a purge between the event and its deliveries leaves the young event alone (stored
-    since less than `PUBLISH_GRACE`, whatever its ``created_at``). Replayed: a purge deletes the
-    old event before the replay reads it; the replay writes it again before its delivery can
-    run. Either way the delivery runs, with its event."""
+    since less than `PUBLISH_GRACE`, whatever its ``created_at``): its delivery runs. Replayed:
+    the replay touched the completed event before the purge ran, so the purge leaves it, as the
+    deduplication record it is: nothing runs again."""
     outbox, faults = await faulty_outbox(odb, clock)
     event = Event("e1", "order.paid", created_at=clock.now() - timedelta(days=1))
     if replay:
@@ -292,7 +302,7 @@ async def test_a_purge_between_a_publishs_writes_leaves_no_delivery_without_its_
     command, collection = ("find", "events") if replay else ("insert_many", "deliveries")
     await during(faults, command, collection, lambda: outbox.publish(event, session=None), purge)
     assert "e1" in await events(odb)
-    assert ran(await outbox.claim("B")) == [("e1", 1)]
+    assert ran(await outbox.claim("B")) == ([] if replay else [("e1", 1)])
 
 
 # ------------------------------------------------------------- the view under concurrent claims
@@ -394,3 +404,57 @@ async def test_a_head_finishing_while_its_followers_are_parked_unblocks_them_nex
     assert ran(await parking) == [("u1", 1)]  # it filled: the next claim trusts the view
     assert sum(d.get("lane") == "parked" for d in await deliveries(odb)) == 40
     assert ran(await outbox.claim("A", limit=1)) == [("k1", 1)]
+
+
+async def test_a_transactional_publish_inside_a_replays_hold_loses_no_delivery(
+    txdb: Any, clock: ManualClock
+) -> None:
+    """A plain replay adds h2's delivery held; before it reads its event again, a publish in a
+    transaction lists h2 (as it lists what it creates; its own upsert found the held delivery).
+    Listed is not finished: the replay releases the delivery, and h2 runs."""
+    faults = FaultInjector()
+    db = instrument(txdb, faults)
+    await AsyncOutbox(db, PREFIX, subscriptions={"t": ["a"]}, clock=clock).setup()
+    first = AsyncOutbox(db, PREFIX, subscriptions={"t": ["a"]}, clock=clock)
+    await first.publish(Event("e1", "t"), session=None)
+    grown = {"t": ["a", "h2"]}
+    plain = AsyncOutbox(db, PREFIX, subscriptions=grown, clock=clock)
+    transactional = AsyncOutbox(txdb, PREFIX, subscriptions=grown, clock=clock)
+
+    async def publish_in_transaction() -> None:
+        async def work(session: Any) -> Any:
+            return await transactional.publish(Event("e1", "t"), session=session)
+
+        assert await _driver.run_in_transaction(txdb, work) == PublishResult(0, 0)
+
+    replay = await during(
+        faults, "find", "events", lambda: plain.publish(Event("e1", "t"), session=None),
+        publish_in_transaction, nth=1,  # the replay's second look at its event
+    )  # fmt: skip
+    assert replay == PublishResult(0, 1)
+    assert (await events(txdb))["e1"]["handlers"] == ["a", "h2"]
+    assert [d.handler for d in await plain.claim("W", ["h2"])] == ["h2"]
+
+
+async def test_a_purge_whose_delete_follows_a_replays_release_keeps_the_event(
+    odb: Any, clock: ManualClock
+) -> None:
+    """A first publish stopped between its event and its deliveries; an hour later a purge
+    finds e1 unreferenced, and a replay repairs it before the purge's delete lands. The replay
+    touched the event (`stored_at`): the delete, which repeats the purge's query, leaves it."""
+    outbox, faults = await faulty_outbox(odb, clock)
+    faults.fail_before("insert_many", collection=f"{PREFIX}deliveries")
+    with pytest.raises(PyMongoError):
+        await outbox.publish(paid("e1"), session=None)
+    clock.advance(3600)
+
+    async def replay() -> None:
+        assert await outbox.publish(paid("e1"), session=None) == PublishResult(0, 1)
+
+    purged = await during(
+        faults, "delete_many", "events",
+        lambda: outbox.purge(dead_before=clock.now(), completed_before=clock.now()), replay,
+    )  # fmt: skip
+    assert purged.events == 0
+    assert "e1" in await events(odb)
+    assert ran(await outbox.claim("W")) == [("e1", 1)]
