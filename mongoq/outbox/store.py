@@ -1,9 +1,9 @@
 """`AsyncOutbox`: the transactional outbox's store (seed 002).
 
-It publishes (events and their deliveries, in the caller's transaction or without one), settles
-claims (complete, reschedule, release, bury, each fenced on the claim's generation), renews and
-hands back lanes, and is the entry point of the claim (`mongoq.outbox.claim`) and of the
-operator calls (`mongoq.outbox.operators`). It owns the collections ``events``, ``deliveries``,
+It checks what is published (the writes: `mongoq.outbox.publish`), settles claims (complete,
+reschedule, release, bury, each fenced on the claim's generation), renews and hands back lanes,
+and is the entry point of the claim (`mongoq.outbox.claim`) and of the operator calls
+(`mongoq.outbox.operators`). It owns the collections ``events``, ``deliveries``,
 ``key_sequences``, ``lanes`` and ``completed_deliveries``: their layout, their indexes and
 every filter and update sent to them are in `mongoq.outbox.schema`.
 """
@@ -17,9 +17,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from logging import Logger
 from typing import Any
-
-from pymongo import ReturnDocument, UpdateMany, UpdateOne
-from pymongo.errors import BulkWriteError
 
 from mongoq import _driver
 from mongoq._indexes import create_schema_indexes
@@ -38,9 +35,9 @@ from mongoq.outbox.models import (
     PublishResult,
     PurgeResult,
     check_handler,
-    lane_of,
 )
 from mongoq.outbox.operators import Operators
+from mongoq.outbox.publish import Publisher
 from mongoq.runtime.events import report_start_delay
 from mongoq.runtime.loop import error_text
 from mongoq.runtime.report import Attempt, log_attempt_end
@@ -49,13 +46,7 @@ __all__ = ["AsyncOutbox"]
 
 log = logging.getLogger("mongoq.outbox")
 
-_DUPLICATE_KEY = 11000
 _SUBSCRIBE_ALL = "*"
-
-
-def _only_duplicates(error: BulkWriteError) -> bool:
-    errors = error.details.get("writeErrors", [])
-    return bool(errors) and all(e.get("code") == _DUPLICATE_KEY for e in errors)
 
 
 class AsyncOutbox:
@@ -113,6 +104,7 @@ class AsyncOutbox:
         self.instance = uuid.uuid4().hex
         self._claimer = Claimer(self)
         self._operators = Operators(self)
+        self._publisher = Publisher(self)
 
     # ------------------------------------------------------------------------------ set-up
 
@@ -173,185 +165,8 @@ class AsyncOutbox:
             return PublishResult(0, 0)
         now = await self._now()
         if transactional:
-            return await self._publish_in_transaction(list(checked.values()), session, now)
-        return await self._publish_plain(list(checked.values()), now)
-
-    async def _sequences(self, events: Sequence[Event], session: Any) -> dict[str, int]:
-        """The next sequence of each keyed event's key, in the order of `events`."""
-        per_key: dict[str, list[str]] = defaultdict(list)
-        for event in events:
-            if event.key is not None:
-                per_key[event.key].append(event.id)
-        sequences: dict[str, int] = {}
-        for key, ids in per_key.items():
-            counter = await self.sequences.find_one_and_update(
-                schema.sequence_of(key),
-                schema.sequence_taking(len(ids)),
-                upsert=True,
-                return_document=ReturnDocument.AFTER,
-                session=session,
-            )
-            first = int(counter["value"]) - len(ids) + 1
-            for offset, event_id in enumerate(ids):
-                sequences[event_id] = first + offset
-        return sequences
-
-    def _delivery_documents(
-        self, event_id: str, stored: Mapping[str, Any], handlers: Iterable[str], now: datetime
-    ) -> list[dict[str, Any]]:
-        key = stored.get("key")
-        lane_id = lane_of(key if key is not None else event_id)
-        sequence = stored.get("sequence") if key is not None else None
-        return [
-            schema.delivery_document(event_id, stored["type"], handler, lane_id, key, sequence, now)
-            for handler in handlers
-        ]
-
-    def _wanted(self, stored: Mapping[str, Any]) -> list[str]:
-        """The subscribed handlers the stored event does not list yet."""
-        listed = stored.get("handlers", ())
-        return [h for h in self.handlers_for(stored["type"]) if h not in listed]
-
-    async def _existing(self, ids: list[str], session: Any) -> dict[str, dict[str, Any]]:
-        docs = await self.events.find(
-            schema.events_by_ids(ids), schema.EVENT_REPLAY_PROJECTION, session=session
-        ).to_list(None)
-        return {doc["_id"]: doc for doc in docs}
-
-    async def _publish_in_transaction(
-        self, events: list[Event], session: Any, now: datetime
-    ) -> PublishResult:
-        # Read what exists, then write with upserts: a plain insert racing another transaction
-        # would fail with a duplicate key, which aborts the transaction without a retry label;
-        # an upsert race is a write conflict, which the caller's `with_transaction` retries.
-        existing = await self._existing([e.id for e in events], session)
-        new = [e for e in events if e.id not in existing]
-        sequences = await self._sequences(new, session)
-        ops: list[UpdateOne | UpdateMany] = []
-        deliveries: list[UpdateOne | UpdateMany] = []
-        for event in events:
-            stored = existing.get(event.id) or schema.event_document(
-                event, now, sequences.get(event.id)
-            )
-            wanted = self._wanted(stored)
-            if event.id in existing and not wanted:
-                continue
-            # Touched (`stored_at`) too: a purge whose delete comes after this commit leaves it.
-            update = schema.event_listing(wanted, None if event.id in existing else stored, now)
-            ops.append(
-                _driver.update_single(self.db, schema.event_by_id(event.id), update, upsert=True)
-            )
-            deliveries += [
-                _driver.update_single(
-                    self.db,
-                    schema.delivery_of(event.id, doc["handler"]),
-                    schema.delivery_inserting(doc),
-                    upsert=True,
-                )
-                for doc in self._delivery_documents(event.id, stored, wanted, now)
-            ]
-        added = 0
-        if ops:
-            await self.events.bulk_write(ops, ordered=True, session=session)
-        if deliveries:
-            # Upserts too: a delivery left by a non-transactional publish that crashed before
-            # listing its handler is kept, not a duplicate key that aborts the transaction.
-            result = await self.deliveries.bulk_write(deliveries, ordered=True, session=session)
-            added = len(result.upserted_ids)
-        return PublishResult(len(new), added)
-
-    async def _publish_plain(self, events: list[Event], now: datetime) -> PublishResult:
-        # Without a transaction the order of the writes carries the guarantees, in two commands
-        # for new events: the event exists before its deliveries (a claim never finds a
-        # delivery without its event, and a purge leaves a young event alone), and a handler is
-        # listed on the event only once its delivery finished (`_mark_completed`, `bury`),
-        # never while it has none. A replay creates the deliveries of the handlers not listed:
-        # the unique index turns the ones still there into no-ops, and a crash before they were
-        # written is repaired by publishing again (at least once, never lost). Sequences are
-        # taken for every keyed event before knowing which are new: a replay leaves a gap in
-        # its key's sequence, which blocks nothing.
-        sequences = await self._sequences(events, None)
-        documents = {e.id: schema.event_document(e, now, sequences.get(e.id)) for e in events}
-        upserts: list[UpdateOne | UpdateMany] = [
-            _driver.update_single(
-                self.db,
-                schema.event_by_id(e.id),
-                schema.event_inserting(documents[e.id]),
-                upsert=True,
-            )
-            for e in events
-        ]
-        result = await self.events.bulk_write(upserts, ordered=True)
-        # By the upserted _id (the event id), not its position: mongomock numbers the upserts
-        # of a bulk write among themselves, a server by request.
-        new_ids = set(result.upserted_ids.values())
-        replayed = [e.id for e in events if e.id not in new_ids]
-        existing = await self._existing(replayed, None) if replayed else {}
-        hold_until = now + timedelta(seconds=schema.REPLAY_HOLD)
-        deliveries: list[dict[str, Any]] = []
-        for event in events:
-            stored = existing.get(event.id) or documents[event.id]
-            docs = self._delivery_documents(event.id, stored, self._wanted(stored), now)
-            if event.id not in new_ids:  # held: see `_release_replayed`
-                docs = [schema.delivery_held(doc, hold_until) for doc in docs]
-            deliveries += docs
-        inserted = list(deliveries)
-        if deliveries:
-            try:
-                await self.deliveries.insert_many(deliveries, ordered=False)
-            except BulkWriteError as exc:
-                if not _only_duplicates(exc):
-                    raise
-                refused = {e["index"] for e in exc.details.get("writeErrors", [])}
-                inserted = [d for i, d in enumerate(deliveries) if i not in refused]
-        held = [d for d in inserted if d["event_id"] not in new_ids]
-        dropped = 0
-        if held:
-            sequences_of = {e.id: (existing.get(e.id) or documents[e.id]).get("sequence")
-                            for e in events}  # fmt: skip
-            dropped = await self._release_replayed(events, sequences_of, held, hold_until, now)
-        return PublishResult(len(new_ids), len(inserted) - dropped)
-
-    async def _release_replayed(
-        self,
-        events: list[Event],
-        sequences: Mapping[str, int | None],
-        held: list[dict[str, Any]],
-        hold_until: datetime,
-        now: datetime,
-    ) -> int:
-        """A replay's new deliveries were written held (not due): read their events again. A
-        handler listed since (its delivery completed while the replay ran, after the replay
-        read the event) gets no second delivery: deleted. The others are released, due now;
-        an event a purge deleted meanwhile is written again first (with its sequence). Returns
-        how many were deleted."""
-        ids = list({d["event_id"] for d in held})
-        current = await self._existing(ids, None)
-        restored = [
-            _driver.update_single(
-                self.db, schema.event_by_id(e.id),
-                schema.event_inserting(schema.event_document(e, now, sequences.get(e.id))),
-                upsert=True,
-            )
-            for e in events if e.id in ids and e.id not in current
-        ]  # fmt: skip
-        if restored:
-            await self.events.bulk_write(restored, ordered=False)
-        # Finished, not merely listed: a transactional publish lists the handlers it creates.
-        finished = [
-            d["_id"] for d in held
-            if d["handler"] in current.get(d["event_id"], {}).get("finished", ())
-        ]  # fmt: skip
-        release = [d["_id"] for d in held if d["_id"] not in set(finished)]
-        dropped = 0
-        if finished:
-            result = await self.deliveries.delete_many(schema.deliveries_held(finished, hold_until))
-            dropped = int(result.deleted_count)
-        if release:
-            await self.deliveries.update_many(
-                schema.deliveries_held(release, hold_until), schema.delivery_releasing_held(now)
-            )
-        return dropped
+            return await self._publisher.in_transaction(list(checked.values()), session, now)
+        return await self._publisher.plain(list(checked.values()), now)
 
     # ------------------------------------------------------------------------------- claim
 
