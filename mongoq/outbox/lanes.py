@@ -118,9 +118,6 @@ class Lane:
         honoured (its next write renews it)."""
         return self.owner == owner and self.instance == instance
 
-    def is_free(self, now: datetime) -> bool:
-        return self.owner is None or self.lease_until <= now
-
     def fence(self, owner: str, instance: str) -> dict[str, Any]:
         """The filter of a write by this lane's holder: it still holds the lane it read."""
         return schema.lane_held(self.id, self.epoch, owner, instance)
@@ -185,9 +182,9 @@ class LaneView:
         free: dict[int, Lane] = {}
         stale: list[Lane] = []
         for lane_id, lane in self.lanes.items():  # one pass: this runs on every claim
-            if lane.owner == owner and lane.instance == instance:
+            if lane.held_by(owner, instance):
                 held[lane_id] = lane
-            elif lane.owner is None or lane.lease_until <= now:
+            elif lane.owner is None or lane.lease_until <= now:  # free
                 if lane.in_flight or lane.lost:
                     stale.append(lane)
                 else:
