@@ -570,6 +570,8 @@ class Claimer:
         them as own writes, the others as read (and is read whole before the next claim:
         another instance wrote somewhere)."""
         self.invalidate()
+        if not expected:  # only hand-backs failed: nothing of this claim to prove
+            return set()
         since = self.view.mark()
         docs = await _driver.find_list(self.lanes, schema.lanes_by_ids(expected))
         read = [Lane.from_document(doc) for doc in docs]
