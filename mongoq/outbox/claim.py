@@ -13,8 +13,8 @@ ones, handing back idle ones), and parks the blocked backlogs it saw. It writes 
 A claim that takes all it asked for costs, unkeyed, the scan, the events read and the lane
 write; the lane view is read again when the owner's last claim came up short (a free lane
 another instance handed back is then seen at once), after a lane write of this instance failed,
-and at least every `VIEW_TTL` seconds; unparking runs on the claims that read it and after a
-settle of a key this instance parked.
+and at least every `VIEW_TTL` seconds; unparking runs on the claims that read it, on the first
+claim of a handler set, and after a parking or a settle of a key with parked deliveries.
 
 Per-key order: a keyed delivery is claimed only when it is the lowest pending sequence of its
 handler and key and no delivery of them runs. All deliveries of a key share a lane and only the
@@ -83,6 +83,11 @@ def parse_token(delivery: Any, field: str = "delivery") -> tuple[bson.ObjectId, 
     if not 0 <= lane < 256 or epoch < 0 or claims < 0:
         raise InvalidInput(f"{field}.lease_token", "is not a token this outbox issued")
     return doc_id, lane, epoch, claims
+
+
+def _handler_set(handlers: list[str] | None) -> tuple[str, ...] | None:
+    """The handlers of a claim as unparking keys its state by (None: every handler)."""
+    return None if handlers is None else tuple(sorted(handlers))
 
 
 class _Picking:
@@ -229,7 +234,7 @@ class Claimer:
         """Whether a claim of `handlers` should look at the parked keys although it did not
         read the lanes: its first, or one after a settle of a key of theirs with parked
         deliveries (or after a look that had more keys to look at)."""
-        if (None if handlers is None else tuple(sorted(handlers))) not in self.looked:
+        if _handler_set(handlers) not in self.looked:
             return True
         if handlers is None:
             return bool(self.unpark_due)
@@ -671,7 +676,7 @@ class Claimer:
         current state only, so a crash while parking, or a head finishing while its followers
         were being parked, delays a key until a later claim but never strands it. It runs when
         the claim read the lane view, or when a settle made it due (`forget`)."""
-        cursor = None if handlers is None else tuple(sorted(handlers))
+        cursor = _handler_set(handlers)
         # Each look goes on after the last key the previous one (for the same handlers) looked
         # at, wrapping around, so every parked key is looked at however many there are. The
         # aggregation walks the parked index in its order (a group on two fields is no distinct

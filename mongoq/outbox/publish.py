@@ -156,9 +156,10 @@ class Publisher:
         replayed = [e.id for e in events if e.id not in new_ids]
         existing = await self._existing(replayed, None) if replayed else {}
         hold_until = now + timedelta(seconds=schema.REPLAY_HOLD)
+        stored_of = {e.id: existing.get(e.id) or documents[e.id] for e in events}
         deliveries: list[dict[str, Any]] = []
         for event in events:
-            stored = existing.get(event.id) or documents[event.id]
+            stored = stored_of[event.id]
             docs = self._delivery_documents(event.id, stored, self._wanted(stored), now)
             if event.id not in new_ids:  # held: see `_release_replayed`
                 docs = [schema.delivery_held(doc, hold_until) for doc in docs]
@@ -175,8 +176,7 @@ class Publisher:
         held = [d for d in inserted if d["event_id"] not in new_ids]
         dropped = 0
         if held:
-            sequences_of = {e.id: (existing.get(e.id) or documents[e.id]).get("sequence")
-                            for e in events}  # fmt: skip
+            sequences_of = {i: stored.get("sequence") for i, stored in stored_of.items()}
             dropped = await self._release_replayed(events, sequences_of, held, hold_until, now)
         return PublishResult(len(new_ids), len(inserted) - dropped)
 

@@ -193,6 +193,11 @@ def event_completing(now: datetime, handlers: Sequence[str]) -> dict[str, Any]:
     return {"$max": {"completed_at": now}, "$addToSet": {"handlers": each, "finished": each}}
 
 
+def _published_before(instant: datetime) -> dict[str, Any]:
+    """Events last published before `instant` (or before ``stored_at`` existed)."""
+    return {"stored_at": {"$not": {"$gte": instant}}}
+
+
 def event_uncompleted_before(cutoff: datetime, stored_before: datetime) -> dict[str, Any]:
     """Events that never completed, created before `cutoff` and stored before `stored_before`
     (a publish without a transaction writes its deliveries after its event: a purge leaves a
@@ -200,14 +205,14 @@ def event_uncompleted_before(cutoff: datetime, stored_before: datetime) -> dict[
     return {
         "completed_at": {"$exists": False},
         "created_at": {"$lt": cutoff},
-        "stored_at": {"$not": {"$gte": stored_before}},
+        **_published_before(stored_before),
     }
 
 
 def event_completed_before(cutoff: datetime, stored_before: datetime) -> dict[str, Any]:
     """Events whose last completion is before `cutoff`, not published since `stored_before`
     (a replay adding a delivery): purge (``completed``)."""
-    return {"completed_at": {"$lt": cutoff}, "stored_at": {"$not": {"$gte": stored_before}}}
+    return {"completed_at": {"$lt": cutoff}, **_published_before(stored_before)}
 
 
 # ======================================================================= key_sequences
