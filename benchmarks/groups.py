@@ -2,7 +2,8 @@
 number of groups.
 
 Targets (issue #3): at most 5 commands per message unbatched, at most 3.2 with
-``publish_many`` batches of 100; commands per claim constant from 10 to 100,000 groups. As for
+``publish_many`` batches of 100; commands per claim constant from 10 to 100,000 groups. Issue
+#14: at most 6 unbatched, 0.08 batched with 100 groups due. As for
 the task queue, times on the embedded backend measure mongomock's full scans.
 """
 
@@ -76,7 +77,10 @@ async def lifecycle_batched(uri: str | None, count: int, groups: int) -> Result:
             acked += sum(await transport.ack_many(leases))
             clock.advance(0.001)
         assert acked == count
-        return bench.stop(f"groups: publish/claim/ack_many(100) ({count // groups}/group)", count)
+        return bench.stop(
+            f"groups: publish/claim/ack_many(100) ({count // groups}/group, {groups} groups)",
+            count,
+        )
 
 
 async def claim_cost(uri: str | None, groups: int, claims: int = 20) -> Result:
@@ -106,6 +110,8 @@ def scenarios(
             lambda uri: lifecycle_publish_many(uri, count, count // 10),
         ),
         ("group lifecycle batched", lambda uri: lifecycle_batched(uri, count, count // 10)),
+        # Issue #14's measure: 100 groups due at every claim_many(100).
+        ("group lifecycle batched 100", lambda uri: lifecycle_batched(uri, 1000, 100)),
     ]
     for groups in groups_list:
         runs.append(

@@ -37,6 +37,11 @@ server's error class and code, in development rather than in production:
    only allowed on a replica set member or mongos". Passing a session to a command (``session=``)
    is not supported: mongomock refuses it on writes (NotImplementedError) and ignores it on some
    reads.
+4. A ``$lookup`` with ``localField`` / ``foreignField`` *and* a ``pipeline`` (MongoDB 5.0's
+   concise correlated form) runs: the equality, then the pipeline on the foreign collection, as
+   a server does. mongomock refuses every ``pipeline`` (NotImplementedError); this adds that one
+   form to mongomock's stage table, for the process (it only answers what mongomock refused).
+   ``let`` stays refused.
 
 Cost: one ``bson.encode`` per document an update changes (mongomock deep-copies it already) and
 one per inserted document; hints are dictionary look-ups. No collection scan is added.
@@ -44,10 +49,12 @@ one per inserted document; hints are dictionary look-ups. No collection scan is 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Generator, Mapping
 from typing import Any, NoReturn
 
 import bson
+import mongomock.aggregate as _mock_aggregate
 from mongomock.collection import Collection as _MockCollection
 from mongomock.collection import Cursor as _MockCursor
 from mongomock_motor import AsyncMongoMockClient
@@ -91,6 +98,53 @@ for _name in ("_insert", "_update", "_delete", "_ensure_uniques", "_store", "bul
         raise ImportError(f"mongoq's embedded backend needs mongomock 4.x (no Collection.{_name})")
 if not hasattr(_MockCursor, "_compute_results"):
     raise ImportError("mongoq's embedded backend needs mongomock 4.x (no Cursor._compute_results)")
+_mock_lookup = getattr(_mock_aggregate, "_PIPELINE_HANDLERS", {}).get("$lookup")
+if _mock_lookup is None:
+    raise ImportError("mongoq's embedded backend needs mongomock 4.x (no $lookup stage handler)")
+
+
+def _correlated_lookup(in_collection: list[Any], database: Any, options: Any) -> list[Any]:
+    """Rule 4: ``$lookup`` {from, localField, foreignField, pipeline, as}, else mongomock's."""
+    if not isinstance(options, Mapping) or "pipeline" not in options or "let" in options:
+        return list(_mock_lookup(in_collection, database, options))
+    if not all(
+        isinstance(options.get(k), str) for k in ("from", "localField", "foreignField", "as")
+    ):
+        raise OperationFailure("$lookup with a pipeline needs from, localField, foreignField, as")
+    foreign = database.get_collection(options["from"])
+    field, pipeline = options["foreignField"], list(options["pipeline"])
+    # The foreign documents read once and bucketed by the field (mongomock's own $match would
+    # scan the collection once per input document).
+    buckets: dict[Any, list[Any]] | None = None
+    for doc in in_collection:
+        value: Any = doc
+        for part in options["localField"].split("."):
+            value = value.get(part) if isinstance(value, Mapping) else None
+        if isinstance(value, (list, dict)) or "." in field:  # mongomock's matcher decides
+            equal = {"$in": value} if isinstance(value, list) else value
+            doc[options["as"]] = list(foreign.aggregate([{"$match": {field: equal}}, *pipeline]))
+            continue
+        if buckets is None:
+            buckets = _bucketed(foreign.find(), field)
+        matches = copy.deepcopy(buckets.get(value, []))
+        doc[options["as"]] = list(
+            _mock_aggregate.process_pipeline(matches, database, pipeline, None)
+        )
+    return in_collection
+
+
+def _bucketed(docs: Any, field: str) -> dict[Any, list[Any]]:
+    """`docs` by their `field`'s value (each element of an array; None when missing)."""
+    buckets: dict[Any, list[Any]] = {}
+    for doc in docs:
+        value = doc.get(field)
+        for key in value if isinstance(value, list) else [value]:
+            if not isinstance(key, (list, dict)):
+                buckets.setdefault(key, []).append(doc)
+    return buckets
+
+
+_mock_aggregate._PIPELINE_HANDLERS["$lookup"] = _correlated_lookup
 
 
 def embedded_database(name: str) -> Any:

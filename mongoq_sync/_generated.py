@@ -481,15 +481,15 @@ class GroupTransport(Facade):
     ) -> list[GroupLease]:
         """Lease up to `n` distinct due groups with their heads, in a fixed number of commands.
 
-        Reads the `n` groups that waited longest, leases those still due with one conditional
-        ``update_many`` under a fresh token, reads back what it leased, reads their heads in one
-        aggregation, and stamps them with one conditional ``update_many`` (the same stamp fence
-        as `claim`): five commands for any `n`. When other claimers leased every candidate
-        first, it reads the next ones (two more commands a round): it returns nothing only
-        when no group is due. Groups leased by someone else in between are
-        not returned; a group whose head cannot be stamped, is empty, or must go to the dead
-        letters is settled the way `claim` would and released or dropped (a few more commands,
-        for those groups only).
+        Reads the `n` groups that waited longest with their heads (one aggregation, a
+        ``$lookup`` of each head), leases those still due with one conditional ``update_many``
+        under a fresh token, and stamps their heads with one conditional ``update_many`` (the
+        same stamp fence as `claim`): three commands for any `n`. When another claimer leased
+        some candidates in between, it reads back which it leased (one more); when one leased
+        every candidate first, it reads the next ones and their heads (three more a round): it
+        returns nothing only when no group is due. A group whose head cannot be stamped, is
+        empty, or must go to the dead letters is settled the way `claim` would and released or
+        dropped (a few more commands, for those groups only).
         """
         return cast(
             "list[GroupLease]", self._call("claim_many", n, worker_id, min_priority=min_priority)
@@ -560,9 +560,10 @@ class GroupTransport(Facade):
         """`ack` for many leases in a fixed number of commands; returns, per lease, whether its
         ack took effect (False, and nothing changed, for a lease no longer held).
 
-        Reads which heads still carry their lease's token, deletes those, checks which of the
-        groups whose last message they were have nothing left, drops those (fenced like `ack`)
-        and releases the others: five commands for any number of leases.
+        Deletes the heads still stamped with their lease's token and releases the groups: two
+        commands for any number of leases. Groups whose last message was acked are checked for
+        anything left and dropped (fenced like `ack`): two more. When fewer heads were deleted
+        than asked, one or two reads tell which leases were lost.
         """
         return cast("list[bool]", self._call("ack_many", leases))
 

@@ -407,3 +407,66 @@ async def test_a_database_opened_from_the_same_client_is_ruled_too() -> None:
         await other["c"].update_one({"_id": 1}, {"$set": {"b": NINE_MIB}})
     assert refused.value.code == 17419
     assert _driver.backend_of(other) is _driver.Backend.MEMORY
+
+
+# ------------------------------------------------------------------- the correlated $lookup
+
+
+async def test_a_lookup_with_local_and_foreign_fields_and_a_pipeline_runs_it_per_document(
+    db: Any,
+) -> None:
+    # MongoDB 5.0's concise correlated form: the equality, then the pipeline on its matches.
+    await db["lk_groups"].insert_many([{"_id": "a"}, {"_id": "b"}, {"_id": "c"}])
+    await db["lk_items"].insert_many(
+        [{"_id": n, "group": g} for n, g in [(5, "a"), (2, "a"), (9, "a"), (4, "b"), (7, "b")]]
+    )
+    rows = await _driver.aggregate_list(
+        db["lk_groups"],
+        [
+            {"$sort": {"_id": 1}},
+            {
+                "$lookup": {
+                    "from": "lk_items", "localField": "_id", "foreignField": "group",
+                    "pipeline": [{"$sort": {"_id": 1}}, {"$limit": 1}], "as": "first",
+                }
+            },
+        ],
+    )  # fmt: skip
+    assert [(row["_id"], [item["_id"] for item in row["first"]]) for row in rows] == [
+        ("a", [2]), ("b", [4]), ("c", []),
+    ]  # fmt: skip
+
+
+async def test_a_correlated_lookup_matches_as_a_server_does_missing_fields_and_arrays(
+    db: Any,
+) -> None:
+    # A missing local field equals null (and a missing foreign one); an array local field
+    # matches any of its elements; an array foreign field matches by any element.
+    await db["lk_left"].insert_many(
+        [{"_id": 1, "k": "x"}, {"_id": 2}, {"_id": 3, "k": ["y", "z"]}, {"_id": 4, "k": "w"}]
+    )
+    await db["lk_right"].insert_many(
+        [
+            {"_id": 10, "k": "x"},
+            {"_id": 11},
+            {"_id": 12, "k": None},
+            {"_id": 13, "k": "z"},
+            {"_id": 14, "k": ["w", "q"]},
+            {"_id": 15, "k": "y"},
+        ]
+    )
+    rows = await _driver.aggregate_list(
+        db["lk_left"],
+        [
+            {"$sort": {"_id": 1}},
+            {
+                "$lookup": {
+                    "from": "lk_right", "localField": "k", "foreignField": "k",
+                    "pipeline": [{"$sort": {"_id": 1}}, {"$project": {"_id": 1}}], "as": "m",
+                }
+            },
+        ],
+    )  # fmt: skip
+    assert {row["_id"]: [m["_id"] for m in row["m"]] for row in rows} == {
+        1: [10], 2: [11, 12], 3: [13, 15], 4: [14],
+    }  # fmt: skip

@@ -135,6 +135,22 @@ def lock_leasing(token: str, lease_until: datetime) -> Update:
     return {"$set": {"token": token, "available_at": lease_until, "parked": False}}
 
 
+def lock_head_joined(messages: str) -> list[dict[str, Any]]:
+    """claim_many's first read, after `lock_due`: each candidate lock with its head, ``head``
+    being ``[]`` (an empty group) or ``[message]``; the ``$lookup`` walks `GROUP_HEAD` (the
+    group's equality, then its smallest seq: one index key a lock). `messages`: the
+    collection's full name."""
+    head = [{"$sort": {"_id": 1}}, {"$limit": 1}]
+    return [
+        {
+            "$lookup": {
+                "from": messages, "localField": "_id", "foreignField": "group_id",
+                "pipeline": head, "as": "head",
+            }
+        }
+    ]  # fmt: skip
+
+
 def locks_leased(group_ids: Sequence[GroupId], token: str) -> Filter:
     """claim_many's read-back of the candidates its lease took; by ``_id``."""
     return {"_id": {"$in": list(group_ids)}, "token": token}

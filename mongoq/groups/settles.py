@@ -75,49 +75,27 @@ class GroupSettles:
         """`ack` for many leases in a fixed number of commands; returns, per lease, whether its
         ack took effect (False, and nothing changed, for a lease no longer held).
 
-        Reads which heads still carry their lease's token, deletes those, checks which of the
-        groups whose last message they were have nothing left, drops those (fenced like `ack`)
-        and releases the others: five commands for any number of leases.
+        Deletes the heads still stamped with their lease's token and releases the groups: two
+        commands for any number of leases. Groups whose last message was acked are checked for
+        anything left and dropped (fenced like `ack`): two more. When fewer heads were deleted
+        than asked, one or two reads tell which leases were lost.
         """
         leases = check_batch("leases", leases)
         for lease in leases:
             check_lease(lease)
         if not leases:
             return []
-        held = await _driver.find_list(
-            self.messages,
-            schema.messages_held([(lease.seq, lease.token) for lease in leases]),
-            projection={"token": 1},
-        )
-        ours: set[tuple[int, str]] = {(doc["_id"], doc["token"]) for doc in held}
-        acked = [lease for lease in leases if (lease.seq, lease.token) in ours]
-        if not acked:
-            return [False] * len(leases)
-
+        pairs = [(lease.seq, lease.token) for lease in leases]
         # Only this lease's holder can remove a head stamped with its token.
-        removed = await self.messages.delete_many(
-            schema.messages_held([(lease.seq, lease.token) for lease in acked])
-        )
-        if removed.deleted_count != len(acked):
-            # A lease expired between the read and the delete and its head was restamped: it is
-            # still there, under another token. If as many heads are gone as were deleted, the
-            # gone ones are ours; otherwise a new holder also acked one in that instant and
-            # which is which cannot be told: none of them is reported as acked by this call.
-            left = {
-                doc["_id"]
-                for doc in await _driver.find_list(
-                    self.messages,
-                    schema.messages_by_seq([lease.seq for lease in acked]),
-                    projection={"_id": 1},
-                )
-            }
-            gone = [lease for lease in acked if lease.seq not in left]
-            acked = gone if len(gone) == removed.deleted_count else []
-            ours = {(lease.seq, lease.token) for lease in acked}
+        removed = await self.messages.delete_many(schema.messages_held(pairs))
+        acked = list(leases)
+        if removed.deleted_count != len(leases):
+            acked = await self._acked_of(leases, removed.deleted_count)
             if not acked:
                 return [False] * len(leases)
         now = await self._now()
         last = [lease for lease in acked if lease.was_last]
+        dropped = 0
         if last:
             remaining = set(
                 await self.messages.distinct(
@@ -132,12 +110,47 @@ class GroupSettles:
                 if lease.group_id not in remaining
             ]
             if drops:
-                await self.locks.bulk_write(drops, ordered=False)
-        await self.locks.update_many(  # the dropped locks are gone: this releases the rest
-            schema.locks_held([(lease.group_id, lease.token) for lease in acked]),
-            schema.lock_releasing(now),
-        )
+                dropped = (await self.locks.bulk_write(drops, ordered=False)).deleted_count
+        if dropped < len(acked):  # the dropped locks are gone: this releases the rest
+            await self.locks.update_many(
+                schema.locks_held([(lease.group_id, lease.token) for lease in acked]),
+                schema.lock_releasing(now),
+            )
+        ours = {(lease.seq, lease.token) for lease in acked}
         return [(lease.seq, lease.token) in ours for lease in leases]
+
+    async def _acked_of(self, leases: Sequence[GroupLease], deleted: int) -> list[GroupLease]:
+        """Which of `leases` ack_many's delete acked, when it deleted only `deleted` heads.
+
+        A head still there was held by another lease (restamped after ours expired). Of the
+        heads gone, those whose group is still ours were ours to delete (no one else could
+        stamp them); if the others are gone by as many as are left to count (none, or all),
+        that says which; otherwise it cannot be told, and only the sure ones are reported acked.
+        """
+        left = {
+            doc["_id"]
+            for doc in await _driver.find_list(
+                self.messages,
+                schema.messages_by_seq([lease.seq for lease in leases]),
+                projection={"_id": 1},
+            )
+        }
+        gone = [lease for lease in leases if lease.seq not in left]
+        if len(gone) == deleted:
+            return gone
+        held = {
+            (doc["_id"], doc["token"])
+            for doc in await _driver.find_list(
+                self.locks,
+                schema.locks_held([(lease.group_id, lease.token) for lease in gone]),
+                projection={"token": 1},
+            )
+        }
+        sure = [lease for lease in gone if (lease.group_id, lease.token) in held]
+        unsure = [lease for lease in gone if (lease.group_id, lease.token) not in held]
+        if deleted - len(sure) == len(unsure):
+            return gone
+        return sure
 
     async def nack(
         self, lease: GroupLease, delay: float = 0, *, error: BaseException | str | None = None

@@ -216,15 +216,15 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
     ) -> list[GroupLease]:
         """Lease up to `n` distinct due groups with their heads, in a fixed number of commands.
 
-        Reads the `n` groups that waited longest, leases those still due with one conditional
-        ``update_many`` under a fresh token, reads back what it leased, reads their heads in one
-        aggregation, and stamps them with one conditional ``update_many`` (the same stamp fence
-        as `claim`): five commands for any `n`. When other claimers leased every candidate
-        first, it reads the next ones (two more commands a round): it returns nothing only
-        when no group is due. Groups leased by someone else in between are
-        not returned; a group whose head cannot be stamped, is empty, or must go to the dead
-        letters is settled the way `claim` would and released or dropped (a few more commands,
-        for those groups only).
+        Reads the `n` groups that waited longest with their heads (one aggregation, a
+        ``$lookup`` of each head), leases those still due with one conditional ``update_many``
+        under a fresh token, and stamps their heads with one conditional ``update_many`` (the
+        same stamp fence as `claim`): three commands for any `n`. When another claimer leased
+        some candidates in between, it reads back which it leased (one more); when one leased
+        every candidate first, it reads the next ones and their heads (three more a round): it
+        returns nothing only when no group is due. A group whose head cannot be stamped, is
+        empty, or must go to the dead letters is settled the way `claim` would and released or
+        dropped (a few more commands, for those groups only).
         """
         check_int("n", n, low=1, high=MAX_BATCH)
         worker = self._worker(worker_id)
@@ -239,20 +239,22 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
             sort=schema.CLAIM_ORDER,
             n=n,
             hint=schema.CLAIM.name,
+            joined=schema.lock_head_joined(f"{self.prefix}_{schema.MESSAGES}"),
         )
         order = [candidate["_id"] for candidate in candidates.docs]
         if not order:
             return []
-        locks = {
-            doc["_id"]: doc
-            for doc in await _driver.find_list(self.locks, schema.locks_leased(order, token))
-        }
-        heads = {
-            row["_id"]: row["head"]
-            for row in await _driver.aggregate_list(
-                self.messages, schema.heads_of(locks), hint=schema.GROUP_HEAD.name
-            )
-        }
+        # Read before the lease, a lock's version and last seq can only be older than now:
+        # the drop fences (`lock_drained`, `lock_found_empty`) then fail and release instead.
+        locks = (
+            {doc["_id"]: doc for doc in candidates.docs}
+            if candidates.all_taken
+            else {
+                doc["_id"]: doc
+                for doc in await _driver.find_list(self.locks, schema.locks_leased(order, token))
+            }
+        )
+        heads = await self._heads_of_candidates(candidates.docs, locks)
         free = [head["_id"] for head in heads.values() if schema.head_is_free(head, now)]
         if free:
             stamped = await self.messages.update_many(
@@ -277,6 +279,21 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
             if lease is not None:
                 leases.append(lease)
         return leases
+
+    async def _heads_of_candidates(
+        self, candidates: list[dict[str, Any]], locks: Mapping[GroupId, Any]
+    ) -> dict[GroupId, Any]:
+        """The heads of the leased groups `locks`: as the first round's read joined them (a
+        head taken by its holder since is not stamped: `heads_free` fences it), else read."""
+        if candidates and "head" in candidates[0]:
+            return {doc["_id"]: doc["head"][0] for doc in candidates
+                    if doc["_id"] in locks and doc["head"]}  # fmt: skip
+        return {
+            row["_id"]: row["head"]
+            for row in await _driver.aggregate_list(
+                self.messages, schema.heads_of(locks), hint=schema.GROUP_HEAD.name
+            )
+        }
 
     async def _lease_from_batch(
         self,

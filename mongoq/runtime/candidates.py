@@ -54,12 +54,16 @@ async def take_candidates(
     hint: str,
     fields: Sequence[str] = (),
     whole_first: bool = False,
+    joined: Sequence[Mapping[str, Any]] = (),
 ) -> Candidates:
     """Mark up to `n` due documents with `update` (which must make them no longer `due`);
     returns the candidates of the round that took some, in claim order, each ``{_id}`` plus
     `fields` as read before the update (the whole document in the first round, with
     `whole_first`), and whether the update took every one of those whole documents (else the
-    caller reads back which it took); no candidates when nothing is due."""
+    caller reads back which it took); no candidates when nothing is due.
+
+    `joined` (stages such as a ``$lookup``, implying `whole_first`) makes the first round's
+    read an aggregation that brings, with each whole candidate, what the caller reads next."""
     if "_id" in due:  # the candidates' `$in` would replace it and take every due document
         raise ValueError("take_candidates: `due` must not filter on _id")
     for lost in range(MAX_ROUNDS):
@@ -69,11 +73,18 @@ async def take_candidates(
         window = min(n * (lost + 1), MAX_WINDOW)
         # Whole documents only for the first round's `n`: a wider window after lost rounds
         # would read payloads it mostly does not take.
-        whole = whole_first and lost == 0
-        projection = None if whole else {"_id": 1, **dict.fromkeys(fields, 1)}
-        candidates = await _driver.find_list(
-            collection, due, sort=sort, limit=window, projection=projection, hint=hint
-        )
+        whole = (whole_first or bool(joined)) and lost == 0
+        if whole and joined:
+            candidates = await _driver.aggregate_list(
+                collection,
+                [{"$match": dict(due)}, {"$sort": dict(sort)}, {"$limit": window}, *joined],
+                hint=hint,
+            )
+        else:
+            projection = None if whole else {"_id": 1, **dict.fromkeys(fields, 1)}
+            candidates = await _driver.find_list(
+                collection, due, sort=sort, limit=window, projection=projection, hint=hint
+            )
         if not candidates:
             return Candidates([], all_taken=False)
         if len(candidates) > n:

@@ -407,6 +407,12 @@ class _RecordingCursor:
         return chain
 
 
+def _leading_sort(stages: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, int], ...]:
+    """The ``$sort`` an aggregation's stages begin with (after its leading ``$match``), which
+    the index that answers the match must give: a server sorts it in memory otherwise."""
+    return _sort(list(stages[0]["$sort"].items())) if stages and "$sort" in stages[0] else ()
+
+
 def queries_of(op: Operation, recorder: ChainRecorder | None = None) -> Iterator[Query]:
     """The document selections one recorded command makes."""
     if op.name == "bulk_write":
@@ -421,11 +427,15 @@ def queries_of(op: Operation, recorder: ChainRecorder | None = None) -> Iterator
     if op.name == "aggregate":
         pipeline = list(op.args[0] if op.args else op.kwargs["pipeline"])
         leading = pipeline[0].get("$match", {}) if pipeline else {}
-        yield Query(op.collection, "aggregate", leading, hint=op.kwargs.get("hint"))
+        sort = _leading_sort(pipeline[1:] if "$match" in (pipeline or [{}])[0] else pipeline)
+        yield Query(op.collection, "aggregate", leading, sort, hint=op.kwargs.get("hint"))
         for stage in pipeline:
             if "$lookup" in stage and "foreignField" in stage["$lookup"]:
                 lookup = stage["$lookup"]
-                yield Query(lookup["from"], "aggregate:$lookup", {lookup["foreignField"]: "..."})
+                yield Query(
+                    lookup["from"], "aggregate:$lookup", {lookup["foreignField"]: "..."},
+                    _leading_sort(lookup.get("pipeline", [])),
+                )  # fmt: skip
         return
     if op.name == "distinct":
         filter = op.args[1] if len(op.args) > 1 else op.kwargs.get("filter")
@@ -736,7 +746,7 @@ async def test_every_query_the_library_issues_is_served_by_a_declared_index() ->
         (TASKS, "find", "status_lease"): "status_lease",  # a drained run: when is the next due
         (TASKS, "find", "status_updated"): "status_updated",  # list_tasks
         (LOCKS, "find_one_and_update", "claim"): "claim",
-        (LOCKS, "find", "claim"): "claim",
+        (LOCKS, "aggregate", "claim"): "claim",  # claim_many's candidates, with their heads
         (MESSAGES, "find_one_and_update", "group_head"): "group_head",
         (MESSAGES, "aggregate", "group_head"): "group_head",  # claim_many's and list_groups' heads
     }

@@ -1,0 +1,59 @@
+"""The group transport's batched claim on a real server (``explain``): what the embedded
+backend cannot tell. Runs on the server lanes only (``MONGOQ_TEST_URI``), skipped elsewhere.
+
+claim_many's one read brings each candidate lock with its head through a ``$lookup``; the
+server runs that sub-pipeline once per lock, and it must walk ``group_head`` (one key a lock),
+never scan ``messages``, however long each group's backlog.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pytest
+
+from mongoq import AsyncGroupTransport, NewMessage
+from mongoq.testing import CommandCounter, ManualClock, instrument
+from tests.conftest import SERVERS
+from tests.support.group_helpers import PREFIX
+from tests.support.test_index_audit import ChainRecorder, _explain_command
+
+
+def lookup_stages(explain: Any) -> Iterator[Mapping[str, Any]]:
+    """The ``$lookup`` stages of an aggregation's explain output, with their statistics."""
+    if isinstance(explain, Mapping):
+        if "$lookup" in explain:
+            yield explain
+        for value in explain.values():
+            yield from lookup_stages(value)
+    elif isinstance(explain, list):
+        for value in explain:
+            yield from lookup_stages(value)
+
+
+async def test_claim_many_reads_each_head_from_the_group_head_index_on_a_real_server(
+    db: Any, request: pytest.FixtureRequest
+) -> None:
+    if request.node.callspec.params["db"] not in SERVERS:
+        pytest.skip("explain needs a real server: set MONGOQ_TEST_URI")
+    recorder = ChainRecorder(db)
+    counter = CommandCounter()
+    transport = AsyncGroupTransport(instrument(recorder, counter), PREFIX, clock=ManualClock())
+    await transport.ensure_indexes()
+    # 20 groups with 30 messages each: a scan would examine 600 messages, the index 20 keys.
+    await transport.publish_many(NewMessage(f"g{n % 20}", n) for n in range(600))
+    counter.record = True
+    leases = await transport.claim_many(20, "A")
+    counter.record = False
+    assert sorted(lease.event for lease in leases) == list(range(20))
+
+    (read,) = [op for op in counter.operations if op.name == "aggregate"]
+    explain = await db.command(
+        {"explain": _explain_command(read, recorder), "verbosity": "executionStats"}
+    )
+    (lookup,) = list(lookup_stages(explain))
+    assert lookup.get("collectionScans") == 0, lookup
+    assert lookup.get("indexesUsed") == ["group_head"], lookup
+    # The lookups ran for the 20 candidates, a key and a message each (a few more at most).
+    assert int(lookup.get("totalDocsExamined", 0)) <= 40, lookup
