@@ -98,9 +98,11 @@ for _name in ("_insert", "_update", "_delete", "_ensure_uniques", "_store", "bul
         raise ImportError(f"mongoq's embedded backend needs mongomock 4.x (no Collection.{_name})")
 if not hasattr(_MockCursor, "_compute_results"):
     raise ImportError("mongoq's embedded backend needs mongomock 4.x (no Cursor._compute_results)")
-_mock_lookup = getattr(_mock_aggregate, "_PIPELINE_HANDLERS", {}).get("$lookup")
-if _mock_lookup is None:
+_found_lookup = getattr(_mock_aggregate, "_PIPELINE_HANDLERS", {}).get("$lookup")
+if _found_lookup is None or not hasattr(_mock_aggregate, "process_pipeline"):
     raise ImportError("mongoq's embedded backend needs mongomock 4.x (no $lookup stage handler)")
+_mock_lookup: Callable[..., Any] = _found_lookup
+_process_pipeline: Callable[..., Any] = _mock_aggregate.process_pipeline
 
 
 def _correlated_lookup(in_collection: list[Any], database: Any, options: Any) -> list[Any]:
