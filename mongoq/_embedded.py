@@ -129,9 +129,7 @@ def _correlated_lookup(in_collection: list[Any], database: Any, options: Any) ->
         if buckets is None:
             buckets = _bucketed(foreign.find(), field)
         matches = copy.deepcopy(buckets.get(value, []))
-        doc[options["as"]] = list(
-            _mock_aggregate.process_pipeline(matches, database, pipeline, None)
-        )
+        doc[options["as"]] = list(_process_pipeline(matches, database, pipeline, None))
     return in_collection
 
 
