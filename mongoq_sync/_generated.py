@@ -699,9 +699,10 @@ class Outbox(Facade):
         return cast("str", self._get("instance"))
 
     def setup(self) -> None:
-        """Create the collections, the indexes and the 256 lane documents; idempotent. Run it
-        once before the first publish: collections created implicitly inside concurrent
-        transactions conflict with each other.
+        """Create the collections, the indexes and the 256 lane documents, and bring documents
+        an earlier version wrote up to date; idempotent. Run it once before the first publish:
+        collections created implicitly inside concurrent transactions conflict with each
+        other.
         """
         self._call("setup")
 

@@ -679,8 +679,8 @@ class Claimer:
         cursor = _handler_set(handlers)
         # Each look goes on after the last key the previous one (for the same handlers) looked
         # at, wrapping around, so every parked key is looked at however many there are. The
-        # aggregation walks the parked index in its order (a group on two fields is no distinct
-        # scan), then one query reads what comes before each key's lowest parked delivery.
+        # aggregation is a distinct scan of the parked keys (one index seek a key), then one
+        # query reads what comes before each key's lowest parked delivery.
         groups = await _driver.aggregate_list(
             self.deliveries,
             schema.delivery_parked_keys(
@@ -688,7 +688,7 @@ class Claimer:
             ),
             hint=schema.PARKED_INDEX,
         )
-        pairs = [(str(g["_id"]["h"]), str(g["_id"]["k"])) for g in groups]
+        pairs = [(str(g["h"]), str(g["k"])) for g in groups]
         whole = cursor not in self.unpark_after and len(pairs) < UNPARK_KEYS_PER_CLAIM
         self.looked.add(cursor)
         if handlers is None:
@@ -711,7 +711,7 @@ class Claimer:
         if not pairs:
             return
         lowest = {
-            (str(g["_id"]["h"]), str(g["_id"]["k"])):
+            (str(g["h"]), str(g["k"])):
                 {"_id": g["d"], "sequence": g["s"], "due_at": g.get("t"), "lane": schema.PARKED}
             for g in groups
         }  # fmt: skip

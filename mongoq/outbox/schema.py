@@ -9,7 +9,7 @@ Collections (``<prefix>`` defaults to ``mongoq_outbox_``):
   whose delivery completed or died, and those a transactional publish wrote], finished: [those
   that completed or died], completed_at?}``;
 - ``deliveries``: one per unfinished (or dead) event and handler: ``{_id: ObjectId, event_id,
-  event_type, handler, key?, sequence?, lane_id, lane: "ready"|"parked", status:
+  event_type, handler, key?, sequence?, lane_id, lane: "ready"|"parked", parked_key?, status:
   "pending"|"dead", due_at, attempts, claims, last_error?, requeue_uncounted?, created_at,
   updated_at}``. ``due_at`` and ``lane`` exist only while pending; ``attempts`` counts attempts
   that ended; ``claims`` is the claim generation (moves on whenever a claim of the delivery
@@ -30,7 +30,8 @@ Indexes (created by `setup`) and the queries they serve:
   every lane is the claimer's or free (one range, due order across all lanes);
 - deliveries ``ordering`` ``(handler, key, sequence)`` partial on pending keyed deliveries: what
   comes before the candidate heads of keys (one range a key, all keys in one query);
-- deliveries ``parked`` ``(handler, key, sequence)`` partial ``lane: "parked"``: unparking;
+- deliveries ``parked_keys`` ``(parked_key, sequence)`` partial ``lane: "parked"``: unparking
+  (a distinct scan), the parked count and listing;
 - deliveries ``due`` ``(due_at)`` partial on pending: `stats` (oldest due);
 - deliveries ``status`` ``(status, _id)``, ``handler`` ``(handler, _id)``, ``event_type``
   ``(event_type, _id)``: counts and listings (``_id`` is an ObjectId: creation order);
@@ -382,35 +383,59 @@ def deliveries_ahead(firsts: Iterable[tuple[str, str, int]]) -> dict[str, Any]:
 
 # -------------------------------------------------------------------------- the parked index
 
-PARKED_INDEX = "parked"
+PARKED_INDEX = "parked_keys"
+#: ``parked_key``: one field for a parked delivery's (handler, key), so that unparking's
+#: ``$group`` on it is a DISTINCT_SCAN (one index seek a key) on a server; a group on two
+#: fields walks every parked entry. NUL is in neither a handler nor a key, and sorts first:
+#: the field's order is the (handler, key) order.
 PARKED_DELIVERIES = IndexSpec(
-    PARKED_INDEX, (("handler", 1), ("key", 1), ("sequence", 1)), partial={"lane": PARKED}
+    PARKED_INDEX, (("parked_key", 1), ("sequence", 1)), partial={"lane": PARKED}
 )
+#: The index unparking used before ``parked_key`` (1.x): no longer created; `setup` leaves an
+#: existing one alone, for processes of earlier versions still running. Drop it after.
+LEGACY_PARKED_INDEX = "parked"
+_KEY_SEPARATOR = "\x00"
+
+
+def parked_key(handler: str, key: str) -> str:
+    """The ``parked_key`` of a parked delivery of `handler` and `key` (no query)."""
+    return f"{handler}{_KEY_SEPARATOR}{key}"
 
 
 def delivery_parked() -> dict[str, Any]:
-    """The parked deliveries: `stats`' count (``parked``, hinted)."""
+    """The parked deliveries: `stats`' count (``parked_keys``, hinted)."""
     return {"lane": PARKED}
 
 
 def delivery_parked_keys(
     handlers: Sequence[str] | None, after: tuple[str, str] | None, limit: int
 ) -> list[dict[str, Any]]:
-    """The first `limit` parked (handler, key) pairs (of `handlers`) after `after`, each with
-    its lowest parked delivery (``d``: _id, ``s``: sequence, ``t``: due_at): unparking's
-    aggregation, sorted and grouped in the index's order (``parked``, hinted)."""
-    match: dict[str, Any] = {"lane": PARKED}
-    if handlers is not None:
-        match["handler"] = {"$in": handlers}
+    """The first `limit` parked (handler, key) pairs after `after` (within the span of
+    `handlers`' names), each with its lowest parked delivery (``d``: _id, ``s``: sequence,
+    ``t``: due_at, ``h``: handler, ``k``: key): unparking's aggregation, a distinct scan of
+    ``parked_keys`` (hinted).
+
+    One range of ``parked_key``: handlers named between the lowest and the highest of
+    `handlers` are in it too (unparking their keys is harmless: it only moves a head nothing
+    comes before back to its lane), so that the scan stays one range, which a distinct scan
+    needs."""
+    bounds: dict[str, Any] = {}
+    if handlers:
+        bounds["$gte"] = min(handlers) + _KEY_SEPARATOR
+        bounds["$lt"] = max(handlers) + "\x01"
     if after is not None:
-        handler, key = after
-        match["$or"] = [{"handler": {"$gt": handler}}, {"handler": handler, "key": {"$gt": key}}]
+        bounds["$gt"] = parked_key(*after)
+    match: dict[str, Any] = {"lane": PARKED}
+    if bounds:
+        match["parked_key"] = bounds
+    first = {"$first": "$_id"}
     return [
         {"$match": match},
-        {"$sort": {"handler": 1, "key": 1, "sequence": 1}},
-        {"$group": {"_id": {"h": "$handler", "k": "$key"}, "d": {"$first": "$_id"},
-                    "s": {"$first": "$sequence"}, "t": {"$first": "$due_at"}}},
-        {"$sort": {"_id.h": 1, "_id.k": 1}},
+        {"$sort": {"parked_key": 1, "sequence": 1}},
+        {"$group": {"_id": "$parked_key", "d": first, "s": {"$first": "$sequence"},
+                    "t": {"$first": "$due_at"}, "h": {"$first": "$handler"},
+                    "k": {"$first": "$key"}}},
+        {"$sort": {"_id": 1}},
         {"$limit": limit},
     ]  # fmt: skip
 
@@ -420,9 +445,21 @@ def delivery_parkable(ids: Sequence[Any]) -> dict[str, Any]:
     return {"_id": {"$in": list(ids)}, "lane": READY, "due_at": {"$exists": True}}
 
 
-def delivery_parking() -> dict[str, Any]:
-    """A claim moving `delivery_parkable` deliveries out of the claim index."""
-    return {"$set": {"lane": PARKED}}
+def delivery_parking() -> list[dict[str, Any]]:
+    """A claim moving `delivery_parkable` deliveries out of the claim index (a pipeline
+    update: each takes its ``parked_key``)."""
+    return [{"$set": {"lane": PARKED, "parked_key": _parked_key_of_document()}}]
+
+
+def _parked_key_of_document() -> dict[str, Any]:
+    """`parked_key` of the document being updated, as an aggregation expression."""
+    return {"$concat": ["$handler", _KEY_SEPARATOR, "$key"]}
+
+
+def delivery_parked_without_key() -> dict[str, Any]:
+    """`setup`'s migration: deliveries an earlier version parked, without a ``parked_key``
+    (``parked_keys``: its null entries, missing and null alike)."""
+    return {"lane": PARKED, "parked_key": None}
 
 
 def delivery_unparkable(ids: Sequence[Any]) -> dict[str, Any]:

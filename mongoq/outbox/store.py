@@ -112,9 +112,10 @@ class AsyncOutbox:
         return _driver.collection(self.db, f"{self.prefix}{name}")
 
     async def setup(self) -> None:
-        """Create the collections, the indexes and the 256 lane documents; idempotent. Run it
-        once before the first publish: collections created implicitly inside concurrent
-        transactions conflict with each other."""
+        """Create the collections, the indexes and the 256 lane documents, and bring documents
+        an earlier version wrote up to date; idempotent. Run it once before the first publish:
+        collections created implicitly inside concurrent transactions conflict with each
+        other."""
         await _driver.create_collections(
             self.db,
             [
@@ -124,6 +125,10 @@ class AsyncOutbox:
         )
         await create_schema_indexes(self.db, schema.INDEXES, self._collection)
         await seed_lanes(self.db, self.lanes)
+        # Deliveries parked by an earlier version get the key unparking now scans by.
+        await self.deliveries.update_many(
+            schema.delivery_parked_without_key(), schema.delivery_parking()
+        )
 
     async def _now(self) -> datetime:
         await self.clock.refresh()

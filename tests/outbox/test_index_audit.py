@@ -97,7 +97,7 @@ WITNESSES: set[Shape] = {
     # (what a held lane still runs, {_id: {$in}, due_at}, is looked up only for claims this
     # instance neither runs nor saw settled: the fault tests reach it, not this workload)
     (DELIVERIES, "aggregate", ("lane",)),  # unparking
-    (DELIVERIES, "aggregate", ("handler", "lane")),  # ... for some handlers
+    (DELIVERIES, "aggregate", ("lane", "parked_key")),  # ... for some handlers, or past a key
     (DELIVERIES, "update_many", ("_id", "due_at", "lane")),  # parking
     (DELIVERIES, "update_many", ("_id", "lane")),  # unparking the head of a key
     (DELIVERIES, "update_many", ("$or", "due_at")),  # a takeover charging two generations
@@ -131,10 +131,10 @@ HINTS = {
     (DELIVERIES, "find", "claim"),
     (DELIVERIES, "find", "ready"),
     (DELIVERIES, "find", "ordering"),
-    (DELIVERIES, "aggregate", "parked"),
+    (DELIVERIES, "aggregate", "parked_keys"),
     (DELIVERIES, "find", "due"),
-    (DELIVERIES, "find", "parked"),  # list_deliveries(status="parked"), in key order
-    (DELIVERIES, "count_documents", "parked"),  # statistics
+    (DELIVERIES, "find", "parked_keys"),  # list_deliveries(status="parked"), in key order
+    (DELIVERIES, "count_documents", "parked_keys"),  # statistics
 }
 
 
