@@ -41,7 +41,8 @@ server's error class and code, in development rather than in production:
    concise correlated form) runs: the equality, then the pipeline on the foreign collection, as
    a server does. mongomock refuses every ``pipeline`` (NotImplementedError); this adds that one
    form to mongomock's stage table, for the process (it only answers what mongomock refused).
-   ``let`` stays refused.
+   ``let``, and a pipeline without those two fields, stay refused; a dotted ``localField``
+   through an array of documents is not modelled.
 
 Cost: one ``bson.encode`` per document an update changes (mongomock deep-copies it already) and
 one per inserted document; hints are dictionary look-ups. No collection scan is added.
@@ -107,12 +108,10 @@ _process_pipeline: Callable[..., Any] = _mock_aggregate.process_pipeline
 
 def _correlated_lookup(in_collection: list[Any], database: Any, options: Any) -> list[Any]:
     """Rule 4: ``$lookup`` {from, localField, foreignField, pipeline, as}, else mongomock's."""
-    if not isinstance(options, Mapping) or "pipeline" not in options or "let" in options:
-        return list(_mock_lookup(in_collection, database, options))
-    if not all(
-        isinstance(options.get(k), str) for k in ("from", "localField", "foreignField", "as")
-    ):
-        raise OperationFailure("$lookup with a pipeline needs from, localField, foreignField, as")
+    names = ("from", "localField", "foreignField", "as")
+    correlated = isinstance(options, Mapping) and "pipeline" in options and "let" not in options
+    if not correlated or not all(isinstance(options.get(name), str) for name in names):
+        return list(_mock_lookup(in_collection, database, options))  # mongomock's, or refusal
     foreign = database.get_collection(options["from"])
     field, pipeline = options["foreignField"], list(options["pipeline"])
     # The foreign documents read once and bucketed by the field (mongomock's own $match would
@@ -123,12 +122,13 @@ def _correlated_lookup(in_collection: list[Any], database: Any, options: Any) ->
         for part in options["localField"].split("."):
             value = value.get(part) if isinstance(value, Mapping) else None
         if isinstance(value, (list, dict)) or "." in field:  # mongomock's matcher decides
-            equal = {"$in": value} if isinstance(value, list) else value
+            # an array matches by any element; an empty one as null (missing), as on a server
+            equal = ({"$in": value} if value else None) if isinstance(value, list) else value
             doc[options["as"]] = list(foreign.aggregate([{"$match": {field: equal}}, *pipeline]))
             continue
         if buckets is None:
             buckets = _bucketed(foreign.find(), field)
-        matches = copy.deepcopy(buckets.get(value, []))
+        matches = copy.deepcopy(buckets.get(_bucket_key(value), []))
         doc[options["as"]] = list(_process_pipeline(matches, database, pipeline, None))
     return in_collection
 
@@ -140,8 +140,14 @@ def _bucketed(docs: Any, field: str) -> dict[Any, list[Any]]:
         value = doc.get(field)
         for key in value if isinstance(value, list) else [value]:
             if not isinstance(key, (list, dict)):
-                buckets.setdefault(key, []).append(doc)
+                buckets.setdefault(_bucket_key(key), []).append(doc)
     return buckets
+
+
+def _bucket_key(value: Any) -> Any:
+    """`value` as a bucket's key: a bool apart from the number it equals in Python (BSON
+    compares them as different types)."""
+    return ("bool", value) if isinstance(value, bool) else value
 
 
 _mock_aggregate._PIPELINE_HANDLERS["$lookup"] = _correlated_lookup

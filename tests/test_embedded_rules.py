@@ -470,3 +470,24 @@ async def test_a_correlated_lookup_matches_as_a_server_does_missing_fields_and_a
     assert {row["_id"]: [m["_id"] for m in row["m"]] for row in rows} == {
         1: [10], 2: [11, 12], 3: [13, 15], 4: [14],
     }  # fmt: skip
+
+
+async def test_a_correlated_lookup_tells_a_bool_from_a_number_and_an_empty_array_from_a_value(
+    db: Any,
+) -> None:
+    # BSON compares true and 1 as different types; an empty local array matches as null.
+    await db["lk_l2"].insert_many([{"_id": 1, "k": True}, {"_id": 2, "k": 1}, {"_id": 3, "k": []}])
+    await db["lk_r2"].insert_many([{"_id": 10, "k": True}, {"_id": 11, "k": 1}, {"_id": 12}])
+    rows = await _driver.aggregate_list(
+        db["lk_l2"],
+        [
+            {"$sort": {"_id": 1}},
+            {
+                "$lookup": {
+                    "from": "lk_r2", "localField": "k", "foreignField": "k",
+                    "pipeline": [{"$project": {"_id": 1}}], "as": "m",
+                }
+            },
+        ],
+    )  # fmt: skip
+    assert {row["_id"]: [m["_id"] for m in row["m"]] for row in rows} == {1: [10], 2: [11], 3: [12]}

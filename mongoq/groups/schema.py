@@ -307,12 +307,18 @@ def head_is_free(head: Mapping[str, Any], now: datetime) -> bool:
     )
 
 
-def heads_free(seqs: Sequence[int], now: datetime) -> Filter:
+def heads_free(heads: Sequence[Mapping[str, Any]], now: datetime) -> Filter:
     """claim_many's stamp of the heads it read, `head_stamping`'s fence; by ``_id``."""
+    # Each head exactly as read (its token and delivery count): the read comes before the
+    # lease, and a head un-stamped, nacked or restamped since would be counted wrong.
+    as_read = [
+        {"_id": h["_id"], "token": h.get("token"), "deliveries": h.get("deliveries", 0)}
+        for h in heads
+    ]
     return {
-        "_id": {"$in": list(seqs)},
+        "_id": {"$in": [h["_id"] for h in heads]},
         "dead": None,
-        "$or": [{"token": None}, {"stamp_until": {"$lte": now}}],
+        "$and": [{"$or": as_read}, {"$or": [{"token": None}, {"stamp_until": {"$lte": now}}]}],
     }
 
 
@@ -377,10 +383,18 @@ def lock_drained(group_id: GroupId, token: str, version: int | None, last_seq: i
     return {"_id": group_id, "token": token, "version": version, "last_seq": last_seq}
 
 
-def lock_found_empty(group_id: GroupId, token: str, version: int | None) -> Filter:
-    """claim's drop of a group it found empty (the drop-if-empty fence); by ``_id``."""
-    # Fails if a publish counted itself (``version``) since the claim read the lock.
-    return {"_id": group_id, "token": token, "version": version}
+def lock_found_empty(group_id: GroupId, token: str, seen: Mapping[str, Any]) -> Filter:
+    """A claim's drop of a group it found empty, `seen` being the lock as read before (or
+    with) the head (the drop-if-empty fence); by ``_id``."""
+    # Fails if a publish counted itself (``version``) since that read. The last seq too, for
+    # claim_many, which reads the lock before its lease: a lock dropped and made again
+    # meanwhile starts its version over, not its last seq.
+    return {
+        "_id": group_id,
+        "token": token,
+        "version": seen.get("version"),
+        "last_seq": seen.get("last_seq"),
+    }
 
 
 def head_nacking(parked_until: datetime | None, error: str | None) -> Update:
@@ -444,7 +458,8 @@ def dead_letter_document(head: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def head_marked_dead(seq: int) -> Filter:
-    """A burial's delete of the head, once copied; by ``_id``."""
+    """A burial's delete of the head, once copied; claim_many's re-read of a marked head it
+    read before its lease, before finishing the burial; by ``_id``."""
     return {"_id": seq, "dead": {"$ne": None}}
 
 

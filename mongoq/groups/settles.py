@@ -122,10 +122,10 @@ class GroupSettles:
     async def _acked_of(self, leases: Sequence[GroupLease], deleted: int) -> list[GroupLease]:
         """Which of `leases` ack_many's delete acked, when it deleted only `deleted` heads.
 
-        A head still there was held by another lease (restamped after ours expired). Of the
-        heads gone, those whose group is still ours were ours to delete (no one else could
-        stamp them); if the others are gone by as many as are left to count (none, or all),
-        that says which; otherwise it cannot be told, and only the sure ones are reported acked.
+        A head still there was held by another lease (restamped after ours expired). If as
+        many heads are gone as were deleted, the gone ones are ours. Otherwise another holder
+        acked some too: of the heads gone, those whose group is still ours were ours to
+        delete (no one else could stamp them), and only those are reported acked.
         """
         left = {
             doc["_id"]
@@ -138,6 +138,8 @@ class GroupSettles:
         gone = [lease for lease in leases if lease.seq not in left]
         if len(gone) == deleted:
             return gone
+        # More gone than deleted: another holder acked some. Ours for sure are those whose
+        # group this lease still holds; which of the others were ours cannot be told.
         held = {
             (doc["_id"], doc["token"])
             for doc in await _driver.find_list(
@@ -146,11 +148,7 @@ class GroupSettles:
                 projection={"token": 1},
             )
         }
-        sure = [lease for lease in gone if (lease.group_id, lease.token) in held]
-        unsure = [lease for lease in gone if (lease.group_id, lease.token) not in held]
-        if deleted - len(sure) == len(unsure):
-            return gone
-        return sure
+        return [lease for lease in gone if (lease.group_id, lease.token) in held]
 
     async def nack(
         self, lease: GroupLease, delay: float = 0, *, error: BaseException | str | None = None
@@ -261,9 +259,11 @@ class GroupSettles:
         return True
 
     async def _drop_if_empty(
-        self, group_id: GroupId, token: str, version: int | None, now: datetime
+        self, group_id: GroupId, token: str, seen: Mapping[str, Any], now: datetime
     ) -> None:
-        dropped = await self.locks.delete_one(schema.lock_found_empty(group_id, token, version))
+        """Drop a leased group found empty, fenced on `seen` (its lock as read with the head);
+        else give it back."""
+        dropped = await self.locks.delete_one(schema.lock_found_empty(group_id, token, seen))
         if dropped.deleted_count:
             return
         # A publish counted itself since this claim read the lock: its message was written

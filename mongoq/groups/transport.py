@@ -206,7 +206,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
                 refused.append(lock["_id"])
                 continue
             if head is None:
-                await self._drop_if_empty(lock["_id"], token, lock.get("version"), now)
+                await self._drop_if_empty(lock["_id"], token, lock, now)
                 continue
             deliveries = int(head["deliveries"])
             return schema.lease_from(lock, head, token, worker, lease_until, deliveries)
@@ -244,8 +244,8 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         order = [candidate["_id"] for candidate in candidates.docs]
         if not order:
             return []
-        # Read before the lease, a lock's version and last seq can only be older than now:
-        # the drop fences (`lock_drained`, `lock_found_empty`) then fail and release instead.
+        # Read before the lease, a lock's version and last seq may be older than now: the
+        # fences on them (`lock_drained`, `lock_found_empty`) then fail and release instead.
         locks = (
             {doc["_id"]: doc for doc in candidates.docs}
             if candidates.all_taken
@@ -254,23 +254,24 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
                 for doc in await _driver.find_list(self.locks, schema.locks_leased(order, token))
             }
         )
-        heads = await self._heads_of_candidates(candidates.docs, locks)
-        free = [head["_id"] for head in heads.values() if schema.head_is_free(head, now)]
+        heads, seen = await self._heads_of_candidates(candidates.docs, locks)
+        free = [head for head in heads.values() if schema.head_is_free(head, now)]
+        stamped_ids = {head["_id"] for head in free}
         if free:
             stamped = await self.messages.update_many(
                 schema.heads_free(free, now), schema.heads_stamping(token, lease_until)
             )
             if stamped.modified_count != len(free):  # raced: ask which ones are ours
                 ours = await _driver.find_list(
-                    self.messages, schema.heads_stamped(free, token), projection={"_id": 1}
-                )
-                free = [doc["_id"] for doc in ours]
-        stamped_ids = set(free)
+                    self.messages, schema.heads_stamped(list(stamped_ids), token),
+                    projection={"_id": 1},
+                )  # fmt: skip
+                stamped_ids = {doc["_id"] for doc in ours}
         leases: list[GroupLease] = []
         for group_id in order:
             try:
                 lease = await self._lease_from_batch(
-                    group_id, locks, heads, stamped_ids, token, worker, now, lease_until
+                    group_id, locks, seen, heads, stamped_ids, token, worker, now, lease_until
                 )
             except _driver.DRIVER_ERRORS:
                 # One group's follow-up failed: its lease expires by itself; the others stand.
@@ -282,23 +283,24 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
 
     async def _heads_of_candidates(
         self, candidates: list[dict[str, Any]], locks: Mapping[GroupId, Any]
-    ) -> dict[GroupId, Any]:
-        """The heads of the leased groups `locks`: as the first round's read joined them (a
-        head taken by its holder since is not stamped: `heads_free` fences it), else read."""
+    ) -> tuple[dict[GroupId, Any], Mapping[GroupId, Any]]:
+        """The heads of the leased groups `locks`, and the lock documents they were read
+        with: as the first round's read joined them (a head changed since is not stamped:
+        `heads_free` takes it only as read), else read now, after the locks were."""
         if candidates and "head" in candidates[0]:
-            return {doc["_id"]: doc["head"][0] for doc in candidates
-                    if doc["_id"] in locks and doc["head"]}  # fmt: skip
-        return {
-            row["_id"]: row["head"]
-            for row in await _driver.aggregate_list(
-                self.messages, schema.heads_of(locks), hint=schema.GROUP_HEAD.name
-            )
-        }
+            joined = {doc["_id"]: doc for doc in candidates if doc["_id"] in locks}
+            heads = {group: doc["head"][0] for group, doc in joined.items() if doc["head"]}
+            return heads, joined
+        rows = await _driver.aggregate_list(
+            self.messages, schema.heads_of(locks), hint=schema.GROUP_HEAD.name
+        )
+        return {row["_id"]: row["head"] for row in rows}, locks
 
     async def _lease_from_batch(
         self,
         group_id: GroupId,
         locks: Mapping[GroupId, Any],
+        seen: Mapping[GroupId, Any],
         heads: Mapping[GroupId, Any],
         stamped_ids: set[int],
         token: str,
@@ -312,12 +314,15 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         if lock is None:
             return None  # leased by someone else in between
         head = heads.get(group_id)
-        if head is None:
-            await self._drop_if_empty(group_id, token, lock.get("version"), now)
+        if head is None:  # empty when read, with the lock as `seen` then
+            await self._drop_if_empty(group_id, token, seen[group_id], now)
             return None
         if head["_id"] not in stamped_ids:
             if head.get("dead") is not None:  # someone's burial stopped midway: finish it
-                await self._finish_burial(head)
+                # from the head as it is now (the read may be older than a finished burial)
+                marked = await self.messages.find_one(schema.head_marked_dead(head["_id"]))
+                if marked is not None:
+                    await self._finish_burial(marked)
             # Held by another live stamp, or changed since it was read: give it back.
             await self._release(group_id, token, now)
             return None

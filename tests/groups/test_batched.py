@@ -79,8 +79,6 @@ CLAIM_MANY: dict[str, tuple[str, str, Callable[[], Any]]] = {
     "lease": ("mq_locks", "update_many", lambda: None),
     "stamp": ("mq_messages", "update_many", lambda: None),
 }
-#: what claim_many reads when another claimer took some of its candidates first
-CLAIM_MANY_RACED = {"read-back": ("mq_locks", "find")}
 
 #: ack_many's four commands (for a batch where one group drains and one does not)
 ACK_MANY = {
@@ -737,7 +735,7 @@ async def test_ack_many_tells_a_stale_lease_from_the_live_one_on_the_same_head(
 
 
 @pytest.mark.parametrize("rival_acks", [False, True], ids=["taken-over", "taken-over-and-acked"])
-async def test_an_ack_many_overtaken_between_its_read_and_its_delete_reports_only_what_it_proves(
+async def test_an_ack_many_overtaken_just_before_its_delete_reports_only_what_it_proves(
     db: Any,
     transport: AsyncGroupTransport,
     faults: FaultInjector,
@@ -1023,7 +1021,7 @@ async def test_an_ack_many_that_failed_on_any_command_is_recoverable(
         await transport.ack_many(leases)
 
     when = failure.when
-    removed = command != "held" and (command, when) != ("delete", "before")
+    removed = (command, when) != ("delete", "before")
     dropped = command == "release" or (command, when) == ("drop", "after")
     released = (command, when) == ("release", "after")
     if not removed:
@@ -1619,3 +1617,106 @@ async def test_a_hard_stopped_batch_acks_the_finished_and_gives_back_the_unstart
         head = await message(db, "abcd".index(unstarted) + 1)
         assert head is not None and head["token"] is None
         assert head["deliveries"] == 0, f"{unstarted}'s head never reached the handler"
+
+
+# ------------------------------------------------- what claim_many reads before its lease
+
+
+class Before:
+    """A hook running `action` once, just before the first `name` command on `collection`."""
+
+    def __init__(self, collection: str, name: str, action: Callable[[], Awaitable[None]]) -> None:
+        self.collection, self.name, self.action = collection, name, action
+        self.done = False
+
+    async def before(self, op: Operation) -> None:
+        if not self.done and (op.collection, op.name) == (self.collection, self.name):
+            self.done = True
+            await self.action()
+
+    async def after(self, op: Operation, error: BaseException | None) -> None:
+        return None
+
+
+async def leave_g_empty(transport: AsyncGroupTransport) -> None:
+    """g's lock left behind by its only message, dead-lettered (version 1, no message)."""
+    await transport.publish("g", "g0")
+    lease = await claim_one(transport, "X", group="g")
+    assert await transport.dead_letter(lease, "bad")
+
+
+async def test_a_claim_many_beaten_to_a_candidate_never_drops_a_group_published_to_since(
+    db: Any, clock: ManualClock
+) -> None:
+    """A reads g (empty) and h; before A's lease, B claims h and g1 is published: A's lease
+    takes only g and reads it back at the new version. Fenced on the lock as read with the
+    empty head, A's drop fails: g keeps its lock, and g1 is delivered."""
+    other = await new_transport(db, clock)
+    await leave_g_empty(other)
+    clock.advance(1)
+    await other.publish("h", "h0")
+
+    async def meanwhile() -> None:
+        assert (await claim_one(other, "B", group="h")).event == "h0"
+        await other.publish("g", "g1")
+
+    hook = Before("mq_locks", "update_many", meanwhile)
+    a = AsyncGroupTransport(instrument(db, hook), PREFIX, visibility=VISIBILITY, clock=clock)
+    assert await a.claim_many(2, "A") == []
+    assert hook.done
+    stored = await lock(db, "g")
+    assert stored is not None, "g1 is stranded: its group has no lock"
+    assert (stored["token"], stored["available_at"]) == (None, clock.now())  # released
+    assert [lease.event for lease in await a.claim_many(2, "A")] == ["g1"]
+
+
+async def test_a_claim_many_never_drops_a_group_dropped_and_made_again_since_its_read(
+    db: Any, clock: ManualClock
+) -> None:
+    """A reads g (empty, version 1); before A's lease, C drops g and g1 makes it again, at
+    version 1 again. A's lease takes the new lock; its drop, fenced on the last seq as well,
+    fails: g1 keeps its group."""
+    other = await new_transport(db, clock)
+    await leave_g_empty(other)
+    clock.advance(1)
+
+    async def meanwhile() -> None:
+        assert await other.claim("C") is None  # finds g empty and drops it
+        assert await lock(db, "g") is None
+        await other.publish("g", "g1")
+
+    hook = Before("mq_locks", "update_many", meanwhile)
+    a = AsyncGroupTransport(instrument(db, hook), PREFIX, visibility=VISIBILITY, clock=clock)
+    assert await a.claim_many(1, "A") == []
+    assert hook.done
+    stored = await lock(db, "g")
+    assert stored is not None, "g1 is stranded: its group has no lock"
+    assert stored["version"] == 1 and stored["token"] is None
+    assert [lease.event for lease in await a.claim_many(1, "A")] == ["g1"]
+
+
+async def test_a_head_given_back_after_claim_many_read_it_is_not_counted_twice(
+    db: Any, clock: ManualClock
+) -> None:
+    """T0's lease on g expired; between A's read and A's lease, T0 gives g0 back (its
+    delivery taken back). A's stamp takes heads only as read: g0 is not stamped on the stale
+    count (which would have buried it with max_deliveries=1), and the next claim gets it,
+    delivered once."""
+    other = await new_transport(db, clock, max_deliveries=1)
+    await other.publish("g", "g0")
+    (t0,) = await other.claim_many(1, "T0")
+    clock.advance(VISIBILITY + 1)
+
+    async def meanwhile() -> None:
+        assert await other._unclaim(t0)
+
+    hook = Before("mq_locks", "update_many", meanwhile)
+    a = AsyncGroupTransport(
+        instrument(db, hook), PREFIX, visibility=VISIBILITY, clock=clock, max_deliveries=1
+    )
+    assert await a.claim_many(1, "A") == []
+    assert hook.done
+    assert await dead(db) == {}
+    assert (await message(db, t0.seq) or {}).get("deliveries") == 0
+    (lease,) = await a.claim_many(1, "A")
+    assert (lease.event, lease.deliveries) == ("g0", 1)

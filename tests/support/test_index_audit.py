@@ -511,7 +511,7 @@ class StealHeadOnce:
         self.armed = False
 
     async def before(self, op: Operation) -> None:
-        stamp = op.collection == MESSAGES and op.name == "update_many" and "dead" in op.filter
+        stamp = op.collection == MESSAGES and op.name == "update_many" and "$and" in op.filter
         if self.armed and stamp:  # the batched stamp of the heads
             self.armed = False
             await self.raw[MESSAGES].update_one(
@@ -704,7 +704,7 @@ WITNESSES = {
     (MESSAGES, "find", ("_id", "token")),  # claim_many raced: which heads it stamped
     (MESSAGES, "find_one", ("group_id",)),  # ack of a group's last message
     (MESSAGES, "distinct", ("group_id",)),  # ack_many of groups' last messages
-    (LOCKS, "delete_one", ("_id", "token", "version")),  # a claim finding its group empty
+    (LOCKS, "delete_one", ("_id", "last_seq", "token", "version")),  # a claim finding its group empty
     (LOCKS, "bulk_write:DeleteOne", ("_id", "last_seq", "token", "version")),  # ack_many drop
     (DEAD, "replace_one", ("_id",)),  # a burial
     (DEAD, "find", ("group_id",)),
