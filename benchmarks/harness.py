@@ -35,6 +35,8 @@ class Result:
     docs_examined: int | None = None
     #: milliseconds of mongoq's own time per item, commands left out (`Stopwatch`)
     own_ms: float | None = None
+    #: milliseconds from a put to its handler's start: (median, max)
+    latency_ms: tuple[float, float] | None = None
 
     @property
     def per_second(self) -> float:
@@ -51,6 +53,8 @@ class Result:
             rate = f"{1000 / self.per_second:>7.0f} ms/it" if self.per_second else " " * 13
         examined = "" if self.docs_examined is None else f"  {self.docs_examined} docs/claim"
         own = "" if self.own_ms is None else f"  {self.own_ms:.3f} ms own/item"
+        if self.latency_ms is not None:
+            own += f"  start after {self.latency_ms[0]:.1f} ms (max {self.latency_ms[1]:.1f})"
         return (
             f"{self.scenario:<50} {self.backend:<8} {self.items:>7} items  "
             f"{rate}  {self.commands_per_item:>6.2f} commands/item{examined}{own}"

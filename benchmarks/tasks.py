@@ -7,10 +7,17 @@ on every query; only a real server (``--uri``) says anything about index use.
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
+
+import anyio
 
 from benchmarks.harness import Result, counted_database
-from mongoq import AsyncTaskQueue, NewTask
+from mongoq import AsyncTaskQueue, NewTask, Task
+from mongoq.clock import SystemClock
 from mongoq.testing import ManualClock
 
 
@@ -88,8 +95,40 @@ async def claim_cost(uri: str | None, backlog: int, claims: int = 20) -> Result:
         return await bench.examined(result, lambda: queue.claim("bench"))
 
 
+async def wake_up(uri: str | None, puts: int = 20) -> Result:
+    """Issue #15: from a put to its handler's start, an idle worker of 8 slots polling every
+    second in the same process, on the wall clock; the commands per task (claims included)."""
+    async with counted_database(uri) as bench:
+        queue = AsyncTaskQueue(bench.db, "bench_wake", clock=SystemClock())
+        await queue.ensure_indexes()
+        started: dict[str, float] = {}
+        arrived = anyio.Event()
+
+        async def handler(task: Task) -> None:
+            started[str(task.id)] = time.perf_counter()
+            arrived.set()
+
+        latencies: list[float] = []
+        async with anyio.create_task_group() as group:
+            group.start_soon(partial(queue.run, handler, concurrency=8, poll_interval=1.0))
+            await anyio.sleep(0.05)  # every slot idle
+            bench.start()
+            for number in range(puts):
+                arrived = anyio.Event()
+                put_at = time.perf_counter()
+                await queue.put(f"t{number}")
+                with anyio.fail_after(5):
+                    await arrived.wait()
+                latencies.append((started[f"t{number}"] - put_at) * 1000)
+                await anyio.sleep(0.01)  # idle again before the next put
+            result = bench.stop("tasks: put to handler start, idle worker of 8", puts)
+            queue.stop()
+        return replace(result, latency_ms=(statistics.median(latencies), max(latencies)))
+
+
 def scenarios(tasks: int, backlogs: list[int]) -> list[tuple[str, Callable[[str | None], object]]]:
     runs: list[tuple[str, Callable[[str | None], object]]] = [
+        ("wake-up", wake_up),
         ("lifecycle single", lambda uri: lifecycle_single(uri, tasks)),
         ("lifecycle put_many", lambda uri: lifecycle_put_many(uri, tasks)),
         ("lifecycle batched", lambda uri: lifecycle_batched(uri, tasks)),

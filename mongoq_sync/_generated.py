@@ -119,10 +119,12 @@ class TaskQueue(Facade):
         revision: str | int | None = None,
         priority: int = 0,
         delay: float = 0,
+        run_at: datetime | None = None,
     ) -> PutOutcome:
         """Add a task, idempotently (one command).
 
-        - A new id is inserted ``pending``, due after `delay` seconds.
+        - A new id is inserted ``pending``, due after `delay` seconds, or at `run_at` (a
+          timezone-aware datetime; one in the past is due at once; not both).
         - Replaying a put of an existing task with the same `revision` (or with none) changes
           nothing.
         - A put with a different `revision` replaces payload and priority and makes a pending,
@@ -130,11 +132,19 @@ class TaskQueue(Facade):
           processed stays with its holder, whose settle then returns it to pending for the new
           revision instead of completing it.
         Higher `priority` is claimed first. Returns ``"inserted"``, ``"updated"`` or
-        ``"unchanged"``.
+        ``"unchanged"``. A task due now wakes this process's workers of the queue at once.
         """
         return cast(
             "PutOutcome",
-            self._call("put", task_id, payload, revision=revision, priority=priority, delay=delay),
+            self._call(
+                "put",
+                task_id,
+                payload,
+                revision=revision,
+                priority=priority,
+                delay=delay,
+                run_at=run_at,
+            ),
         )
 
     def put_many(self, tasks: Iterable[NewTask]) -> PutManyResult:
@@ -450,7 +460,8 @@ class GroupTransport(Facade):
         self._call("ensure_indexes")
 
     def publish(self, group_id: GroupId, event: Any, *, priority: int = 0) -> int:
-        """Append `event` to `group_id`'s FIFO; returns its sequence number (3 commands).
+        """Append `event` to `group_id`'s FIFO; returns its sequence number (3 commands). This
+        process's workers of the transport claim at once.
 
         The message is written before its group is readied, so a claimer never finds a ready
         group whose message is not there yet. A publish whose reply is lost may have applied:

@@ -44,6 +44,7 @@ from mongoq.groups.models import (
 )
 from mongoq.groups.operators import GroupOperators
 from mongoq.groups.settles import GroupSettles
+from mongoq.runtime import wakeups
 from mongoq.runtime.batch import run_batch
 from mongoq.runtime.candidates import take_candidates
 from mongoq.runtime.events import Tally
@@ -97,6 +98,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         self.counters = self._collection(schema.COUNTERS)
         self.dead = self._collection(schema.DEAD)
         self._recovered_until: datetime | None = None
+        self._wake_key = wakeups.key_of("groups", db, self.prefix)
 
     def _collection(self, name: str) -> Any:
         return _driver.collection(self.db, f"{self.prefix}_{name}")
@@ -118,7 +120,8 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         return int(counter["value"]) - count + 1
 
     async def publish(self, group_id: GroupId, event: Any, *, priority: int = 0) -> int:
-        """Append `event` to `group_id`'s FIFO; returns its sequence number (3 commands).
+        """Append `event` to `group_id`'s FIFO; returns its sequence number (3 commands). This
+        process's workers of the transport claim at once.
 
         The message is written before its group is readied, so a claimer never finds a ready
         group whose message is not there yet. A publish whose reply is lost may have applied:
@@ -134,6 +137,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
             await self.locks.update_one(
                 schema.lock_of(message.group_id), schema.lock_readying(priority, seq), upsert=True
             )
+        wakeups.notify(self._wake_key)
         return seq
 
     async def publish_many(self, messages: Iterable[NewMessage]) -> list[int]:
@@ -166,6 +170,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
                 ],
                 ordered=False,
             )  # fmt: skip
+        wakeups.notify(self._wake_key)
         return seqs
 
     # ------------------------------------------------------------------------------ claim
@@ -449,6 +454,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
             housekeeping_interval=self.visibility,
             name=f"groups:{self.prefix}",
             next_due=partial(self._next_due, min_priority) if stop_when_drained else None,
+            wake_key=self._wake_key,
         )
         await self._run_loop(loop, handle_signals=handle_signals)
         return summary

@@ -32,6 +32,7 @@ from mongoq._validation import check_worker_id as _check_owner
 from mongoq.errors import InvalidInput, LeaseLost, PermanentError
 from mongoq.outbox.models import Delivery, DispatchSummary, Event, check_handler
 from mongoq.outbox.store import AsyncOutbox
+from mongoq.runtime import wakeups
 from mongoq.runtime.events import Tally
 from mongoq.runtime.handler import call_handler
 from mongoq.runtime.loop import (
@@ -134,6 +135,7 @@ class OutboxDispatcher:
         self._ended = 0  # handlers that ended, ever
         self._stopping = False
         self._nap: anyio.CancelScope | None = None
+        self._wakes = 0  # publishes of this process that woke it, ever
         self._finished: list[Delivery] = []
         self._flush_lock = anyio.Lock()
 
@@ -151,6 +153,11 @@ class OutboxDispatcher:
     def _wake(self) -> None:
         if self._nap is not None:
             self._nap.cancel()
+
+    def _woken(self) -> None:
+        """A publish of this process: claim at once (or again, if a claim is under way)."""
+        self._wakes += 1
+        self._wake()
 
     async def run_once(self) -> DispatchSummary:
         """Claim one batch (up to `concurrency`), run it to the end, settle it; returns what
@@ -219,22 +226,24 @@ class OutboxDispatcher:
             if handle_signals:
                 group.start_soon(watch_signals, self, group.cancel_scope, self.owner)
             group.start_soon(self._renew_while_running)
-            async with anyio.create_task_group() as handlers:
-                await self._claim_loop(handlers, until)
+            with wakeups.listen(self.outbox.wake_key, self._woken):
+                async with anyio.create_task_group() as handlers:
+                    await self._claim_loop(handlers, until)
             group.cancel_scope.cancel()
 
     async def _claim_loop(self, handlers: anyio.abc.TaskGroup, until: str | None) -> None:
         while not self._stopping:
             await anyio.lowlevel.checkpoint_if_cancelled()  # the claim's shield would hide it
             free = self.concurrency - self._active
-            ended = self._ended
+            ended, wakes = self._ended, self._wakes
             batch = await self._claim(free) if free > 0 else []
             for delivery in batch:
                 self._active += 1
                 handlers.start_soon(self._run_one, delivery)
-            if batch or self._ended != ended:
-                # Claimed, or a handler ended while the claim ran (its wake-up found no nap,
-                # and the claim may have read the state from before it): claim again.
+            if batch or self._ended != ended or (free > 0 and self._wakes != wakes):
+                # Claimed, or a handler ended or a publish came while the claim ran (its
+                # wake-up found no nap, and the claim may have read the state from before
+                # it): claim again.
                 continue
             idle = self._active == 0 and free > 0
             if idle and until == "empty":

@@ -38,6 +38,7 @@ from mongoq.outbox.models import (
 )
 from mongoq.outbox.operators import Operators
 from mongoq.outbox.publish import Publisher
+from mongoq.runtime import wakeups
 from mongoq.runtime.events import report_start_delay
 from mongoq.runtime.loop import error_text
 from mongoq.runtime.report import Attempt, log_attempt_end
@@ -102,6 +103,7 @@ class AsyncOutbox:
         # Lanes are held per owner *and* per instance: a process restarted under a fixed owner
         # name takes its predecessor's lanes over like any worker, it does not adopt them.
         self.instance = uuid.uuid4().hex
+        self.wake_key = wakeups.key_of("outbox", db, prefix)
         self._claimer = Claimer(self)
         self._operators = Operators(self)
         self._publisher = Publisher(self)
@@ -171,7 +173,10 @@ class AsyncOutbox:
         now = await self._now()
         if transactional:
             return await self._publisher.in_transaction(list(checked.values()), session, now)
-        return await self._publisher.plain(list(checked.values()), now)
+        result = await self._publisher.plain(list(checked.values()), now)
+        if result.deliveries_added:
+            wakeups.notify(self.wake_key)  # committed already: this process's dispatchers
+        return result
 
     # ------------------------------------------------------------------------------- claim
 

@@ -1,7 +1,11 @@
 """Run loops shared by the primitives: concurrency, idle polling, graceful stop, signals.
 
 A `WorkerLoop` runs `concurrency` slots. Each slot claims one item, processes it, and claims
-again; when nothing is claimable it sleeps `poll_interval` on the primitive's clock. The
+again. When nothing is claimable, one idle slot polls for all of them: it sleeps
+`poll_interval` on the primitive's clock and claims again, while the other idle slots wait; a
+slot that claims something wakes one waiting slot, which claims too (and wakes the next if it
+finds something), so an idle worker sends one claim an interval whatever its concurrency. A
+put or publish in the same process wakes the poller at once (`mongoq.runtime.wakeups`). The
 primitive's housekeeping (reclaiming expired leases, readying orphaned groups) runs every
 `housekeeping_interval`, busy or not, and when a slot finds nothing to claim unless it ran within
 that interval. `stop()` is graceful: no slot claims again, in-flight items finish, `run()`
@@ -31,6 +35,7 @@ from mongoq import _driver
 from mongoq._validation import check_worker_id
 from mongoq.clock import Clock
 from mongoq.errors import MongoqError
+from mongoq.runtime import wakeups
 
 __all__ = [
     "WORKER_STOPPED",
@@ -139,6 +144,7 @@ class WorkerLoop(Generic[Item]):
         housekeeping_interval: float = 60.0,
         name: str = "worker",
         next_due: Callable[[], Awaitable[datetime | None]] | None = None,
+        wake_key: wakeups.Key | None = None,
     ) -> None:
         self._claim = claim
         self._next_due = next_due
@@ -155,6 +161,10 @@ class WorkerLoop(Generic[Item]):
         self._naps: set[anyio.CancelScope] = set()
         self._scope: anyio.CancelScope | None = None
         self.in_flight = 0
+        self._wake_key = wake_key
+        self._wakes = 0  # wake-ups so far: one that came while a slot claimed is not missed
+        self._poller: int | None = None  # the idle slot that polls for all of them
+        self._waiting: list[anyio.Event] = []  # the other idle slots, oldest first
 
     @property
     def stopping(self) -> bool:
@@ -167,6 +177,25 @@ class WorkerLoop(Generic[Item]):
         self._stopping = True
         for nap in list(self._naps):
             nap.cancel()
+        for waiting in self._waiting:
+            waiting.set()
+
+    def wake(self) -> None:
+        """Something may be claimable now (a put or publish of this process): the poller
+        claims at once (or, with no idle slot polling, one waiting slot does)."""
+        self._wakes += 1
+        if self._naps:
+            for nap in list(self._naps):
+                nap.cancel()
+        elif self._poller is None:  # (a poller that is claiming claims again: `_wakes`)
+            self._wake_one()
+
+    def _wake_one(self) -> None:
+        while self._waiting:
+            waiting = self._waiting.pop(0)
+            if not waiting.is_set():
+                waiting.set()
+                return
 
     async def run(self, *, handle_signals: bool = False) -> None:
         if handle_signals:
@@ -188,9 +217,15 @@ class WorkerLoop(Generic[Item]):
                 group.start_soon(watch_signals, self, group.cancel_scope, self.name)
             if self._housekeeping is not None:
                 group.start_soon(self._housekeep)
-            async with anyio.create_task_group() as slots:
-                for _ in range(self._concurrency):
-                    slots.start_soon(self._slot)
+            listening = (
+                wakeups.listen(self._wake_key, self.wake)
+                if self._wake_key is not None
+                else contextlib.nullcontext()
+            )
+            with listening:
+                async with anyio.create_task_group() as slots:
+                    for number in range(self._concurrency):
+                        slots.start_soon(self._slot, number)
             group.cancel_scope.cancel()  # the signal watcher, once every slot has returned
 
     async def _housekeep(self) -> None:
@@ -246,9 +281,34 @@ class WorkerLoop(Generic[Item]):
         await self._nap(due)
         return False
 
-    async def _slot(self) -> None:
+    async def _idle(self, number: int) -> None:
+        """Slot `number` found nothing: the poller (the first idle slot) sleeps
+        `poll_interval` and claims again; any other waits until a slot claims something, a
+        wake-up, or `stop()`."""
+        if self._poller is None or self._poller == number:
+            self._poller = number
+            await self._nap()
+            return
+        waiting = anyio.Event()
+        self._waiting.append(waiting)
+        try:
+            if not self._stopping:
+                await waiting.wait()
+        finally:
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(waiting)
+
+    def _leave_idle(self, number: int) -> None:
+        """Slot `number` claimed something: it no longer polls, and one waiting slot claims
+        too (more may be due)."""
+        if self._poller == number:
+            self._poller = None
+        self._wake_one()
+
+    async def _slot(self, number: int) -> None:
         while not self._stopping:
             await anyio.lowlevel.checkpoint_if_cancelled()  # the shield below would hide it
+            wakes = self._wakes
             try:
                 # Shielded: a claim applied on the server but cancelled before its reply is read
                 # would hold the item, unseen, for a whole lease. Once it is back, the cancellation
@@ -264,11 +324,13 @@ class WorkerLoop(Generic[Item]):
                 await self._run_housekeeping(unless_recent=True)
                 if self._stop_when_empty:
                     return
-                if self._next_due is None:
-                    await self._nap()
-                elif await self._drained():
-                    return
+                if self._next_due is not None:
+                    if await self._drained():
+                        return
+                elif self._wakes == wakes:  # else woken while claiming: claim again at once
+                    await self._idle(number)
                 continue
+            self._leave_idle(number)
             self.in_flight += 1
             try:
                 await self._process(item)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Literal
 
 import bson
@@ -22,7 +22,7 @@ from mongoq._validation import (
     check_payload,
     check_seconds,
 )
-from mongoq.clock import stored_instant
+from mongoq.clock import stored_instant, to_millis
 from mongoq.errors import InvalidInput
 
 TaskStatus = Literal["pending", "processing", "done", "failed", "tombstone"]
@@ -127,6 +127,13 @@ class NewTask:
     revision: str | int | None = None
     priority: int = 0
     delay: float = 0.0
+    run_at: datetime | None = None
+
+    def due(self, now: datetime) -> datetime:
+        """When the task is first claimable, put at `now`: `run_at`, else `now` + `delay`."""
+        if self.run_at is not None:
+            return to_millis(self.run_at)
+        return now + timedelta(seconds=self.delay)
 
 
 def check_new_task(spec: NewTask, prefix: str = "") -> NewTask:
@@ -145,7 +152,12 @@ def check_new_task(spec: NewTask, prefix: str = "") -> NewTask:
             )
     check_int(f"{prefix}priority", spec.priority, low=-(2**31), high=2**31 - 1)
     delay = check_seconds(f"{prefix}delay", spec.delay)
-    return NewTask(task_id, spec.payload, spec.revision, spec.priority, delay)
+    if spec.run_at is not None:
+        if not isinstance(spec.run_at, datetime) or spec.run_at.utcoffset() is None:
+            raise InvalidInput(f"{prefix}run_at", "must be a timezone-aware datetime or None")
+        if delay:
+            raise InvalidInput(f"{prefix}run_at", "give a delay or a run_at, not both")
+    return NewTask(task_id, spec.payload, spec.revision, spec.priority, delay, spec.run_at)
 
 
 def check_new_tasks(field: str, tasks: Iterable[NewTask]) -> list[NewTask]:

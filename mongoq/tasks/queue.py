@@ -32,6 +32,7 @@ from mongoq._validation import (
 )
 from mongoq.clock import Clock, ServerClock, stored_instant
 from mongoq.errors import InvalidInput, LeaseLost, PermanentError
+from mongoq.runtime import wakeups
 from mongoq.runtime.batch import run_batch
 from mongoq.runtime.candidates import take_candidates
 from mongoq.runtime.events import Tally, report_start_delay
@@ -229,6 +230,7 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
         self.db = db
         self.collection = _driver.collection(db, name)
         self._leases: dict[str, TaskLease] = {}
+        self._wake_key = wakeups.key_of("tasks", db, name)
 
     # ------------------------------------------------------------------------------ set-up
 
@@ -259,10 +261,12 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
         revision: str | int | None = None,
         priority: int = 0,
         delay: float = 0,
+        run_at: datetime | None = None,
     ) -> PutOutcome:
         """Add a task, idempotently (one command).
 
-        - A new id is inserted ``pending``, due after `delay` seconds.
+        - A new id is inserted ``pending``, due after `delay` seconds, or at `run_at` (a
+          timezone-aware datetime; one in the past is due at once; not both).
         - Replaying a put of an existing task with the same `revision` (or with none) changes
           nothing.
         - A put with a different `revision` replaces payload and priority and makes a pending,
@@ -270,16 +274,23 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
           processed stays with its holder, whose settle then returns it to pending for the new
           revision instead of completing it.
         Higher `priority` is claimed first. Returns ``"inserted"``, ``"updated"`` or
-        ``"unchanged"``.
+        ``"unchanged"``. A task due now wakes this process's workers of the queue at once.
         """
-        spec = check_new_task(NewTask(task_id, payload, revision, priority, delay))
+        spec = check_new_task(NewTask(task_id, payload, revision, priority, delay, run_at))
         now = await self._now()
         result = await self.collection.update_one(
             schema.task_by_id(spec.task_id), schema.task_putting(spec, now), upsert=True
         )
-        if result.upserted_id is not None:
-            return "inserted"
-        return "updated" if result.modified_count else "unchanged"
+        outcome: PutOutcome = (
+            "inserted"
+            if result.upserted_id is not None
+            else "updated"
+            if result.modified_count
+            else "unchanged"
+        )
+        if outcome != "unchanged" and spec.due(now) <= now:
+            wakeups.notify(self._wake_key)
+        return outcome
 
     async def put_many(self, tasks: Iterable[NewTask]) -> PutManyResult:
         """`put` for many tasks in one round trip (one unordered bulk write)."""
@@ -298,6 +309,8 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
         ]
         result = await self.collection.bulk_write(ops, ordered=False)
         inserted, updated = result.upserted_count, result.modified_count
+        if inserted + updated and any(spec.due(now) <= now for spec in checked):
+            wakeups.notify(self._wake_key)
         return PutManyResult(inserted, updated, len(checked) - inserted - updated)
 
     # ---------------------------------------------------------------------------- consumer
@@ -659,6 +672,7 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
             housekeeping_interval=self.lease_ttl / 3,
             name=f"tasks:{self.name}",
             next_due=self._next_due if stop_when_drained else None,
+            wake_key=self._wake_key,
         )
         await self._run_loop(loop, handle_signals=handle_signals)
         return summary

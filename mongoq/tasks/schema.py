@@ -320,7 +320,7 @@ def task_putting(spec: NewTask, now: datetime) -> list[dict[str, Any]]:
     def when(condition: Any, new: Any, current: str) -> dict[str, Any]:
         return {"$cond": [condition, new, f"${current}"]}
 
-    due = now + timedelta(seconds=spec.delay)
+    due = spec.due(now)
     return [
         {
             "$set": {

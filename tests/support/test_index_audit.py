@@ -704,7 +704,8 @@ WITNESSES = {
     (MESSAGES, "find", ("_id", "token")),  # claim_many raced: which heads it stamped
     (MESSAGES, "find_one", ("group_id",)),  # ack of a group's last message
     (MESSAGES, "distinct", ("group_id",)),  # ack_many of groups' last messages
-    (LOCKS, "delete_one", ("_id", "last_seq", "token", "version")),  # a claim finding its group empty
+    # a claim finding its group empty
+    (LOCKS, "delete_one", ("_id", "last_seq", "token", "version")),
     (LOCKS, "bulk_write:DeleteOne", ("_id", "last_seq", "token", "version")),  # ack_many drop
     (DEAD, "replace_one", ("_id",)),  # a burial
     (DEAD, "find", ("group_id",)),

@@ -1,0 +1,77 @@
+"""Same-process wake-ups: a put or a publish wakes this process's run loops that serve it.
+
+A run loop (`mongoq.runtime.loop.WorkerLoop`, `mongoq.outbox.OutboxDispatcher`) listens under
+its primitive's `Key` while it runs; a producer's write then `notify`-s that key and the loop
+claims at once instead of waiting out its poll. A key names the primitive, the database and
+the queue (or prefix), not the client: two clients of one process on different servers with
+the same names wake each other's loops for nothing, which costs a claim, never a message.
+Writes from another process reach a loop through its poll. Thread-safe: a listener that
+registered from another thread's event loop (a `mongoq_sync` portal) is called through that
+loop. Owns no collections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Key", "key_of", "listen", "notify"]
+
+#: (primitive, database name, queue name or prefix)
+Key = tuple[str, str, str]
+
+
+def key_of(primitive: str, db: Any, name: str) -> Key:
+    """The key a run loop of `primitive` on `db`'s queue (or prefix) `name` listens under."""
+    return (primitive, str(getattr(db, "name", "")), name)
+
+
+@dataclass(eq=False)
+class _Listener:
+    callback: Callable[[], None]
+    loop: asyncio.AbstractEventLoop | None
+    thread: int = field(default_factory=threading.get_ident)
+
+    def call(self) -> None:
+        if self.thread == threading.get_ident() or self.loop is None:
+            self.callback()
+        elif not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.callback)
+
+
+_lock = threading.Lock()
+_listeners: dict[Key, set[_Listener]] = {}
+
+
+@contextlib.contextmanager
+def listen(key: Key, callback: Callable[[], None]) -> Iterator[None]:
+    """Call `callback` (in the current event loop's thread) on every `notify` of `key` while
+    the block runs."""
+    try:
+        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    listener = _Listener(callback, loop)
+    with _lock:
+        _listeners.setdefault(key, set()).add(listener)
+    try:
+        yield
+    finally:
+        with _lock:
+            listeners = _listeners.get(key)
+            if listeners is not None:
+                listeners.discard(listener)
+                if not listeners:
+                    del _listeners[key]
+
+
+def notify(key: Key) -> None:
+    """Wake every run loop of this process listening under `key` (none: nothing happens)."""
+    with _lock:
+        listeners = list(_listeners.get(key, ()))
+    for listener in listeners:
+        listener.call()
