@@ -311,9 +311,22 @@ class TaskQueue(Facade):
         """
         return cast("int", self._call("requeue_failed", task_ids))
 
+    def cancel(self, task_id: TaskId) -> bool:
+        """End a pending or running task ``cancelled`` (one command); False, and no change, if
+        the task is finished already or does not exist.
+
+        A running task is cancelled in the database at once: its holder's next renewal (every
+        ``lease_ttl / 3``) finds it gone, its handler is cancelled, and no settle of that
+        claim takes effect any more. A handler that finishes before that renewal finds its
+        completion refused (the task stays cancelled). A put with a new revision makes a
+        cancelled task pending again, as for a done or failed one.
+        """
+        return cast("bool", self._call("cancel", task_id))
+
     def purge(self, status: TaskStatus, older_than: float) -> int:
         """Operator: delete the tasks in a finished `status` (``done``, ``failed``,
-        ``tombstone``) that last changed more than `older_than` seconds ago; returns how many.
+        ``cancelled``, ``tombstone``) that last changed more than `older_than` seconds ago;
+        returns how many.
         For retention without a command, set `retain_done` / `retain_failed` on the queue.
         """
         return cast("int", self._call("purge", status, older_than))

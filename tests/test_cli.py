@@ -120,7 +120,7 @@ async def test_tasks_stats_in_a_table_and_in_json(db: Any, mongoq_cmd: Mongoq) -
     assert "embedded backend" in err  # no --uri, no MONGOQ_URI: said on stderr
     lines = dict(line.rsplit(None, 1) for line in out.splitlines() if line[0] != "o")
     assert lines == {"pending": "2", "processing": "0", "done": "2", "failed": "2",
-                     "tombstone": "0", "due": "2", "expired": "0"}  # fmt: skip
+                     "cancelled": "0", "tombstone": "0", "due": "2", "expired": "0"}  # fmt: skip
     assert re.fullmatch(r"oldest due age  1h\d+m", out.splitlines()[-1])  # put an hour ago
 
     code, out, _ = await mongoq_cmd("tasks", "stats", "jobs", "--json")
@@ -209,7 +209,7 @@ async def test_tasks_purge_deletes_finished_tasks_older_than(
     assert (code, out) == (0, "purged 1 done task(s) last changed over 7d0h ago\n")
     assert await queue.get("old-done") is None
     assert (await queue.stats()).counts == {"pending": 2, "processing": 0, "done": 1, "failed": 2,
-                                            "tombstone": 0}  # fmt: skip
+                                            "cancelled": 0, "tombstone": 0}  # fmt: skip
     code, out, _ = await mongoq_cmd(
         "tasks", "purge", "jobs", "--status", "failed", "--older-than", "30m", "--json"
     )

@@ -100,7 +100,7 @@ async def tasks_in_db(db: Any, now: datetime) -> dict[Key, float]:
     docs = [utc(d) for d in await db[QUEUE].find({}).to_list(None)]
     due = [d for d in docs if d["status"] == "pending" and d["lease_until"] <= now]
     expired = [d for d in docs if d["status"] == "processing" and d["lease_until"] < now]
-    statuses = ("pending", "processing", "done", "failed", "tombstone")
+    statuses = ("pending", "processing", "done", "failed", "cancelled", "tombstone")
     return {
         **{
             key("mongoq_tasks", queue=QUEUE, status=s): float(
@@ -230,7 +230,14 @@ async def test_the_gauges_equal_what_the_database_holds(db: Any, clock: ManualCl
     assert of_queue(samples, "outbox", PREFIX) == await outbox_in_db(db, now)
     # The scenario reached every state it meant to (the comparisons above are not vacuous).
     tasks = by_label(samples, "mongoq_tasks", "status")
-    assert tasks == {"pending": 2, "processing": 1, "done": 1, "failed": 1, "tombstone": 1}
+    assert tasks == {
+        "pending": 2,
+        "processing": 1,
+        "done": 1,
+        "failed": 1,
+        "cancelled": 0,
+        "tombstone": 1,
+    }
     assert samples[key("mongoq_tasks_expired", queue=QUEUE)] == 1
     oldest_task = samples[key("mongoq_tasks_oldest_due_age_seconds", queue=QUEUE)]
     assert oldest_task == (now - e_due).total_seconds() > LEASE_TTL
@@ -274,15 +281,15 @@ async def test_a_scrape_costs_a_fixed_number_of_commands_whatever_the_backlog(
             found[kind] = counter.total
         return found
 
-    assert await costs() == {"tasks": 8, "groups": 6, "outbox": 5}
+    assert await costs() == {"tasks": 9, "groups": 6, "outbox": 5}
     for n in range(40):
         await queue.put(f"t{n}")
         await transport.publish(f"g{n % 7}", n)
     await outbox.publish([event(n) for n in range(40)], session=None)
-    assert await costs() == {"tasks": 8, "groups": 6, "outbox": 5}
+    assert await costs() == {"tasks": 9, "groups": 6, "outbox": 5}
     # Deliveries running on held lanes: one more read, to tell them from stale listings.
     assert await outbox.claim("w", limit=8)
-    assert await costs() == {"tasks": 8, "groups": 6, "outbox": 6}
+    assert await costs() == {"tasks": 9, "groups": 6, "outbox": 6}
     # With completion history, one more: its (estimated) count.
     history = AsyncOutbox(
         counted, "obh_", subscriptions=ONLY_H, completion_history=True, clock=clock

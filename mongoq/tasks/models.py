@@ -25,13 +25,15 @@ from mongoq._validation import (
 from mongoq.clock import stored_instant, to_millis
 from mongoq.errors import InvalidInput
 
-TaskStatus = Literal["pending", "processing", "done", "failed", "tombstone"]
+TaskStatus = Literal["pending", "processing", "done", "failed", "cancelled", "tombstone"]
 PENDING: TaskStatus = "pending"
 PROCESSING: TaskStatus = "processing"
 DONE: TaskStatus = "done"
 FAILED: TaskStatus = "failed"
+#: terminal: `AsyncTaskQueue.cancel` ended it, pending or running
+CANCELLED: TaskStatus = "cancelled"
 TOMBSTONE: TaskStatus = "tombstone"
-STATUSES: tuple[TaskStatus, ...] = (PENDING, PROCESSING, DONE, FAILED, TOMBSTONE)
+STATUSES: tuple[TaskStatus, ...] = (PENDING, PROCESSING, DONE, FAILED, CANCELLED, TOMBSTONE)
 
 PutOutcome = Literal["inserted", "updated", "unchanged"]
 
@@ -226,5 +228,7 @@ class RunSummary:
     failed: int = 0
     released: int = 0
     lost: int = 0
+    #: tasks cancelled while their handler ran (`AsyncTaskQueue.cancel`)
+    cancelled: int = 0
     #: settles whose reply was lost: the task is settled or its lease will expire
     unknown: int = 0

@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
+from pymongo import ReturnDocument
+
 from mongoq import _driver
 from mongoq._validation import (
     check_batch,
@@ -25,6 +27,7 @@ from mongoq.clock import stored_instant, to_millis
 from mongoq.errors import InvalidInput
 from mongoq.tasks import schema
 from mongoq.tasks.models import (
+    PROCESSING,
     STATUSES,
     ReclaimResult,
     Task,
@@ -120,9 +123,37 @@ class TaskOperators:
             log.info("requeued %d failed task(s)", result.modified_count)
         return int(result.modified_count)
 
+    async def cancel(self: _Queue, task_id: TaskId) -> bool:
+        """End a pending or running task ``cancelled`` (one command); False, and no change, if
+        the task is finished already or does not exist.
+
+        A running task is cancelled in the database at once: its holder's next renewal (every
+        ``lease_ttl / 3``) finds it gone, its handler is cancelled, and no settle of that
+        claim takes effect any more. A handler that finishes before that renewal finds its
+        completion refused (the task stays cancelled). A put with a new revision makes a
+        cancelled task pending again, as for a done or failed one.
+        """
+        task_id = check_id("task_id", task_id)
+        now = await self._now()
+        before = await self.collection.find_one_and_update(
+            schema.task_cancellable(task_id), schema.task_cancelling(now),
+            projection={"status": 1}, return_document=ReturnDocument.BEFORE,
+        )  # fmt: skip
+        if before is None:
+            return False
+        running = before.get("status") == PROCESSING
+        log.info(
+            "cancelled task %r%s", task_id, " (running: its handler stops at its next renewal)"
+            if running else "",
+            extra={"mongoq_primitive": "tasks", "mongoq_queue": self.name,
+                   "mongoq_item": repr(task_id), "mongoq_outcome": "cancelled"},
+        )  # fmt: skip
+        return True
+
     async def purge(self: _Queue, status: TaskStatus, older_than: float) -> int:
         """Operator: delete the tasks in a finished `status` (``done``, ``failed``,
-        ``tombstone``) that last changed more than `older_than` seconds ago; returns how many.
+        ``cancelled``, ``tombstone``) that last changed more than `older_than` seconds ago;
+        returns how many.
         For retention without a command, set `retain_done` / `retain_failed` on the queue."""
         if status not in schema.PURGEABLE:
             raise InvalidInput("status", f"must be one of {', '.join(schema.PURGEABLE)} (finished)")

@@ -86,6 +86,8 @@ class TaskLease:
     queue: AsyncTaskQueue
     task: Task
     outcome: str | None = None
+    #: a renewal found the task cancelled (`AsyncTaskQueue.cancel`); `lost` is True too
+    cancelled: bool = False
     _keepalive: KeepAlive | None = field(default=None, repr=False)
     _abandoned: bool = field(default=False, repr=False)
 
@@ -129,6 +131,9 @@ class TaskLease:
         if self.settled:
             return None
         held = await self.queue.heartbeat(self.task)
+        if not held and not self.settled:
+            # Lost: taken over, or cancelled (one read, only then, tells which).
+            self.cancelled = await self.queue._is_cancelled(self.task)
         return None if self.settled else held
 
     def _abandon(self) -> None:
@@ -142,11 +147,13 @@ class TaskLease:
         if self.settled or self._abandoned:
             return
         lost = LeaseLost(
-            f"task {self.task.id!r} is no longer held (taken over, removed, or re-put with a new "
-            "revision); the block's outcome was not recorded"
+            f"task {self.task.id!r} was cancelled; the block's outcome was not recorded"
+            if self.cancelled
+            else f"task {self.task.id!r} is no longer held (taken over, removed, or re-put with "
+            "a new revision); the block's outcome was not recorded"
         )
         if self.lost:
-            self.outcome = "lost"
+            self.outcome = "cancelled" if self.cancelled else "lost"
             if exc is None:
                 raise lost
             return
@@ -480,11 +487,20 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
             requeued = await self.collection.update_one(fence, schema.task_requeuing(now))
             if requeued.matched_count:
                 log.info("task %r changed revision while processing; requeued", task.id)
+            elif lease is not None and await self._is_cancelled(task):
+                lease.cancelled = True
+                log.info("task %r: %s ignored, the task was cancelled", task.id, outcome)
             else:
                 log.info("task %r: %s ignored, the lease was lost", task.id, outcome)
         if lease is not None and (took_effect or lease.outcome != "unknown"):
-            lease.outcome = outcome if took_effect else "lost"
+            missed = "cancelled" if lease.cancelled else "lost"
+            lease.outcome = outcome if took_effect else missed
         return took_effect
+
+    async def _is_cancelled(self, task: Task) -> bool:
+        """Whether `task` (whose holder's renewal missed) was cancelled, rather than lost."""
+        found = await self.collection.find_one(schema.task_cancelled(task.id), {"_id": 1})
+        return found is not None
 
     async def heartbeat(self, task: Task) -> bool:
         """Extend the lease by `lease_ttl` from now; False when the task is no longer held."""

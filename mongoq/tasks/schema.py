@@ -4,7 +4,7 @@ update `AsyncTaskQueue` sends, each a named function beside the index that serve
 Collection ``{name}``, one document per task::
 
     {_id: task_id, payload, revision, priority,
-     status: "pending" | "processing" | "done" | "failed" | "tombstone",
+     status: "pending" | "processing" | "done" | "failed" | "cancelled" | "tombstone",
      attempts,          # claims so far, counted at claim; capped by max_attempts
      lease_until,       # processing: the lease's end; pending: "not before" (when it is due)
      worker_id, lease_token,   # the holder while processing (token is unique per claim);
@@ -45,6 +45,7 @@ from mongoq import _driver
 from mongoq._indexes import IndexSpec
 from mongoq.clock import to_millis
 from mongoq.tasks.models import (
+    CANCELLED,
     DONE,
     FAILED,
     PENDING,
@@ -82,6 +83,9 @@ __all__ = [
     "task_expired_exhausted",
     "task_expired_retryable",
     "task_extending",
+    "task_cancellable",
+    "task_cancelled",
+    "task_cancelling",
     "task_failed",
     "task_failing",
     "task_held",
@@ -238,7 +242,7 @@ STATUS_UPDATED = IndexSpec("status_updated", (("status", 1), ("updated_at", 1), 
 #: The listing's order: least recently changed first, the id breaking ties (a stable order).
 LIST_ORDER = [("updated_at", 1), ("_id", 1)]
 #: The states an operator may purge: finished ones, never work still to do.
-PURGEABLE: tuple[TaskStatus, ...] = (DONE, FAILED, TOMBSTONE)
+PURGEABLE: tuple[TaskStatus, ...] = (DONE, FAILED, CANCELLED, TOMBSTONE)
 
 
 def tasks_listed(
@@ -377,6 +381,24 @@ def tasks_held(tasks: Sequence[Task]) -> dict[str, Any]:
 def tasks_done(ids: Sequence[TaskId]) -> dict[str, Any]:
     """Those of `ids` that are done: `complete_many`'s read of which it completed."""
     return {"_id": {"$in": list(ids)}, "status": DONE}
+
+
+def task_cancellable(task_id: TaskId) -> dict[str, Any]:
+    """The task if pending or processing: `cancel`; by ``_id``."""
+    return {"_id": task_id, "status": {"$in": [PENDING, PROCESSING]}}
+
+
+def task_cancelling(now: datetime) -> dict[str, Any]:
+    """Cancelled (on `task_cancellable`), terminal: its holder, if any, no longer matches any
+    fence (its next renewal finds out, and its handler is cancelled)."""
+    return {
+        "$set": {"status": CANCELLED, "lease_until": None, "lease_token": None, "updated_at": now}
+    }
+
+
+def task_cancelled(task_id: TaskId) -> dict[str, Any]:
+    """The task if cancelled: a holder whose renewal missed, telling a cancel from a loss."""
+    return {"_id": task_id, "status": CANCELLED}
 
 
 def task_failed(task_id: TaskId) -> dict[str, Any]:

@@ -528,6 +528,8 @@ async def exercise_tasks(db: Any, clock: ManualClock) -> None:
     )
     await queue.ensure_indexes()
     assert await queue.put("a", {"n": 1}) == "inserted"
+    await queue.put("cancelled-pending")
+    assert await queue.cancel("cancelled-pending")
     assert await queue.put("a", {"n": 1}) == "unchanged"
     assert await queue.put("b", {"n": 2}, revision=1, priority=5) == "inserted"
     await queue.put_many([NewTask(f"m{i}", {"i": i}) for i in range(6)])

@@ -437,6 +437,8 @@ async def test_stats_counts_each_status_and_the_oldest_due_age(
     await make_failed(queue, "failed")
     await claim_one(queue, expect="removed")
     assert await queue.remove("removed")
+    await queue.put("cancelled", delay=3600)
+    assert await queue.cancel("cancelled")
 
     stats = await queue.stats()
 
@@ -447,6 +449,7 @@ async def test_stats_counts_each_status_and_the_oldest_due_age(
         "done": "done",
         "failed": "failed",
         "removed": "tombstone",
+        "cancelled": "cancelled",
         "oldest-due": "pending",
         "due": "pending",
         "not-due": "pending",
@@ -456,6 +459,7 @@ async def test_stats_counts_each_status_and_the_oldest_due_age(
         "processing": 2,
         "done": 1,
         "failed": 1,
+        "cancelled": 1,
         "tombstone": 1,
     }
     assert stats.due == 2
@@ -467,7 +471,7 @@ async def test_stats_of_an_empty_queue(db: Any, queue: AsyncTaskQueue) -> None:
     stats = await queue.stats()
 
     assert stats.counts == dict.fromkeys(
-        ["pending", "processing", "done", "failed", "tombstone"], 0
+        ["pending", "processing", "done", "failed", "cancelled", "tombstone"], 0
     )
     assert (stats.due, stats.expired, stats.oldest_due_age) == (0, 0, None)
     assert await read_all(db) == {}
@@ -486,7 +490,7 @@ async def test_stats_costs_the_same_few_commands_whatever_the_queue_size(
 
     stats = await queue.stats()
 
-    assert counter.total == empty_cost <= 8
+    assert counter.total == empty_cost <= 9  # a count per status, due, expired, the oldest
     assert stats.counts["pending"] == 20 and stats.counts["processing"] == 10
     docs = await read_all(db)
     assert sum(doc["status"] == "pending" for doc in docs.values()) == 20

@@ -199,7 +199,9 @@ async def test_purge_deletes_finished_tasks_older_than_asked_and_nothing_else(
     left = await read_all(db)
     assert set(docs) - set(left) == {"done-0", "tombstone-0", "tombstone-1"}
     for status in ("pending", "processing"):
-        with pytest.raises(InvalidInput, match=r"^status: must be one of done, failed, tombstone"):
+        with pytest.raises(
+            InvalidInput, match=r"^status: must be one of done, failed, cancelled, tombstone"
+        ):
             await queue.purge(status, older_than=0)  # type: ignore[arg-type]
     with pytest.raises(InvalidInput, match=r"^older_than: "):
         await queue.purge("done", older_than=-1)

@@ -1,0 +1,139 @@
+"""`AsyncTaskQueue.cancel` (issue 15): a pending task ends ``cancelled``; a running one too,
+at once in the database, and its holder finds out at its next renewal, its handler cancelled;
+no settle of that claim takes effect. Each test reads the stored task back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+from mongoq import InvalidInput, LeaseLost, Task
+from mongoq.testing import ManualClock, settle
+from tests.support.helpers import LEASE_TTL, claim_one, new_queue, read
+
+
+async def test_a_pending_task_cancelled_is_never_claimed_and_a_second_cancel_changes_nothing(
+    db: Any, clock: ManualClock
+) -> None:
+    queue = await new_queue(db, clock)
+    await queue.put("t1", {"n": 1})
+    await queue.put("t2")
+
+    assert await queue.cancel("t1") is True
+
+    stored = await read(db, "t1")
+    assert stored is not None
+    assert (stored["status"], stored["lease_until"], stored["lease_token"]) == ("cancelled", None,
+                                                                              None)  # fmt: skip
+    assert (await claim_one(queue)).id == "t2"
+    assert await queue.claim("w") is None
+    before = await read(db, "t1")
+    assert await queue.cancel("t1") is False  # finished already
+    assert await queue.cancel("nope") is False  # no such task
+    assert await read(db, "t1") == before and await read(db, "nope") is None
+    listed = await queue.list_tasks(status="cancelled")
+    assert [task.id for task in listed.tasks] == ["t1"]
+    assert (await queue.stats()).counts["cancelled"] == 1
+
+
+async def test_cancel_refuses_a_bad_id_before_anything_is_written(
+    db: Any, clock: ManualClock
+) -> None:
+    queue = await new_queue(db, clock)
+    with pytest.raises(InvalidInput) as error:
+        await queue.cancel({"not": "an id"})  # type: ignore[arg-type]
+    assert error.value.field == "task_id"
+    assert await db["tasks"].count_documents({}) == 0
+
+
+async def test_a_running_task_cancelled_stops_its_handler_at_the_next_renewal(
+    db: Any, clock: ManualClock
+) -> None:
+    queue = await new_queue(db, clock)
+    await queue.put("t1")
+    seen: list[str] = []
+
+    async def handler(task: Task) -> None:
+        seen.append("started")
+        try:
+            await anyio.sleep_forever()
+        except anyio.get_cancelled_exc_class():
+            seen.append("cancelled")
+            raise
+
+    async with anyio.create_task_group() as group:
+        results: list[Any] = []
+
+        async def run() -> None:
+            results.append(await queue.run(handler, poll_interval=60))
+
+        group.start_soon(run)
+        await settle()
+        assert seen == ["started"]
+        assert await queue.cancel("t1") is True
+        assert (await read(db, "t1") or {})["status"] == "cancelled"  # at once
+        clock.advance(LEASE_TTL / 3)  # the heartbeat: the task is no longer held
+        await settle()
+        assert seen == ["started", "cancelled"]
+        queue.stop()
+    (summary,) = results
+    assert (summary.cancelled, summary.lost, summary.retried, summary.completed) == (1, 0, 0, 0)
+    stored = await read(db, "t1")
+    assert stored is not None and (stored["status"], stored["attempts"]) == ("cancelled", 1)
+    assert "error" not in stored or stored["error"] is None  # not recorded as a failure
+
+
+async def test_a_holder_of_a_cancelled_task_cannot_settle_it(db: Any, clock: ManualClock) -> None:
+    queue = await new_queue(db, clock)
+    await queue.put("t1")
+    task = await claim_one(queue, expect="t1")
+    assert await queue.cancel("t1")
+
+    assert await queue.complete(task, {"late": True}) is False
+    assert await queue.release_for_retry(task, "boom") is False
+    assert await queue.fail(task, "boom") is False
+    assert await queue.heartbeat(task) is False
+    stored = await read(db, "t1")
+    assert stored is not None and stored["status"] == "cancelled"
+    assert stored.get("result") is None and stored.get("error") is None
+
+
+async def test_a_leased_block_learns_of_the_cancel_from_its_renewal(
+    db: Any, clock: ManualClock
+) -> None:
+    queue = await new_queue(db, clock)
+    await queue.put("t1")
+    task = await claim_one(queue, expect="t1")
+    with pytest.raises(LeaseLost, match="was cancelled"):
+        async with queue.leased(task) as lease:
+            assert await queue.cancel("t1")
+            clock.advance(LEASE_TTL / 3)
+            await settle()
+            assert (lease.lost, lease.cancelled) == (True, True)
+    assert lease.outcome == "cancelled"
+    assert (await read(db, "t1") or {})["status"] == "cancelled"
+
+
+async def test_a_put_of_a_new_revision_makes_a_cancelled_task_pending_again(
+    db: Any, clock: ManualClock
+) -> None:
+    queue = await new_queue(db, clock)
+    await queue.put("t1", {"v": 1}, revision=1)
+    assert await queue.cancel("t1")
+    assert await queue.put("t1", {"v": 1}, revision=1) == "unchanged"
+    assert (await read(db, "t1") or {})["status"] == "cancelled"
+    assert await queue.put("t1", {"v": 2}, revision=2) == "updated"
+    assert (await claim_one(queue, expect="t1")).payload == {"v": 2}
+
+
+async def test_purge_deletes_cancelled_tasks_older_than_asked(db: Any, clock: ManualClock) -> None:
+    queue = await new_queue(db, clock)
+    await queue.put("old")
+    assert await queue.cancel("old")
+    clock.advance(3600)
+    await queue.put("new")
+    assert await queue.cancel("new")
+    assert await queue.purge("cancelled", older_than=60) == 1
+    assert await read(db, "old") is None and (await read(db, "new") or {})["status"] == "cancelled"
