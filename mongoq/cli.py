@@ -5,7 +5,8 @@ metrics, run the demo.
     mongoq tasks list QUEUE [--status S] [--limit N] [--after CURSOR]
     mongoq tasks get QUEUE TASK_ID [--int-id]
     mongoq tasks requeue QUEUE (TASK_ID ... | --all-failed) [--int-ids]
-    mongoq tasks purge QUEUE --status done|failed|tombstone --older-than AGE
+    mongoq tasks cancel QUEUE TASK_ID ... [--int-ids]
+    mongoq tasks purge QUEUE --status done|failed|cancelled|tombstone --older-than AGE
     mongoq tasks reclaim QUEUE [--max-attempts N]
     mongoq groups stats PREFIX
     mongoq groups list PREFIX [--state S] [--limit N] [--after CURSOR]
@@ -61,7 +62,7 @@ DELIVERY_STATUSES = ("pending", "parked", "dead", "completed")
 CELL_WIDTH = 60
 EPILOG = """\
 global options go before or after the command; AGE is seconds or 30s, 15m, 12h, 7d
-exit codes: 0 done, 1 nothing to requeue/redrive (or no such task), 2 error, 130 interrupted
+exit codes: 0 done, 1 nothing to requeue/redrive/cancel (or no such task), 2 error, 130 interrupted
 deprecated (one release): mongoq stats|reclaim QUEUE, mongoq requeue QUEUE TASK_ID"""
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -274,6 +275,15 @@ async def _tasks_requeue(args: argparse.Namespace, db: Any) -> Out:
     ids = _ids(args.task_ids, args.int_ids, "TASK_ID")
     n = await _queue(args, db).requeue_failed(ids or None)
     return _found(n, f"requeued {n} failed task(s)", "no failed task to requeue", {"requeued": n})
+
+
+async def _tasks_cancel(args: argparse.Namespace, db: Any) -> Out:
+    queue = _queue(args, db)
+    ids = _ids(args.task_ids, args.int_ids, "TASK_ID")
+    cancelled = [task_id for task_id in ids if await queue.cancel(task_id)]
+    n = len(cancelled)
+    return _found(n, f"cancelled {n} task(s)", "no pending or running task to cancel",
+                  {"cancelled": n})  # fmt: skip
 
 
 async def _tasks_purge(args: argparse.Namespace, db: Any) -> Out:
@@ -511,6 +521,9 @@ def _add_tasks(commands: Any) -> None:
     sub = _command(tasks, "requeue", _tasks_requeue, "failed tasks back to pending", "queue")
     sub.add_argument("task_ids", nargs="*", metavar="TASK_ID")
     sub.add_argument("--all-failed", action="store_true", help="every failed task")
+    sub.add_argument("--int-ids", action="store_true", help="the ids are integers")
+    sub = _command(tasks, "cancel", _tasks_cancel, "end pending or running tasks", "queue")
+    sub.add_argument("task_ids", nargs="+", metavar="TASK_ID")
     sub.add_argument("--int-ids", action="store_true", help="the ids are integers")
     sub = _command(tasks, "purge", _tasks_purge, "delete old finished tasks", "queue")
     sub.add_argument("--status", choices=PURGEABLE, required=True)

@@ -198,6 +198,21 @@ async def test_tasks_requeue_by_id_or_all_failed(db: Any, mongoq_cmd: Mongoq) ->
     assert code == 0 and await status_of(queue, 7) == "pending"
 
 
+async def test_tasks_cancel_ends_pending_tasks_and_says_when_there_was_none(
+    db: Any, mongoq_cmd: Mongoq
+) -> None:
+    queue = await seed_tasks(db)  # "waiting" and 7 are pending
+    code, out, _ = await mongoq_cmd("tasks", "cancel", "jobs", "waiting", "new-done", "7")
+    assert (code, out) == (0, "cancelled 1 task(s)\n")  # new-done is done; "7" is no id here
+    assert await status_of(queue, "waiting") == "cancelled"
+    assert await status_of(queue, "new-done") == "done"
+    code, out, _ = await mongoq_cmd("tasks", "cancel", "jobs", "7", "--int-ids", "--json")
+    assert (code, json.loads(out)) == (0, {"cancelled": 1})
+    assert await status_of(queue, 7) == "cancelled"
+    code, out, _ = await mongoq_cmd("tasks", "cancel", "jobs", "waiting")
+    assert (code, out) == (1, "no pending or running task to cancel\n")
+
+
 @pytest.mark.parametrize("age", ["604800", "7d", "168h", "10080m", "604800s"])
 async def test_tasks_purge_deletes_finished_tasks_older_than(
     db: Any, mongoq_cmd: Mongoq, age: str
