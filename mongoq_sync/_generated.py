@@ -355,6 +355,21 @@ class TaskQueue(Facade):
         """
         return cast("bool", self._call("remove", task_id))
 
+    def wait(
+        self, task_id: TaskId, *, timeout: float | None = None, poll_interval: float = 1.0
+    ) -> Task:
+        """The task once it has finished (``done``, ``failed``, ``cancelled``, or removed:
+        ``tombstone``); `TimeoutError` if it has not within `timeout` seconds of the queue's
+        clock (None: no limit). A task that does not exist yet is waited for too.
+
+        One read, then one more each time a worker of this process ends the task (at once)
+        and every `poll_interval` seconds (for workers in other processes): never a tight
+        poll.
+        """
+        return cast(
+            "Task", self._call("wait", task_id, timeout=timeout, poll_interval=poll_interval)
+        )
+
     def stats(self) -> TaskQueueStats:
         """Counts per status, due, expired and the oldest due age (eight indexed commands)."""
         return cast("TaskQueueStats", self._call("stats"))

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
+import anyio
 from pymongo import ReturnDocument
 
 from mongoq import _driver
@@ -20,15 +21,21 @@ from mongoq._validation import (
     check_id,
     check_int,
     check_seconds,
+    check_timeout,
     id_token,
     parse_id_token,
 )
-from mongoq.clock import stored_instant, to_millis
+from mongoq.clock import Clock, stored_instant, to_millis
 from mongoq.errors import InvalidInput
+from mongoq.runtime import wakeups
 from mongoq.tasks import schema
 from mongoq.tasks.models import (
+    CANCELLED,
+    DONE,
+    FAILED,
     PROCESSING,
     STATUSES,
+    TOMBSTONE,
     ReclaimResult,
     Task,
     TaskId,
@@ -41,6 +48,8 @@ __all__ = ["TaskOperators"]
 
 log = logging.getLogger("mongoq.tasks")
 
+#: The statuses `wait` returns on: a task in one of them changes no more by itself.
+FINISHED = frozenset({DONE, FAILED, CANCELLED, TOMBSTONE})
 #: The most tasks one `list_tasks` page returns.
 MAX_PAGE = 1000
 
@@ -51,8 +60,13 @@ class _Queue(Protocol):
     collection: Any
     max_attempts: int
     name: str
+    clock: Clock
 
     async def _now(self) -> datetime: ...
+
+    def _finished(self, task_ids: Iterable[TaskId]) -> None: ...
+
+    def _finished_key(self, task_id: TaskId) -> wakeups.Key: ...
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -141,6 +155,7 @@ class TaskOperators:
         )  # fmt: skip
         if before is None:
             return False
+        self._finished([task_id])
         running = before.get("status") == PROCESSING
         log.info(
             "cancelled task %r%s", task_id, " (running: its handler stops at its next renewal)"
@@ -208,10 +223,53 @@ class TaskOperators:
         """Tombstone a task: it is never claimed again (a holder loses it) and the TTL index
         deletes it after `tombstone_ttl`. A put with a new revision revives it."""
         now = await self._now()
+        task_id = check_id("task_id", task_id)
         result = await self.collection.update_one(
-            schema.task_removable(check_id("task_id", task_id)), schema.task_removing(now)
+            schema.task_removable(task_id), schema.task_removing(now)
         )
-        return bool(result.matched_count == 1)
+        if result.matched_count != 1:
+            return False
+        self._finished([task_id])
+        return True
+
+    # The timeout runs on the queue's clock (a test's ManualClock), which anyio's cannot do.
+    async def wait(
+        self: _Queue,
+        task_id: TaskId,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109
+        poll_interval: float = 1.0,
+    ) -> Task:
+        """The task once it has finished (``done``, ``failed``, ``cancelled``, or removed:
+        ``tombstone``); `TimeoutError` if it has not within `timeout` seconds of the queue's
+        clock (None: no limit). A task that does not exist yet is waited for too.
+
+        One read, then one more each time a worker of this process ends the task (at once)
+        and every `poll_interval` seconds (for workers in other processes): never a tight
+        poll."""
+        task_id = check_id("task_id", task_id)
+        limit = check_timeout("timeout", timeout)
+        poll = check_seconds("poll_interval", poll_interval, positive=True)
+        now = await self._now()
+        deadline = None if limit is None else now + timedelta(seconds=limit)
+        ended = anyio.Event()
+
+        def wake() -> None:
+            ended.set()
+
+        with wakeups.listen(self._finished_key(task_id), wake):
+            while True:
+                ended = anyio.Event()  # before the read: an end told during it is not missed
+                doc = await self.collection.find_one(schema.task_by_id(task_id))
+                task = None if doc is None else Task.from_document(doc)
+                if task is not None and task.status in FINISHED:
+                    return task
+                now = await self._now()
+                if deadline is not None and now >= deadline:
+                    raise TimeoutError(f"task {task_id!r} did not finish within {limit} s")
+                until = now + timedelta(seconds=poll)
+                await _sleep_unless(self.clock, until if deadline is None else min(until, deadline),
+                                    ended)  # fmt: skip
 
     async def stats(self: _Queue) -> TaskQueueStats:
         """Counts per status, due, expired and the oldest due age (eight indexed commands)."""
@@ -232,6 +290,22 @@ class TaskOperators:
         oldest_due = stored_instant(oldest[0]["lease_until"]) if oldest else None
         age = (now - oldest_due).total_seconds() if oldest_due is not None else None
         return TaskQueueStats(counts, due, expired, age)
+
+
+async def _sleep_unless(clock: Clock, until: datetime, event: anyio.Event) -> None:
+    """Sleep on `clock` until `until`, or until `event` is set, whichever comes first."""
+    async with anyio.create_task_group() as group:
+
+        async def sleep() -> None:
+            await clock.sleep_until(until)
+            group.cancel_scope.cancel()
+
+        async def watch() -> None:
+            await event.wait()
+            group.cancel_scope.cancel()
+
+        group.start_soon(sleep)
+        group.start_soon(watch)
 
 
 def _check_status(field: str, status: Any) -> TaskStatus:

@@ -441,6 +441,7 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
             lease = self._leases.get(task.lease_token or "")
             if lease is not None:
                 lease.outcome = "completed" if ok else "lost"
+        self._finished(task.id for task, ok in zip(tasks, done, strict=True) if ok)
         return done
 
     async def heartbeat_many(self, tasks: Sequence[Task]) -> list[bool]:
@@ -495,7 +496,18 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
         if lease is not None and (took_effect or lease.outcome != "unknown"):
             missed = "cancelled" if lease.cancelled else "lost"
             lease.outcome = outcome if took_effect else missed
+        if took_effect and outcome in ("completed", "failed"):
+            self._finished([task.id])
         return took_effect
+
+    def _finished_key(self, task_id: TaskId) -> wakeups.Key:
+        """What `wait` for `task_id` listens under: its end, in this process."""
+        return wakeups.key_of("tasks.finished", self.db, f"{self.name}\x00{task_id!r}")
+
+    def _finished(self, task_ids: Iterable[TaskId]) -> None:
+        """Tell this process's `wait`s that these tasks ended."""
+        for task_id in task_ids:
+            wakeups.notify(self._finished_key(task_id))
 
     async def _is_cancelled(self, task: Task) -> bool:
         """Whether `task` (whose holder's renewal missed) was cancelled, rather than lost."""

@@ -1,0 +1,139 @@
+"""`AsyncTaskQueue.wait` (issue 15): a producer waits for a task's end. A worker of the same
+process tells it at once; another process's worker is seen at the next poll; the timeout runs
+on the queue's clock. Each test counts the reads, so that a tight poll would show."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import anyio
+import pytest
+
+from mongoq import InvalidInput, PermanentError, Task
+from mongoq.testing import ManualClock, settle
+from tests.support.helpers import QUEUE, claim_one, counted_queue, new_queue
+
+
+def reads(counter: Any) -> int:
+    return int(counter.counts[f"{QUEUE}.find_one"])
+
+
+async def test_wait_returns_the_task_a_worker_of_this_process_completes_at_once(
+    db: Any, clock: ManualClock
+) -> None:
+    queue, counter = await counted_queue(db, clock)
+    release = anyio.Event()
+
+    async def handler(task: Task) -> dict[str, int]:
+        await release.wait()
+        return {"sum": 3}
+
+    await queue.put("t1", {"a": 1, "b": 2})
+    waited: list[Task] = []
+    async with anyio.create_task_group() as group:
+        group.start_soon(partial(queue.run, handler, poll_interval=60))
+
+        async def waiter() -> None:
+            waited.append(await queue.wait("t1", timeout=3600, poll_interval=60))
+
+        group.start_soon(waiter)
+        await settle()
+        assert waited == [] and reads(counter) == 1  # one read, then it waits
+        release.set()
+        await settle()
+        assert [(t.id, t.status, t.result) for t in waited] == [("t1", "done", {"sum": 3})]
+        assert reads(counter) == 2  # told, read once more: no poll in between
+        queue.stop()
+
+
+@pytest.mark.parametrize("ending", ["failed", "cancelled", "tombstone"])
+async def test_wait_returns_a_failed_cancelled_or_removed_task(
+    db: Any, clock: ManualClock, ending: str
+) -> None:
+    queue = await new_queue(db, clock)
+    await queue.put("t1")
+    waited: list[Task] = []
+    async with anyio.create_task_group() as group:
+
+        async def waiter() -> None:
+            waited.append(await queue.wait("t1", poll_interval=60))
+
+        group.start_soon(waiter)
+        await settle()
+        if ending == "failed":
+            assert await queue.fail(await claim_one(queue, expect="t1"), PermanentError("bad"))
+        elif ending == "cancelled":
+            assert await queue.cancel("t1")
+        else:
+            assert await queue.remove("t1")
+        await settle()
+        assert [t.status for t in waited] == [ending]
+
+
+async def test_wait_sees_another_process_finish_the_task_at_its_next_poll(
+    db: Any, clock: ManualClock
+) -> None:
+    queue, counter = await counted_queue(db, clock)
+    await queue.put("t1")
+    waited: list[Task] = []
+    async with anyio.create_task_group() as group:
+
+        async def waiter() -> None:
+            waited.append(await queue.wait("t1", poll_interval=5))
+
+        group.start_soon(waiter)
+        await settle()
+        # Another process completes it: nothing in this process is told.
+        await db[QUEUE].update_one({"_id": "t1"}, {"$set": {"status": "done", "result": 7}})
+        clock.advance(4.999)
+        await settle()
+        assert waited == [] and reads(counter) == 1
+        clock.advance(0.001)
+        await settle()
+        assert [(t.status, t.result) for t in waited] == [("done", 7)]
+        assert reads(counter) == 2
+
+
+async def test_wait_raises_timeout_error_when_the_task_does_not_finish_in_time(
+    db: Any, clock: ManualClock
+) -> None:
+    queue, counter = await counted_queue(db, clock)
+    await queue.put("t1")
+    errors: list[BaseException] = []
+    async with anyio.create_task_group() as group:
+
+        async def waiter() -> None:
+            try:
+                await queue.wait("t1", timeout=10, poll_interval=4)
+            except TimeoutError as error:
+                errors.append(error)
+
+        group.start_soon(waiter)
+        await settle()
+        for step in (4, 4, 1.999):
+            clock.advance(step)
+            await settle()
+        assert errors == []
+        clock.advance(0.001)
+        await settle()
+        assert len(errors) == 1 and "did not finish within 10" in str(errors[0])
+    assert reads(counter) == 4  # at 0, 4, 8 and 10 s: polls, never a tight loop
+    stored = await db[QUEUE].find_one({"_id": "t1"})
+    assert stored is not None and stored["status"] == "pending"  # waiting changed nothing
+
+
+async def test_wait_refuses_bad_arguments_before_reading(db: Any, clock: ManualClock) -> None:
+    queue, counter = await counted_queue(db, clock)
+    for options, field in [
+        ({"timeout": 0}, "timeout"),
+        ({"timeout": -1}, "timeout"),
+        ({"poll_interval": 0}, "poll_interval"),
+    ]:
+        with pytest.raises(InvalidInput) as error:
+            await queue.wait("t1", **options)
+        assert error.value.field == field
+    with pytest.raises(InvalidInput) as error:
+        await queue.wait({"$gt": ""})  # type: ignore[arg-type]
+    assert error.value.field == "task_id"
+    assert counter.total == 0
