@@ -6,6 +6,8 @@ metrics, run the demo.
     mongoq tasks get QUEUE TASK_ID [--int-id]
     mongoq tasks requeue QUEUE (TASK_ID ... | --all-failed) [--int-ids]
     mongoq tasks cancel QUEUE TASK_ID ... [--int-ids]
+    mongoq tasks schedules QUEUE
+    mongoq tasks unschedule QUEUE NAME
     mongoq tasks purge QUEUE --status done|failed|cancelled|tombstone --older-than AGE
     mongoq tasks reclaim QUEUE [--max-attempts N]
     mongoq groups stats PREFIX
@@ -286,6 +288,23 @@ async def _tasks_cancel(args: argparse.Namespace, db: Any) -> Out:
                   {"cancelled": n})  # fmt: skip
 
 
+async def _tasks_schedules(args: argparse.Namespace, db: Any) -> Out:
+    schedules = await _queue(args, db).schedules()
+    text = _table(
+        ["NAME", "WHEN", "TIME ZONE", "MISSED", "NEXT", "LAST TICK", "PRIORITY"],
+        [[s.name, s.cron if s.cron is not None else f"every {_age(s.every)}", s.timezone,
+          s.missed, s.next_at, s.last_tick, s.priority] for s in schedules],
+        "no schedules",
+    )  # fmt: skip
+    return Out(schedules, text)
+
+
+async def _tasks_unschedule(args: argparse.Namespace, db: Any) -> Out:
+    removed = await _queue(args, db).unschedule(args.name)
+    return _found(removed, f"removed schedule {args.name!r}", f"no schedule {args.name!r}",
+                  {"removed": removed})  # fmt: skip
+
+
 async def _tasks_purge(args: argparse.Namespace, db: Any) -> Out:
     n = await _queue(args, db).purge(args.status, args.older_than)
     age = _age(args.older_than)
@@ -525,6 +544,8 @@ def _add_tasks(commands: Any) -> None:
     sub = _command(tasks, "cancel", _tasks_cancel, "end pending or running tasks", "queue")
     sub.add_argument("task_ids", nargs="+", metavar="TASK_ID")
     sub.add_argument("--int-ids", action="store_true", help="the ids are integers")
+    _command(tasks, "schedules", _tasks_schedules, "the queue's periodic tasks", "queue")
+    _command(tasks, "unschedule", _tasks_unschedule, "remove a schedule", "queue", "name")
     sub = _command(tasks, "purge", _tasks_purge, "delete old finished tasks", "queue")
     sub.add_argument("--status", choices=PURGEABLE, required=True)
     sub.add_argument("--older-than", type=_duration, required=True, metavar="AGE")

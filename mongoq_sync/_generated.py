@@ -34,11 +34,13 @@ from mongoq.outbox.models import (
 )
 from mongoq.outbox.store import AsyncOutbox as _AsyncOutbox
 from mongoq.tasks.models import (
+    MissedTicks,
     NewTask,
     PutManyResult,
     PutOutcome,
     ReclaimResult,
     RunSummary,
+    Schedule,
     Task,
     TaskId,
     TaskPage,
@@ -151,6 +153,50 @@ class TaskQueue(Facade):
         """`put` for many tasks in one round trip (one unordered bulk write)."""
         return cast("PutManyResult", self._call("put_many", tasks))
 
+    def schedule(
+        self,
+        name: str,
+        *,
+        cron: str | None = None,
+        every: float | None = None,
+        payload: Any = None,
+        priority: int = 0,
+        timezone: str = "UTC",
+        missed: MissedTicks = "once",
+        grace: float = 60.0,
+    ) -> Schedule:
+        """Define (or redefine) the periodic task `name`: a task ``"<name>@<tick>"`` with
+        `payload` and `priority` at every tick of `cron` (read in `timezone`, an IANA name;
+        needs the ``cron`` extra) or every `every` seconds from now. Any number of workers
+        (`run`) tick it, one task a tick. Ticks missed while no worker ran: ``missed="once"``
+        puts the latest of them once, ``"skip"`` none older than `grace` seconds.
+
+        Idempotent: the same definition again keeps its next tick (call it at every start);
+        a changed one starts from the next tick after now. Two commands, three when new.
+        """
+        return cast(
+            "Schedule",
+            self._call(
+                "schedule",
+                name,
+                cron=cron,
+                every=every,
+                payload=payload,
+                priority=priority,
+                timezone=timezone,
+                missed=missed,
+                grace=grace,
+            ),
+        )
+
+    def schedules(self) -> list[Schedule]:
+        """Every schedule of the queue, by name (one command)."""
+        return cast("list[Schedule]", self._call("schedules"))
+
+    def unschedule(self, name: str) -> bool:
+        """Remove the schedule `name` (its tasks already put stay); False if there was none."""
+        return cast("bool", self._call("unschedule", name))
+
     def claim(self, worker_id: str | None = None) -> Task | None:
         """Take the most urgent due task, atomically (one command); None when nothing is due.
 
@@ -250,6 +296,7 @@ class TaskQueue(Facade):
         batch_size: int = 1,
         handler_timeout: float | None = None,
         handle_signals: bool = False,
+        schedules: bool = True,
     ) -> RunSummary:
         """Claim and process tasks with `handler` until stopped.
 
@@ -270,7 +317,11 @@ class TaskQueue(Facade):
         A handler whose task a heartbeat finds lost (taken over after a stall, removed) is
         cancelled too, and counted `lost`: its result could not be recorded, and another worker
         may be running the task. (A re-put with a new revision does not stop the holder: its
-        settle misses, and the new revision runs afresh.)
+        settle misses, and the new revision runs afresh.) A task cancelled while it runs
+        (`cancel`) is stopped the same way and counted `cancelled`.
+
+        With `schedules` (the default) the loop also ticks the queue's schedules (`schedule`):
+        one read at each next tick and at least every minute, a put and a write a tick.
 
         With `batch_size` > 1 each slot claims up to that many tasks at once (`claim_many`),
         runs them one after another under one heartbeat (`heartbeat_many`), and completes the
@@ -292,6 +343,7 @@ class TaskQueue(Facade):
                 batch_size=batch_size,
                 handler_timeout=handler_timeout,
                 handle_signals=handle_signals,
+                schedules=schedules,
             ),
         )
 

@@ -213,6 +213,26 @@ async def test_tasks_cancel_ends_pending_tasks_and_says_when_there_was_none(
     assert (code, out) == (1, "no pending or running task to cancel\n")
 
 
+async def test_tasks_schedules_lists_and_unschedule_removes(db: Any, mongoq_cmd: Mongoq) -> None:
+    queue = AsyncTaskQueue(db, "jobs")
+    await queue.ensure_indexes()
+    await queue.schedule("nightly", cron="0 3 * * *", timezone="Europe/Paris", missed="skip")
+    await queue.schedule("pulse", every=90)
+    code, out, _ = await mongoq_cmd("tasks", "schedules", "jobs")
+    assert code == 0
+    header, nightly, pulse = out.splitlines()
+    assert header.split()[:4] == ["NAME", "WHEN", "TIME", "ZONE"]
+    assert nightly.split()[:7] == ["nightly", "0", "3", "*", "*", "*", "Europe/Paris"]
+    assert pulse.split()[:5] == ["pulse", "every", "1m30s", "UTC", "once"]
+    code, out, _ = await mongoq_cmd("tasks", "schedules", "jobs", "--json")
+    assert code == 0 and [s["name"] for s in json.loads(out)] == ["nightly", "pulse"]
+    code, out, _ = await mongoq_cmd("tasks", "unschedule", "jobs", "pulse")
+    assert (code, out) == (0, "removed schedule 'pulse'\n")
+    code, out, _ = await mongoq_cmd("tasks", "unschedule", "jobs", "pulse")
+    assert (code, out) == (1, "no schedule 'pulse'\n")
+    assert [s.name for s in await queue.schedules()] == ["nightly"]
+
+
 @pytest.mark.parametrize("age", ["604800", "7d", "168h", "10080m", "604800s"])
 async def test_tasks_purge_deletes_finished_tasks_older_than(
     db: Any, mongoq_cmd: Mongoq, age: str

@@ -28,7 +28,23 @@ def test_the_base_install_is_pymongo_and_anyio_and_the_rest_are_extras() -> None
     assert _names(extras["embedded"]) == {"mongomock-motor", "mongomock"}
     assert _names(extras["motor"]) == {"motor"}
     assert _names(extras["metrics"]) == {"prometheus_client"}
-    assert "mongoq[embedded,motor,metrics]" in extras["test"]
+    assert _names(extras["cron"]) == {"croniter"}
+    assert "mongoq[embedded,motor,metrics,cron]" in extras["test"]
+
+
+async def test_a_cron_schedule_without_the_cron_extra_names_it_and_writes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mongoq import AsyncTaskQueue
+    from mongoq.testing import memory_database
+
+    monkeypatch.setitem(sys.modules, "croniter", None)
+    db = memory_database()
+    queue = AsyncTaskQueue(db, "jobs")
+    with pytest.raises(MongoqError, match=r"pip install 'mongoq\[cron\]'"):
+        await queue.schedule("nightly", cron="0 3 * * *")
+    assert await queue.schedule("pulse", every=60)  # `every` needs no extra
+    assert [s.name for s in await queue.schedules()] == ["pulse"]
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ import socket
 import threading
 import traceback
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -145,6 +145,7 @@ class WorkerLoop(Generic[Item]):
         name: str = "worker",
         next_due: Callable[[], Awaitable[datetime | None]] | None = None,
         wake_key: wakeups.Key | None = None,
+        background: Sequence[Callable[[], Coroutine[Any, Any, Any]]] = (),
     ) -> None:
         self._claim = claim
         self._next_due = next_due
@@ -162,6 +163,7 @@ class WorkerLoop(Generic[Item]):
         self._scope: anyio.CancelScope | None = None
         self.in_flight = 0
         self._wake_key = wake_key
+        self._background = tuple(background)  # run beside the slots, cancelled after them
         self._wakes = 0  # wake-ups so far: one that came while a slot claimed is not missed
         self._poller: int | None = None  # the idle slot that polls for all of them
         self._waiting: list[anyio.Event] = []  # the other idle slots, oldest first
@@ -217,6 +219,8 @@ class WorkerLoop(Generic[Item]):
                 group.start_soon(watch_signals, self, group.cancel_scope, self.name)
             if self._housekeeping is not None:
                 group.start_soon(self._housekeep)
+            for task in self._background:
+                group.start_soon(task)
             listening = (
                 wakeups.listen(self._wake_key, self.wake)
                 if self._wake_key is not None

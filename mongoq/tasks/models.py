@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 import bson
@@ -232,3 +232,52 @@ class RunSummary:
     cancelled: int = 0
     #: settles whose reply was lost: the task is settled or its lease will expire
     unknown: int = 0
+
+
+#: What a schedule does with the ticks it missed (its workers were down): ``"once"`` runs the
+#: latest of them once; ``"skip"`` runs none that is older than the schedule's `grace`.
+MissedTicks = Literal["once", "skip"]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A periodic task of a queue (`AsyncTaskQueue.schedule`): each tick puts the task
+    ``"<name>@<tick, UTC, ISO 8601>"`` with `payload` and `priority`, once whatever the number
+    of workers ticking. `cron` (in `timezone`) or `every` (seconds from the first tick) says
+    when; `next_at` is the next tick not yet put, `last_tick` the last one put."""
+
+    name: str
+    cron: str | None
+    every: float | None
+    timezone: str
+    payload: Any
+    priority: int
+    missed: MissedTicks
+    grace: float
+    next_at: datetime
+    last_tick: datetime | None
+
+    @classmethod
+    def from_document(cls, doc: Mapping[str, Any]) -> Schedule:
+        next_at = stored_instant(doc.get("next_at"))
+        assert next_at is not None
+        return cls(
+            name=doc["_id"],
+            cron=doc.get("cron"),
+            every=doc.get("every"),
+            timezone=doc.get("timezone", "UTC"),
+            payload=doc.get("payload"),
+            priority=int(doc.get("priority", 0)),
+            missed=doc.get("missed", "once"),
+            grace=float(doc.get("grace", 60.0)),
+            next_at=next_at,
+            last_tick=stored_instant(doc.get("last_tick")),
+        )
+
+
+def tick_task_id(name: str, tick: datetime) -> str:
+    """The id of the task a schedule's tick puts, the same in every process:
+    ``name@2026-12-01T10:00:00Z`` (milliseconds shown only when the tick has some)."""
+    at = to_millis(tick).astimezone(UTC)
+    millis = f".{at.microsecond // 1000:03d}" if at.microsecond else ""
+    return f"{name}@{at:%Y-%m-%dT%H:%M:%S}{millis}Z"

@@ -43,10 +43,12 @@ from mongoq.runtime.report import Attempt, log_attempt_end
 from mongoq.tasks import schema
 from mongoq.tasks.batch import TaskBatch
 from mongoq.tasks.models import (
+    MissedTicks,
     NewTask,
     PutManyResult,
     PutOutcome,
     RunSummary,
+    Schedule,
     Task,
     TaskId,
     check_new_task,
@@ -54,6 +56,7 @@ from mongoq.tasks.models import (
     check_result,
 )
 from mongoq.tasks.operators import TaskOperators
+from mongoq.tasks.schedules import Scheduler
 
 __all__ = ["AsyncTaskQueue", "TaskLease"]
 
@@ -238,6 +241,7 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
         self.collection = _driver.collection(db, name)
         self._leases: dict[str, TaskLease] = {}
         self._wake_key = wakeups.key_of("tasks", db, name)
+        self._scheduler = Scheduler(self)
 
     # ------------------------------------------------------------------------------ set-up
 
@@ -253,6 +257,7 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
             schema.RETAIN_FAILED.name: self.retain_failed,
         }
         await create_indexes(self.db, self.collection, schema.INDEXES, expiries=expiries)
+        await create_indexes(self.db, self._scheduler.collection, (schema.SCHEDULE_DUE,))
 
     async def _now(self) -> datetime:
         await self.clock.refresh()
@@ -319,6 +324,41 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
         if inserted + updated and any(spec.due(now) <= now for spec in checked):
             wakeups.notify(self._wake_key)
         return PutManyResult(inserted, updated, len(checked) - inserted - updated)
+
+    # --------------------------------------------------------------------------- schedules
+
+    async def schedule(
+        self,
+        name: str,
+        *,
+        cron: str | None = None,
+        every: float | None = None,
+        payload: Any = None,
+        priority: int = 0,
+        timezone: str = "UTC",
+        missed: MissedTicks = "once",
+        grace: float = 60.0,
+    ) -> Schedule:
+        """Define (or redefine) the periodic task `name`: a task ``"<name>@<tick>"`` with
+        `payload` and `priority` at every tick of `cron` (read in `timezone`, an IANA name;
+        needs the ``cron`` extra) or every `every` seconds from now. Any number of workers
+        (`run`) tick it, one task a tick. Ticks missed while no worker ran: ``missed="once"``
+        puts the latest of them once, ``"skip"`` none older than `grace` seconds.
+
+        Idempotent: the same definition again keeps its next tick (call it at every start);
+        a changed one starts from the next tick after now. Two commands, three when new."""
+        return await self._scheduler.define(
+            name, cron=cron, every=every, payload=payload, priority=priority,
+            timezone=timezone, missed=missed, grace=grace,
+        )  # fmt: skip
+
+    async def schedules(self) -> list[Schedule]:
+        """Every schedule of the queue, by name (one command)."""
+        return await self._scheduler.list()
+
+    async def unschedule(self, name: str) -> bool:
+        """Remove the schedule `name` (its tasks already put stay); False if there was none."""
+        return await self._scheduler.remove(name)
 
     # ---------------------------------------------------------------------------- consumer
 
@@ -613,6 +653,7 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
         batch_size: int = 1,
         handler_timeout: float | None = None,
         handle_signals: bool = False,
+        schedules: bool = True,
     ) -> RunSummary:
         """Claim and process tasks with `handler` until stopped.
 
@@ -633,7 +674,11 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
         A handler whose task a heartbeat finds lost (taken over after a stall, removed) is
         cancelled too, and counted `lost`: its result could not be recorded, and another worker
         may be running the task. (A re-put with a new revision does not stop the holder: its
-        settle misses, and the new revision runs afresh.)
+        settle misses, and the new revision runs afresh.) A task cancelled while it runs
+        (`cancel`) is stopped the same way and counted `cancelled`.
+
+        With `schedules` (the default) the loop also ticks the queue's schedules (`schedule`):
+        one read at each next tick and at least every minute, a put and a write a tick.
 
         With `batch_size` > 1 each slot claims up to that many tasks at once (`claim_many`),
         runs them one after another under one heartbeat (`heartbeat_many`), and completes the
@@ -701,6 +746,7 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
             name=f"tasks:{self.name}",
             next_due=self._next_due if stop_when_drained else None,
             wake_key=self._wake_key,
+            background=[partial(self._scheduler.run, poll)] if schedules else [],
         )
         await self._run_loop(loop, handle_signals=handle_signals)
         return summary

@@ -462,3 +462,58 @@ def task_failing(now: datetime, error: str | None) -> dict[str, Any]:
             "updated_at": now,
         }
     }
+
+
+# -------------------------------------------------------------------------------- schedules
+# Collection ``{name}_schedules``, one document per schedule (`mongoq.tasks.schedules`):
+# ``{_id: schedule name, cron?, every?, timezone, payload, priority, missed, grace, spec
+# (a digest of what defines it), anchor (the first tick, for `every`), next_at (the next tick
+# not put yet), last_tick, created_at, updated_at}``.
+
+SCHEDULES_SUFFIX = "_schedules"
+#: Serves the ticker's read of the due schedules and of the next one, in `SCHEDULE_ORDER`.
+SCHEDULE_DUE = IndexSpec("next_at", (("next_at", 1),))
+SCHEDULE_ORDER = [("next_at", 1)]
+
+
+def schedule_by_name(name: str) -> dict[str, Any]:
+    """One schedule: its listing, its removal; by ``_id``."""
+    return {"_id": name}
+
+
+def schedule_redefined(name: str, spec: str) -> dict[str, Any]:
+    """`schedule`'s upsert: the schedule unless it is defined so already (its ``spec``); by
+    ``_id`` (an unchanged one makes the upsert a duplicate key: nothing changes)."""
+    return {"_id": name, "spec": {"$ne": spec}}
+
+
+def schedule_defining(
+    fields: Mapping[str, Any], next_at: datetime, now: datetime
+) -> dict[str, Any]:
+    """`schedule`'s update (on `schedule_redefined`): the definition, its first tick."""
+    return {
+        "$set": {**fields, "anchor": next_at, "next_at": next_at, "updated_at": now},
+        "$setOnInsert": {"created_at": now, "last_tick": None},
+    }
+
+
+def schedules_by_next() -> dict[str, Any]:
+    """Every schedule, in `SCHEDULE_ORDER`: the ticker's read (the due ones and the next one
+    after them), `schedules`; ``next_at``."""
+    return {}
+
+
+def schedule_at(name: str, next_at: datetime) -> dict[str, Any]:
+    """A tick's advance, fenced on the next tick it read (another ticker that advanced first
+    makes it match nothing); by ``_id``."""
+    return {"_id": name, "next_at": next_at}
+
+
+def schedule_advancing(
+    next_at: datetime, last_tick: datetime | None, now: datetime
+) -> dict[str, Any]:
+    """A tick's advance (on `schedule_at`): the next tick, and the one just put, if any."""
+    fields: dict[str, Any] = {"next_at": next_at, "updated_at": now}
+    if last_tick is not None:
+        fields["last_tick"] = last_tick
+    return {"$set": fields}

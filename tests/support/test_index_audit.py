@@ -729,7 +729,9 @@ async def test_every_query_the_library_issues_is_served_by_a_declared_index() ->
     await exercise_tasks(db, clock)
     await exercise_groups(db, raw, clock, steal)
 
-    indexes = await declared_indexes(raw, [TASKS, MESSAGES, LOCKS, COUNTERS, DEAD])
+    indexes = await declared_indexes(
+        raw, [TASKS, f"{TASKS}_schedules", MESSAGES, LOCKS, COUNTERS, DEAD]
+    )
     result = audit(counter.operations, indexes, recorder)
 
     names = {op.name for op in counter.operations}
@@ -748,6 +750,7 @@ async def test_every_query_the_library_issues_is_served_by_a_declared_index() ->
         (TASKS, "find", "claim"): "claim",
         (TASKS, "find", "status_lease"): "status_lease",  # a drained run: when is the next due
         (TASKS, "find", "status_updated"): "status_updated",  # list_tasks
+        (f"{TASKS}_schedules", "find", "next_at"): "next_at",  # the schedules' ticker
         (LOCKS, "find_one_and_update", "claim"): "claim",
         (LOCKS, "aggregate", "claim"): "claim",  # claim_many's candidates, with their heads
         (MESSAGES, "find_one_and_update", "group_head"): "group_head",

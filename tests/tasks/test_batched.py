@@ -903,6 +903,7 @@ def is_retry(op: Operation) -> bool:
 
 async def run_until_empty(queue: AsyncTaskQueue, handler: Any, **options: Any) -> RunSummary:
     options.setdefault("worker_id", "w")
+    options.setdefault("schedules", False)  # its ticker's reads: tests/tasks/test_schedules.py
     return await queue.run(handler, stop_when_empty=True, **options)
 
 
@@ -1072,7 +1073,7 @@ async def test_a_cancelled_batch_completes_the_finished_and_releases_the_rest(
         raise RuntimeError(f"{task.id} failed")
 
     async with anyio.create_task_group() as group:
-        group.start_soon(lambda: queue.run(handler, batch_size=4, worker_id="w"))
+        group.start_soon(lambda: queue.run(handler, batch_size=4, worker_id="w", schedules=False))
         await wait_for(settling.reached.is_set, "t2's release")
         group.cancel_scope.cancel()
         settling.release()
@@ -1117,7 +1118,7 @@ async def test_a_batch_cancelled_under_a_handler_records_worker_stopped_for_it(
         return f"done {task.id}"
 
     async with anyio.create_task_group() as group:
-        group.start_soon(lambda: queue.run(handler, batch_size=3, worker_id="w"))
+        group.start_soon(lambda: queue.run(handler, batch_size=3, worker_id="w", schedules=False))
         await wait_for(lambda: started == ["t1", "t2"], "t2's handler")
         group.cancel_scope.cancel()
 

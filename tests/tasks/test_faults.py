@@ -444,7 +444,7 @@ async def test_run_survives_transient_claim_errors(
     summary: list[RunSummary] = []
 
     async def worker() -> None:
-        summary.append(await queue.run(handler, poll_interval=5, worker_id="w"))
+        summary.append(await queue.run(handler, poll_interval=5, worker_id="w", schedules=False))
 
     def napping() -> bool:  # the slot and the reclaim timer sleep on the clock, nothing in flight
         return clock.sleepers == 2 and in_flight.count == 0

@@ -1,0 +1,270 @@
+"""Periodic tasks of a queue: `Scheduler`, one per `AsyncTaskQueue`, behind its `schedule`,
+`schedules` and `unschedule`, and the ticker its `run` keeps going.
+
+A schedule's tick puts one task, ``"<name>@<tick>"`` (`tick_task_id`): the id is the same in
+every process, so any number of workers tick without a leader and the put, idempotent by id,
+makes one task a tick. The ticker puts the task, then moves the schedule's ``next_at`` on,
+fenced on the ``next_at`` it read: a ticker that stops between the two puts the same task again
+(no change), one that lost the race changes nothing. Ticks missed while no worker ran follow
+the schedule's `missed` policy: ``"once"`` puts the latest of them, ``"skip"`` only one not
+older than `grace`. Cron expressions are `croniter`'s (the ``cron`` extra), read in the
+schedule's time zone (an IANA name); `every` counts seconds from the first tick.
+
+Owns the collection ``{name}_schedules`` (documents and queries: `mongoq.tasks.schema`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+import anyio
+from pymongo.errors import DuplicateKeyError
+
+from mongoq import _driver
+from mongoq._validation import check_int, check_name, check_payload, check_seconds
+from mongoq.clock import stored_instant, to_millis
+from mongoq.errors import InvalidInput, MongoqError
+from mongoq.runtime import wakeups
+from mongoq.tasks import schema
+from mongoq.tasks.models import MissedTicks, Schedule, tick_task_id
+
+if TYPE_CHECKING:
+    from mongoq.tasks.queue import AsyncTaskQueue
+
+__all__ = ["Scheduler"]
+
+log = logging.getLogger("mongoq.tasks")
+
+#: Seconds between two reads of the schedules when none is due sooner: how late a schedule
+#: defined in another process is first seen (one defined in this process is seen at once).
+RECHECK = 60.0
+#: Due schedules one tick handles; more wait for the next (at once: one is still due).
+TICK_BATCH = 100
+_MAX_NAME = 200
+
+
+def _croniter() -> Any:
+    try:
+        from croniter import croniter
+    except ImportError:  # pragma: no cover - the test extra has it
+        raise MongoqError("cron schedules need croniter: pip install 'mongoq[cron]'") from None
+    return croniter
+
+
+class _Rule:
+    """When a schedule ticks: `latest` tick at or before an instant, `first` one after it."""
+
+    def __init__(self, doc: dict[str, Any]) -> None:
+        self.cron: str | None = doc.get("cron")
+        self.every = float(doc["every"]) if doc.get("every") is not None else None
+        self.zone = ZoneInfo(doc.get("timezone") or "UTC")
+        anchor = stored_instant(doc.get("anchor"))
+        assert anchor is not None, "a schedule always has its anchor"
+        self.anchor = anchor
+
+    def latest(self, now: datetime) -> datetime:
+        if self.every is not None:
+            periods = math.floor((now - self.anchor).total_seconds() / self.every)
+            return to_millis(self.anchor + timedelta(seconds=max(periods, 0) * self.every))
+        local = now.astimezone(self.zone) + timedelta(milliseconds=1)  # at `now` counts
+        return to_millis(_croniter()(self.cron, local).get_prev(datetime).astimezone(UTC))
+
+    def first(self, after: datetime) -> datetime:
+        if self.every is not None:
+            if after < self.anchor:
+                return self.anchor
+            return to_millis(self.latest(after) + timedelta(seconds=self.every))
+        local = after.astimezone(self.zone)
+        return to_millis(_croniter()(self.cron, local).get_next(datetime).astimezone(UTC))
+
+
+class Scheduler:
+    """The schedules of one `AsyncTaskQueue` and the ticker that puts their tasks."""
+
+    def __init__(self, queue: AsyncTaskQueue) -> None:
+        self.queue = queue
+        self.collection = _driver.collection(queue.db, f"{queue.name}{schema.SCHEDULES_SUFFIX}")
+        self.wake_key = wakeups.key_of("tasks.schedules", queue.db, queue.name)
+
+    # ------------------------------------------------------------------------ definitions
+
+    async def define(
+        self,
+        name: str,
+        *,
+        cron: str | None,
+        every: float | None,
+        payload: Any,
+        priority: int,
+        timezone: str,
+        missed: MissedTicks,
+        grace: float,
+    ) -> Schedule:
+        """`AsyncTaskQueue.schedule`."""
+        name = _checked_name(name)
+        fields = _checked(name, cron, every, payload, priority, timezone, missed, grace)
+        spec = hashlib.sha256(json.dumps(fields, sort_keys=True, default=repr).encode()).hexdigest()
+        fields["spec"] = spec
+        now = await self.queue._now()
+        # The first tick after now: a definition changed or new never puts a past tick.
+        first = (
+            _Rule({**fields, "anchor": now}).first(now)
+            if fields["cron"] is not None
+            else to_millis(now + timedelta(seconds=fields["every"]))
+        )
+        with contextlib.suppress(DuplicateKeyError):  # defined so already: its tick stands
+            await self.collection.update_one(
+                schema.schedule_redefined(name, spec),
+                schema.schedule_defining(fields, first, now),
+                upsert=True,
+            )
+        wakeups.notify(self.wake_key)
+        doc = await self.collection.find_one(schema.schedule_by_name(name))
+        assert doc is not None
+        return Schedule.from_document(doc)
+
+    async def list(self) -> list[Schedule]:
+        """`AsyncTaskQueue.schedules`."""
+        docs = await _driver.find_list(
+            self.collection, schema.schedules_by_next(), sort=[("_id", 1)]
+        )
+        return [Schedule.from_document(doc) for doc in docs]
+
+    async def remove(self, name: str) -> bool:
+        """`AsyncTaskQueue.unschedule`."""
+        name = _checked_name(name)
+        result = await self.collection.delete_one(schema.schedule_by_name(name))
+        return bool(result.deleted_count)
+
+    # ----------------------------------------------------------------------------- ticking
+
+    async def tick(self) -> datetime | None:
+        """Put the tasks of the due schedules' ticks and move each on (`missed` decides for
+        ticks long past); returns when the next schedule is due (None: there is none)."""
+        now = await self.queue._now()
+        docs = await _driver.find_list(
+            self.collection, schema.schedules_by_next(), sort=schema.SCHEDULE_ORDER,
+            limit=TICK_BATCH + 1, hint=schema.SCHEDULE_DUE.name,
+        )  # fmt: skip
+        upcoming: list[datetime] = []
+        for doc in docs[:TICK_BATCH]:
+            schedule = Schedule.from_document(doc)
+            if schedule.next_at > now:
+                upcoming.append(schedule.next_at)
+                break
+            upcoming.append(await self._tick(doc, schedule, now))
+        else:
+            if len(docs) > TICK_BATCH:
+                upcoming.append(now)  # more are due: tick again at once
+        return min(upcoming, default=None)
+
+    async def _tick(self, doc: dict[str, Any], schedule: Schedule, now: datetime) -> datetime:
+        """Put the task of `schedule`'s due tick (unless `missed` skips it), move the schedule
+        on; returns its next tick."""
+        rule = _Rule(doc)
+        latest = max(rule.latest(now), schedule.next_at)
+        run: datetime | None = latest
+        if schedule.missed == "skip" and (now - latest).total_seconds() > schedule.grace:
+            run = None
+        if run is not None:
+            await self.queue.put(
+                tick_task_id(schedule.name, run), schedule.payload, priority=schedule.priority
+            )
+        following = rule.first(now)
+        advanced = await self.collection.update_one(
+            schema.schedule_at(schedule.name, schedule.next_at),
+            schema.schedule_advancing(following, run, now),
+        )
+        skipped = run is None or latest > schedule.next_at
+        if advanced.modified_count and skipped:
+            log.info(
+                "schedule %r: missed ticks since %s (%s)", schedule.name,
+                schedule.next_at.isoformat(), "ran the latest once" if run else "skipped",
+                extra={"mongoq_primitive": "tasks", "mongoq_queue": self.queue.name,
+                       "mongoq_item": schedule.name},
+            )  # fmt: skip
+        return following
+
+    async def run(self, poll_interval: float) -> None:
+        """Tick until cancelled: at each schedule's next tick, at least every `RECHECK`
+        seconds, and at once when this process defines one. A failed read is retried after
+        `poll_interval`."""
+        clock = self.queue.clock
+        changed = anyio.Event()
+
+        def wake() -> None:
+            changed.set()
+
+        with wakeups.listen(self.wake_key, wake):
+            while True:
+                changed = anyio.Event()
+                try:
+                    upcoming = await self.tick()
+                except _driver.DRIVER_ERRORS as exc:
+                    log.warning("ticking the schedules failed (%s); retrying", exc)
+                    upcoming = clock.now() + timedelta(seconds=poll_interval)
+                recheck = clock.now() + timedelta(seconds=RECHECK)
+                until = recheck if upcoming is None else min(upcoming, recheck)
+                await _sleep_unless(clock.sleep_until, until, changed)
+
+
+async def _sleep_unless(
+    sleep_until: Callable[[datetime], Any], until: datetime, event: anyio.Event
+) -> None:
+    async with anyio.create_task_group() as group:
+
+        async def sleep() -> None:
+            await sleep_until(until)
+            group.cancel_scope.cancel()
+
+        async def watch() -> None:
+            await event.wait()
+            group.cancel_scope.cancel()
+
+        group.start_soon(sleep)
+        group.start_soon(watch)
+
+
+def _checked_name(name: Any) -> str:
+    checked: str = check_name("name", name)
+    if len(checked) > _MAX_NAME:
+        raise InvalidInput("name", f"must be at most {_MAX_NAME} characters")
+    return checked
+
+
+def _checked(
+    name: Any, cron: Any, every: Any, payload: Any, priority: Any, timezone: Any, missed: Any,
+    grace: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """The stored definition of a schedule, every argument checked (`InvalidInput` naming it)."""
+    _checked_name(name)
+    if (cron is None) == (every is None):
+        raise InvalidInput("cron", "give a cron expression or `every` seconds, one of the two")
+    if cron is not None:
+        if not isinstance(cron, str) or not _croniter().is_valid(cron):
+            raise InvalidInput("cron", f"is not a cron expression: {cron!r}")
+    else:
+        every = check_seconds("every", every, positive=True)
+    if not isinstance(timezone, str):
+        raise InvalidInput("timezone", "must be an IANA time zone name such as 'Europe/Paris'")
+    try:
+        ZoneInfo(timezone)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise InvalidInput("timezone", f"is not a known time zone: {timezone!r}") from None
+    if missed not in ("once", "skip"):
+        raise InvalidInput("missed", "must be 'once' (run the latest missed tick) or 'skip'")
+    grace = check_seconds("grace", grace)
+    check_payload("payload", payload)
+    check_int("priority", priority, low=-(2**31), high=2**31 - 1)
+    return {
+        "cron": cron, "every": every, "timezone": timezone, "payload": payload,
+        "priority": priority, "missed": missed, "grace": grace,
+    }  # fmt: skip
