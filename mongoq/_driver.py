@@ -444,3 +444,39 @@ async def server_local_time(db: Any) -> datetime | None:
     reply = await db.command("hello")
     local_time = reply.get("localTime")
     return local_time if isinstance(local_time, datetime) else None
+
+
+# ---------------------------------------------------------------------------- change streams
+
+#: The server's "change streams need a replica set" (a standalone server).
+_NO_CHANGE_STREAMS = frozenset({40573})
+
+
+class NoChangeStreams(Exception):
+    """The backend has no change streams (the embedded backend, a standalone server)."""
+
+
+async def open_change_stream(collection: Any, pipeline: Sequence[Mapping[str, Any]]) -> Any:
+    """`collection.watch(pipeline)`, opened (awaited in PyMongo async, at once in Motor): an
+    async iterator of change events with an awaitable ``close()``. `NoChangeStreams` where
+    there are none; a driver error otherwise."""
+    watch = getattr(collection, "watch", None)
+    # mongomock hands out a sub-collection named "watch" for the attribute: not a method.
+    if not callable(watch) or type(watch).__module__.startswith("mongomock"):
+        raise NoChangeStreams("this backend has no change streams")
+    try:
+        stream = watch(list(pipeline))
+        if inspect.isawaitable(stream):
+            stream = await stream
+    except OperationFailure as error:
+        if error.code in _NO_CHANGE_STREAMS:
+            raise NoChangeStreams(str(error)) from error
+        raise
+    return stream
+
+
+async def close_change_stream(stream: Any) -> None:
+    """Close a stream `open_change_stream` opened, whichever driver."""
+    outcome = stream.close()
+    if inspect.isawaitable(outcome):
+        await outcome

@@ -44,7 +44,7 @@ from mongoq.groups.models import (
 )
 from mongoq.groups.operators import GroupOperators
 from mongoq.groups.settles import GroupSettles
-from mongoq.runtime import wakeups
+from mongoq.runtime import changes, wakeups
 from mongoq.runtime.batch import run_batch
 from mongoq.runtime.candidates import take_candidates
 from mongoq.runtime.events import Tally
@@ -455,6 +455,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
             name=f"groups:{self.prefix}",
             next_due=partial(self._next_due, min_priority) if stop_when_drained else None,
             wake_key=self._wake_key,
+            changes=(self.locks, changes.GROUPS_READY),
         )
         await self._run_loop(loop, handle_signals=handle_signals)
         return summary

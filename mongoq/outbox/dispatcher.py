@@ -32,7 +32,7 @@ from mongoq._validation import check_worker_id as _check_owner
 from mongoq.errors import InvalidInput, LeaseLost, PermanentError
 from mongoq.outbox.models import Delivery, DispatchSummary, Event, check_handler
 from mongoq.outbox.store import AsyncOutbox
-from mongoq.runtime import wakeups
+from mongoq.runtime import changes, wakeups
 from mongoq.runtime.events import Tally
 from mongoq.runtime.handler import call_handler
 from mongoq.runtime.loop import (
@@ -226,6 +226,10 @@ class OutboxDispatcher:
             if handle_signals:
                 group.start_soon(watch_signals, self, group.cancel_scope, self.owner)
             group.start_soon(self._renew_while_running)
+            group.start_soon(partial(
+                changes.watch, self.outbox.deliveries, changes.DELIVERIES_READY, self._woken,
+                clock=self.outbox.clock, retry=self.poll_interval, name=f"dispatcher {self.owner}",
+            ))  # fmt: skip
             with wakeups.listen(self.outbox.wake_key, self._woken):
                 async with anyio.create_task_group() as handlers:
                     await self._claim_loop(handlers, until)

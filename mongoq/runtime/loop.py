@@ -5,7 +5,8 @@ again. When nothing is claimable, one idle slot polls for all of them: it sleeps
 `poll_interval` on the primitive's clock and claims again, while the other idle slots wait; a
 slot that claims something wakes one waiting slot, which claims too (and wakes the next if it
 finds something), so an idle worker sends one claim an interval whatever its concurrency. A
-put or publish in the same process wakes the poller at once (`mongoq.runtime.wakeups`). The
+put or publish in the same process wakes the poller at once (`mongoq.runtime.wakeups`), and on
+a replica set so does a change stream's event (`mongoq.runtime.changes`). The
 primitive's housekeeping (reclaiming expired leases, readying orphaned groups) runs every
 `housekeeping_interval`, busy or not, and when a slot finds nothing to claim unless it ran within
 that interval. `stop()` is graceful: no slot claims again, in-flight items finish, `run()`
@@ -24,8 +25,9 @@ import socket
 import threading
 import traceback
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
@@ -35,7 +37,7 @@ from mongoq import _driver
 from mongoq._validation import check_worker_id
 from mongoq.clock import Clock
 from mongoq.errors import MongoqError
-from mongoq.runtime import wakeups
+from mongoq.runtime import changes, wakeups
 
 __all__ = [
     "WORKER_STOPPED",
@@ -146,6 +148,7 @@ class WorkerLoop(Generic[Item]):
         next_due: Callable[[], Awaitable[datetime | None]] | None = None,
         wake_key: wakeups.Key | None = None,
         background: Sequence[Callable[[], Coroutine[Any, Any, Any]]] = (),
+        changes: tuple[Any, Sequence[Mapping[str, Any]]] | None = None,
     ) -> None:
         self._claim = claim
         self._next_due = next_due
@@ -164,6 +167,7 @@ class WorkerLoop(Generic[Item]):
         self.in_flight = 0
         self._wake_key = wake_key
         self._background = tuple(background)  # run beside the slots, cancelled after them
+        self._changes = changes  # (collection, pipeline): a change stream's events wake it
         self._wakes = 0  # wake-ups so far: one that came while a slot claimed is not missed
         self._poller: int | None = None  # the idle slot that polls for all of them
         self._waiting: list[anyio.Event] = []  # the other idle slots, oldest first
@@ -221,6 +225,12 @@ class WorkerLoop(Generic[Item]):
                 group.start_soon(self._housekeep)
             for task in self._background:
                 group.start_soon(task)
+            if self._changes is not None:
+                collection, pipeline = self._changes
+                group.start_soon(partial(
+                    changes.watch, collection, pipeline, self.wake, clock=self._clock,
+                    retry=self._poll_interval, name=self.name,
+                ))  # fmt: skip
             listening = (
                 wakeups.listen(self._wake_key, self.wake)
                 if self._wake_key is not None

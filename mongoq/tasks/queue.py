@@ -32,7 +32,7 @@ from mongoq._validation import (
 )
 from mongoq.clock import Clock, ServerClock, stored_instant
 from mongoq.errors import InvalidInput, LeaseLost, PermanentError
-from mongoq.runtime import wakeups
+from mongoq.runtime import changes, wakeups
 from mongoq.runtime.batch import run_batch
 from mongoq.runtime.candidates import take_candidates
 from mongoq.runtime.events import Tally, report_start_delay
@@ -747,6 +747,7 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
             next_due=self._next_due if stop_when_drained else None,
             wake_key=self._wake_key,
             background=[partial(self._scheduler.run, poll)] if schedules else [],
+            changes=(self.collection, changes.TASKS_DUE),
         )
         await self._run_loop(loop, handle_signals=handle_signals)
         return summary
