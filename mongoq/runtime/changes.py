@@ -22,7 +22,7 @@ import anyio
 from mongoq import _driver
 from mongoq.clock import Clock
 
-__all__ = ["DELIVERIES_READY", "GROUPS_READY", "TASKS_DUE", "watch"]
+__all__ = ["DELIVERIES_READY", "GROUPS_READY", "TASKS_DUE", "task_changed", "watch"]
 
 log = logging.getLogger("mongoq.worker")
 
@@ -67,6 +67,11 @@ DELIVERIES_READY: list[dict[str, Any]] = [
     },
     _ONLY_IDS,
 ]
+
+
+def task_changed(task_id: Any) -> list[dict[str, Any]]:
+    """Any change of the one task `task_id`: what `AsyncTaskQueue.wait` listens for."""
+    return [{"$match": {"documentKey._id": task_id}}, _ONLY_IDS]
 
 
 async def watch(
