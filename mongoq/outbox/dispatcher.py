@@ -256,6 +256,8 @@ class OutboxDispatcher:
                 due = await self._next_due()
                 if due is None:
                     return
+                if self._wakes != wakes:
+                    continue  # a publish came meanwhile: claim again at once
                 # Due already: running under another owner's lane, or behind a busy key.
                 await self._sleep(due if due > self.outbox.clock.now() else None)
                 continue

@@ -196,12 +196,14 @@ class WorkerLoop(Generic[Item]):
         elif self._poller is None:  # (a poller that is claiming claims again: `_wakes`)
             self._wake_one()
 
-    def _wake_one(self) -> None:
+    def _wake_one(self) -> bool:
+        """Wake the longest-waiting idle slot; False when none waits."""
         while self._waiting:
             waiting = self._waiting.pop(0)
             if not waiting.is_set():
                 waiting.set()
-                return
+                return True
+        return False
 
     async def run(self, *, handle_signals: bool = False) -> None:
         if handle_signals:
@@ -274,9 +276,10 @@ class WorkerLoop(Generic[Item]):
             finally:
                 self._naps.discard(scope)
 
-    async def _drained(self) -> bool:
+    async def _drained(self, wakes: int) -> bool:
         """With `next_due`: True (and the loop stops) when nothing is left at all; otherwise
-        sleeps until the next item is due (or `poll_interval`), and says False."""
+        sleeps until the next item is due (or `poll_interval`), and says False. No sleep when
+        a wake-up came since `wakes` (counted before the claim)."""
         assert self._next_due is not None
         try:
             due = await self._next_due()
@@ -286,6 +289,8 @@ class WorkerLoop(Generic[Item]):
         if due is None and self.in_flight == 0:
             self.stop()  # wakes the other slots' naps: they find the same
             return True
+        if self._wakes != wakes:
+            return False  # woken while claiming or reading: claim again at once
         if due is None or due <= self._clock.now():
             # Another slot's item may still come back (a retry), or the claim found nothing
             # due although something is: another worker took it, it is below this worker's
@@ -313,11 +318,13 @@ class WorkerLoop(Generic[Item]):
                 self._waiting.remove(waiting)
 
     def _leave_idle(self, number: int) -> None:
-        """Slot `number` claimed something: it no longer polls, and one waiting slot claims
-        too (more may be due)."""
+        """Slot `number` claimed something: it no longer polls, and one idle slot claims too
+        (more may be due): a waiting one, or else the poller, cut short in its nap."""
         if self._poller == number:
             self._poller = None
-        self._wake_one()
+        if not self._wake_one():
+            for nap in list(self._naps):
+                nap.cancel()
 
     async def _slot(self, number: int) -> None:
         while not self._stopping:
@@ -339,7 +346,7 @@ class WorkerLoop(Generic[Item]):
                 if self._stop_when_empty:
                     return
                 if self._next_due is not None:
-                    if await self._drained():
+                    if await self._drained(wakes):
                         return
                 elif self._wakes == wakes:  # else woken while claiming: claim again at once
                     await self._idle(number)

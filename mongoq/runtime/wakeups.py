@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -36,10 +37,17 @@ class _Listener:
     loop: asyncio.AbstractEventLoop | None
     thread: int = field(default_factory=threading.get_ident)
 
+    @property
+    def gone(self) -> bool:
+        """Its event loop is closed: nobody can be woken through it any more."""
+        return self.loop is not None and self.loop.is_closed()
+
     def call(self) -> None:
         if self.thread == threading.get_ident() or self.loop is None:
             self.callback()
-        elif not self.loop.is_closed():
+            return
+        # The loop may close between the check and the call: the producer's write stands.
+        with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.callback)
 
 
@@ -70,8 +78,22 @@ def listen(key: Key, callback: Callable[[], None]) -> Iterator[None]:
 
 
 def notify(key: Key) -> None:
-    """Wake every run loop of this process listening under `key` (none: nothing happens)."""
+    """Wake every run loop of this process listening under `key` (none: nothing happens).
+    A listener whose loop has closed (its run never got to leave) is dropped."""
     with _lock:
-        listeners = list(_listeners.get(key, ()))
-    for listener in listeners:
+        listeners = _listeners.get(key, set())
+        for listener in [listener for listener in listeners if listener.gone]:
+            listeners.discard(listener)
+        live = list(listeners)
+        if not listeners:
+            _listeners.pop(key, None)
+    for listener in live:
         listener.call()
+
+
+def _forget_all() -> None:
+    """In a forked child: the parent's run loops are not there."""
+    _listeners.clear()
+
+
+os.register_at_fork(after_in_child=_forget_all)

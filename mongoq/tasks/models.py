@@ -132,9 +132,10 @@ class NewTask:
     run_at: datetime | None = None
 
     def due(self, now: datetime) -> datetime:
-        """When the task is first claimable, put at `now`: `run_at`, else `now` + `delay`."""
+        """When the task is first claimable, put at `now`: `run_at`, else `now` + `delay`. A
+        `run_at` in the past is `now`: due at once, behind the tasks already waiting."""
         if self.run_at is not None:
-            return to_millis(self.run_at)
+            return max(to_millis(self.run_at), now)
         return now + timedelta(seconds=self.delay)
 
 
@@ -157,6 +158,10 @@ def check_new_task(spec: NewTask, prefix: str = "") -> NewTask:
     if spec.run_at is not None:
         if not isinstance(spec.run_at, datetime) or spec.run_at.utcoffset() is None:
             raise InvalidInput(f"{prefix}run_at", "must be a timezone-aware datetime or None")
+        try:
+            to_millis(spec.run_at).astimezone(UTC)
+        except OverflowError:
+            raise InvalidInput(f"{prefix}run_at", "is out of range") from None
         if delay:
             raise InvalidInput(f"{prefix}run_at", "give a delay or a run_at, not both")
     return NewTask(task_id, spec.payload, spec.revision, spec.priority, delay, spec.run_at)

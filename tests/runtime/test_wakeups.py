@@ -201,3 +201,158 @@ async def test_a_plain_publish_in_the_same_process_wakes_the_outbox_dispatcher(
         assert ran == ["e1"]
         running.stop()
     assert await deliveries(db) == []
+
+
+async def make_due_elsewhere(db: Any, clock: ManualClock, *task_ids: str) -> None:
+    """Tasks put with a delay, made due as another process's write would: nobody here is told."""
+    for task_id in task_ids:
+        await db[QUEUE].update_one({"_id": task_id}, {"$set": {"lease_until": clock.now()}})
+
+
+async def test_the_poller_that_claims_something_hands_polling_to_another_slot(
+    db: Any, clock: ManualClock
+) -> None:
+    """Two slots: the poller claims t1 and runs it for long; the other slot now polls, and at
+    the next interval claims t2 that another process made due."""
+    queue = await new_queue(db, clock)
+    await queue.put("t2", delay=3600)
+    release = anyio.Event()
+    running: list[str] = []
+
+    async def handler(task: Task) -> None:
+        running.append(str(task.id))
+        if task.id == "t1":
+            await release.wait()
+
+    poll = 5.0  # within the lease: t1's holder keeps it across the interval
+    with anyio.fail_after(30):  # a hang fails the test instead of the suite
+        async with anyio.create_task_group() as group:
+            group.start_soon(partial(queue.run, handler, concurrency=2, poll_interval=poll))
+            await settle()
+            await queue.put("t1")
+            await settle()
+            assert running == ["t1"]
+            await make_due_elsewhere(db, clock, "t2")
+            clock.advance(poll)
+            await settle()
+            assert running == ["t1", "t2"]  # while t1 still runs
+            release.set()
+            await settle()
+            queue.stop()
+
+
+async def test_a_slot_that_claims_while_the_poller_naps_cuts_the_nap_short(
+    db: Any, clock: ManualClock
+) -> None:
+    """Slot A runs t0; slot B naps as the poller. Another process makes t1 and t2 due; A,
+    done, claims t1, and with no slot waiting it wakes the poller, which claims t2: both run
+    at once, the clock never moved."""
+    queue = await new_queue(db, clock)
+    await queue.put_many([NewTask("t1", delay=3600), NewTask("t2", delay=3600)])
+    release = {name: anyio.Event() for name in ("t0", "t1", "t2")}
+    running: list[str] = []
+
+    async def handler(task: Task) -> None:
+        running.append(str(task.id))
+        await release[str(task.id)].wait()
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as group:
+            group.start_soon(partial(queue.run, handler, concurrency=2, poll_interval=POLL))
+            await settle()
+            await queue.put("t0")
+            await settle()
+            assert running == ["t0"]
+            await make_due_elsewhere(db, clock, "t1", "t2")
+            release["t0"].set()
+            await settle()
+            assert sorted(running) == ["t0", "t1", "t2"]
+            for event in release.values():
+                event.set()
+            await settle()
+            queue.stop()
+
+
+async def test_a_wake_up_during_a_drained_run_is_not_lost(db: Any, clock: ManualClock) -> None:
+    producer = AsyncTaskQueue(db, QUEUE, clock=clock)
+    hook = PutAfterTheFirstEmptyClaim(producer)
+    worker = await new_queue(instrument(db, hook), clock)
+    await worker.put("later", delay=3600)  # keeps the drained run waiting
+    ran: list[str] = []
+
+    async def handler(task: Task) -> None:
+        ran.append(str(task.id))
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as group:
+            hook.armed = True
+            group.start_soon(
+                partial(worker.run, handler, poll_interval=POLL, stop_when_drained=True)
+            )
+            await settle()
+            assert not hook.armed
+            assert ran == ["t1"]  # t1 came while the claim ran: claimed at once
+            worker.stop()
+
+
+async def test_a_publish_during_the_dispatchers_claim_is_not_lost(
+    db: Any, clock: ManualClock
+) -> None:
+    """The dispatcher's scan has run (nothing due); before its claim returns, e1 is published
+    in this process: the dispatcher claims again at once instead of napping its interval."""
+    outbox = await new_outbox(db, clock, subscriptions=ONLY_H)
+    producer = AsyncOutbox(db, outbox.prefix, subscriptions=ONLY_H, clock=clock)
+
+    class PublishAfterTheFirstScan:
+        armed = True
+
+        async def before(self, op: Operation) -> None:
+            return None
+
+        async def after(self, op: Operation, error: BaseException | None) -> None:
+            if self.armed and op.collection.endswith("deliveries") and op.name == "find":
+                self.armed = False
+                await producer.publish(Event("e1", "t"), session=None)
+
+    hook = PublishAfterTheFirstScan()
+    watched = AsyncOutbox(instrument(db, hook), outbox.prefix, subscriptions=ONLY_H, clock=clock)
+    ran: list[str] = []
+
+    async def handle(event: Event, context: DeliveryContext) -> None:
+        ran.append(event.id)
+
+    running = dispatcher(watched, {"h": handle}, poll_interval=POLL)
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as group:
+            group.start_soon(running.run)
+            await settle()
+            assert not hook.armed
+            assert ran == ["e1"]
+            running.stop()
+
+
+async def test_a_run_leaves_no_listener_behind_and_a_delayed_put_wakes_nobody(
+    db: Any, clock: ManualClock
+) -> None:
+    queue, counter = await counted_queue(db, clock)
+    key = wakeups.key_of("tasks", db, QUEUE)
+
+    async def handler(task: Task) -> None:
+        return None
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as group:
+            group.start_soon(partial(queue.run, handler, concurrency=SLOTS, poll_interval=POLL))
+            await settle()
+            assert key in wakeups._listeners
+            counter.reset()
+            await queue.put("later", delay=5)  # not due: no claim follows
+            await settle()
+            assert counter.counts[f"{QUEUE}.find_one_and_update"] == 0
+            queue.stop()
+    assert key not in wakeups._listeners
+    async with anyio.create_task_group() as group:  # a cancelled run leaves none either
+        group.start_soon(partial(queue.run, handler, poll_interval=POLL))
+        await settle()
+        group.cancel_scope.cancel()
+    assert key not in wakeups._listeners

@@ -32,6 +32,8 @@ async def test_run_at_in_the_past_is_due_at_once_and_any_time_zone_means_the_sam
 ) -> None:
     queue = await new_queue(db, clock)
     await queue.put("past", run_at=later(clock, -3600))
+    # Due at once, stored as now: it does not jump ahead of tasks already waiting.
+    assert utc((await read(db, "past") or {})["lease_until"]) == clock.now()
     plus_two = later(clock, 30).astimezone(timezone(timedelta(hours=2)))
     assert plus_two.utcoffset() == timedelta(hours=2)
     await queue.put_many([NewTask("zoned", run_at=plus_two)])
@@ -48,6 +50,7 @@ async def test_run_at_in_the_past_is_due_at_once_and_any_time_zone_means_the_sam
         ({"run_at": datetime(2030, 1, 1)}, "timezone-aware"),  # naive: which zone?
         ({"run_at": "2030-01-01T00:00:00Z"}, "timezone-aware"),
         ({"run_at": datetime(2030, 1, 1, tzinfo=UTC), "delay": 5}, "not both"),
+        ({"run_at": datetime(1, 1, 1, tzinfo=timezone(timedelta(hours=2)))}, "out of range"),
     ],
 )
 async def test_a_bad_run_at_is_refused_naming_the_field_before_anything_is_written(
