@@ -18,9 +18,14 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
-__all__ = ["Key", "key_of", "listen", "notify"]
+import anyio
+
+from mongoq.clock import Clock
+
+__all__ = ["Key", "key_of", "listen", "notify", "sleep_until_woken"]
 
 #: (primitive, database name, queue name or prefix)
 Key = tuple[str, str, str]
@@ -97,3 +102,19 @@ def _forget_all() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_all)
+
+
+async def sleep_until_woken(clock: Clock, until: datetime, woken: anyio.Event) -> None:
+    """Sleep on `clock` until `until`, or until `woken` is set, whichever comes first."""
+    async with anyio.create_task_group() as group:
+
+        async def sleep() -> None:
+            await clock.sleep_until(until)
+            group.cancel_scope.cancel()
+
+        async def watch() -> None:
+            await woken.wait()
+            group.cancel_scope.cancel()
+
+        group.start_soon(sleep)
+        group.start_soon(watch)

@@ -277,7 +277,7 @@ class TaskOperators:
                     if deadline is not None and now >= deadline:
                         break
                     until = now + timedelta(seconds=poll)
-                    await _sleep_unless(
+                    await wakeups.sleep_until_woken(
                         self.clock, until if deadline is None else min(until, deadline), ended
                     )
             group.cancel_scope.cancel()  # the change stream
@@ -304,22 +304,6 @@ class TaskOperators:
         oldest_due = stored_instant(oldest[0]["lease_until"]) if oldest else None
         age = (now - oldest_due).total_seconds() if oldest_due is not None else None
         return TaskQueueStats(counts, due, expired, age)
-
-
-async def _sleep_unless(clock: Clock, until: datetime, event: anyio.Event) -> None:
-    """Sleep on `clock` until `until`, or until `event` is set, whichever comes first."""
-    async with anyio.create_task_group() as group:
-
-        async def sleep() -> None:
-            await clock.sleep_until(until)
-            group.cancel_scope.cancel()
-
-        async def watch() -> None:
-            await event.wait()
-            group.cancel_scope.cancel()
-
-        group.start_soon(sleep)
-        group.start_soon(watch)
 
 
 def _check_status(field: str, status: Any) -> TaskStatus:

@@ -20,7 +20,6 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -213,24 +212,7 @@ class Scheduler:
                     upcoming = clock.now() + timedelta(seconds=poll_interval)
                 recheck = clock.now() + timedelta(seconds=RECHECK)
                 until = recheck if upcoming is None else min(upcoming, recheck)
-                await _sleep_unless(clock.sleep_until, until, changed)
-
-
-async def _sleep_unless(
-    sleep_until: Callable[[datetime], Any], until: datetime, event: anyio.Event
-) -> None:
-    async with anyio.create_task_group() as group:
-
-        async def sleep() -> None:
-            await sleep_until(until)
-            group.cancel_scope.cancel()
-
-        async def watch() -> None:
-            await event.wait()
-            group.cancel_scope.cancel()
-
-        group.start_soon(sleep)
-        group.start_soon(watch)
+                await wakeups.sleep_until_woken(clock, until, changed)
 
 
 def _checked_name(name: Any) -> str:
