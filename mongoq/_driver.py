@@ -475,6 +475,11 @@ async def open_change_stream(collection: Any, pipeline: Sequence[Mapping[str, An
     return stream
 
 
+def no_change_streams(error: BaseException) -> bool:
+    """Whether `error` is the server's refusal of change streams (a standalone server)."""
+    return isinstance(error, OperationFailure) and error.code in _NO_CHANGE_STREAMS
+
+
 async def close_change_stream(stream: Any) -> None:
     """Close a stream `open_change_stream` opened, whichever driver."""
     outcome = stream.close()

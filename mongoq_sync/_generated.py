@@ -414,9 +414,10 @@ class TaskQueue(Facade):
         ``tombstone``); `TimeoutError` if it has not within `timeout` seconds of the queue's
         clock (None: no limit). A task that does not exist yet is waited for too.
 
-        One read, then one more each time a worker of this process ends the task (at once),
-        a change stream reports a change of it (on a replica set, from any process), and every
-        `poll_interval` seconds: never a tight poll.
+        One read, then one more each time a worker of this process ends the task (at once)
+        and every `poll_interval` seconds (an end in another process): never a tight poll. (A
+        change stream per wait would hold a pooled connection each: many waits would starve
+        the workers' heartbeats.)
         """
         return cast(
             "Task", self._call("wait", task_id, timeout=timeout, poll_interval=poll_interval)

@@ -22,11 +22,15 @@ import anyio
 from mongoq import _driver
 from mongoq.clock import Clock
 
-__all__ = ["DELIVERIES_READY", "GROUPS_READY", "TASKS_DUE", "task_changed", "watch"]
+__all__ = ["DELIVERIES_READY", "GROUPS_READY", "TASKS_DUE", "watch"]
 
 log = logging.getLogger("mongoq.worker")
 
 _ONLY_IDS = {"$project": {"_id": 1, "operationType": 1}}
+#: Seconds a failing stream waits at most before it is opened again.
+MAX_RETRY = 300.0
+#: Seconds closing a stream may take (shielded from the loop's cancellation).
+CLOSE_WITHIN = 5.0
 
 #: A task inserted, or made pending (a put of a new revision, a retry, a requeue, a reclaim).
 TASKS_DUE: list[dict[str, Any]] = [
@@ -69,11 +73,6 @@ DELIVERIES_READY: list[dict[str, Any]] = [
 ]
 
 
-def task_changed(task_id: Any) -> list[dict[str, Any]]:
-    """Any change of the one task `task_id`: what `AsyncTaskQueue.wait` listens for."""
-    return [{"$match": {"documentKey._id": task_id}}, _ONLY_IDS]
-
-
 async def watch(
     collection: Any,
     pipeline: Sequence[Mapping[str, Any]],
@@ -84,23 +83,30 @@ async def watch(
     name: str,
 ) -> None:
     """Call `wake` for every event of `pipeline` on `collection` until cancelled; return at
-    once where the backend has no change streams."""
+    once where the backend has no change streams. A stream that keeps failing is opened
+    again less and less often (`retry`, doubled each time, up to `MAX_RETRY`), said once."""
+    failures = 0
     while True:
         try:
             stream = await _driver.open_change_stream(collection, pipeline)
+            try:
+                async for _ in stream:
+                    failures = 0
+                    wake()
+            finally:
+                # Bounded: a server gone away must not hold the loop's shutdown.
+                with anyio.move_on_after(CLOSE_WITHIN, shield=True):
+                    with contextlib.suppress(*_driver.DRIVER_ERRORS):
+                        await _driver.close_change_stream(stream)
         except _driver.NoChangeStreams as reason:
             log.info("%s: no change streams here (%s); polling only", name, reason)
             return
         except _driver.DRIVER_ERRORS as exc:
-            log.warning("%s: opening a change stream failed (%s); polling meanwhile", name, exc)
-            await clock.sleep(retry)
-            continue
-        try:
-            async for _ in stream:
-                wake()
-        except _driver.DRIVER_ERRORS as exc:
-            log.warning("%s: the change stream failed (%s); polling meanwhile", name, exc)
-        finally:
-            with anyio.CancelScope(shield=True), contextlib.suppress(*_driver.DRIVER_ERRORS):
-                await _driver.close_change_stream(stream)  # gone either way after an error
-        await clock.sleep(retry)
+            if _driver.no_change_streams(exc):  # Motor opens the stream at its first read
+                log.info("%s: no change streams here (%s); polling only", name, exc)
+                return
+            (log.warning if failures == 0 else log.debug)(
+                "%s: the change stream failed (%s); polling meanwhile", name, exc
+            )
+        await clock.sleep(min(retry * 2**failures, MAX_RETRY))
+        failures = min(failures + 1, 16)

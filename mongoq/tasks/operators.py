@@ -10,7 +10,6 @@ import logging
 import re
 from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
-from functools import partial
 from typing import Any, Protocol
 
 import anyio
@@ -28,7 +27,7 @@ from mongoq._validation import (
 )
 from mongoq.clock import Clock, stored_instant, to_millis
 from mongoq.errors import InvalidInput
-from mongoq.runtime import changes, wakeups
+from mongoq.runtime import wakeups
 from mongoq.tasks import schema
 from mongoq.tasks.models import (
     CANCELLED,
@@ -245,9 +244,10 @@ class TaskOperators:
         ``tombstone``); `TimeoutError` if it has not within `timeout` seconds of the queue's
         clock (None: no limit). A task that does not exist yet is waited for too.
 
-        One read, then one more each time a worker of this process ends the task (at once),
-        a change stream reports a change of it (on a replica set, from any process), and every
-        `poll_interval` seconds: never a tight poll."""
+        One read, then one more each time a worker of this process ends the task (at once)
+        and every `poll_interval` seconds (an end in another process): never a tight poll. (A
+        change stream per wait would hold a pooled connection each: many waits would starve
+        the workers' heartbeats.)"""
         task_id = check_id("task_id", task_id)
         limit = check_timeout("timeout", timeout)
         poll = check_seconds("poll_interval", poll_interval, positive=True)
@@ -259,29 +259,22 @@ class TaskOperators:
             ended.set()
 
         finished: Task | None = None
-        async with anyio.create_task_group() as group:
-            # On a replica set, a change of the task in any process wakes the wait too.
-            group.start_soon(partial(
-                changes.watch, self.collection, changes.task_changed(task_id), wake,
-                clock=self.clock, retry=poll, name=f"wait for task {task_id!r}",
-            ))  # fmt: skip
-            with wakeups.listen(self._finished_key(task_id), wake):
-                while True:
-                    ended = anyio.Event()  # before the read: an end told during it counts
-                    doc = await self.collection.find_one(schema.task_by_id(task_id))
-                    task = None if doc is None else Task.from_document(doc)
-                    if task is not None and task.status in FINISHED:
-                        finished = task
-                        break
-                    now = await self._now()
-                    if deadline is not None and now >= deadline:
-                        break
-                    until = now + timedelta(seconds=poll)
-                    await wakeups.sleep_until_woken(
-                        self.clock, until if deadline is None else min(until, deadline), ended
-                    )
-            group.cancel_scope.cancel()  # the change stream
-        if finished is None:  # raised out here: a task group would wrap it in a group
+        with wakeups.listen(self._finished_key(task_id), wake):
+            while True:
+                ended = anyio.Event()  # before the read: an end told during it counts
+                doc = await self.collection.find_one(schema.task_by_id(task_id))
+                task = None if doc is None else Task.from_document(doc)
+                if task is not None and task.status in FINISHED:
+                    finished = task
+                    break
+                now = await self._now()
+                if deadline is not None and now >= deadline:
+                    break
+                until = now + timedelta(seconds=poll)
+                await wakeups.sleep_until_woken(
+                    self.clock, until if deadline is None else min(until, deadline), ended
+                )
+        if finished is None:
             raise TimeoutError(f"task {task_id!r} did not finish within {limit} s")
         return finished
 

@@ -19,7 +19,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import math
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -71,8 +70,10 @@ class _Rule:
 
     def latest(self, now: datetime) -> datetime:
         if self.every is not None:
-            periods = math.floor((now - self.anchor).total_seconds() / self.every)
-            return to_millis(self.anchor + timedelta(seconds=max(periods, 0) * self.every))
+            # In whole milliseconds, as stored: `first` must land on a tick `latest` finds.
+            step = round(self.every * 1000)
+            elapsed = (to_millis(now) - self.anchor) // timedelta(milliseconds=1)
+            return self.anchor + timedelta(milliseconds=max(elapsed // step, 0) * step)
         local = now.astimezone(self.zone) + timedelta(milliseconds=1)  # at `now` counts
         return to_millis(_croniter()(self.cron, local).get_prev(datetime).astimezone(UTC))
 
@@ -80,7 +81,7 @@ class _Rule:
         if self.every is not None:
             if after < self.anchor:
                 return self.anchor
-            return to_millis(self.latest(after) + timedelta(seconds=self.every))
+            return self.latest(after) + timedelta(milliseconds=round(self.every * 1000))
         local = after.astimezone(self.zone)
         return to_millis(_croniter()(self.cron, local).get_next(datetime).astimezone(UTC))
 
@@ -159,7 +160,18 @@ class Scheduler:
             if schedule.next_at > now:
                 upcoming.append(schedule.next_at)
                 break
-            upcoming.append(await self._tick(doc, schedule, now))
+            try:
+                upcoming.append(await self._tick(doc, schedule, now))
+            except _driver.DRIVER_ERRORS:
+                raise  # the ticker's retry
+            except Exception as exc:
+                # (a time zone this host lacks, a cron this croniter refuses, no croniter):
+                # said, and tried again at the next recheck, the other schedules ticking on.
+                log.error(
+                    "schedule %r cannot tick here: %s", schedule.name, exc,
+                    extra={"mongoq_primitive": "tasks", "mongoq_queue": self.queue.name,
+                           "mongoq_item": schedule.name},
+                )  # fmt: skip
         else:
             if len(docs) > TICK_BATCH:
                 upcoming.append(now)  # more are due: tick again at once
@@ -235,6 +247,8 @@ def _checked(
             raise InvalidInput("cron", f"is not a cron expression: {cron!r}")
     else:
         every = check_seconds("every", every, positive=True)
+        if every < 1 or abs(every * 1000 - round(every * 1000)) > 1e-6:
+            raise InvalidInput("every", "must be at least 1 second, in whole milliseconds")
     if not isinstance(timezone, str):
         raise InvalidInput("timezone", "must be an IANA time zone name such as 'Europe/Paris'")
     try:
@@ -244,6 +258,8 @@ def _checked(
     if missed not in ("once", "skip"):
         raise InvalidInput("missed", "must be 'once' (run the latest missed tick) or 'skip'")
     grace = check_seconds("grace", grace)
+    if grace < 1:  # a ticker wakes a little after the tick: a shorter grace skips them all
+        raise InvalidInput("grace", "must be at least 1 second")
     check_payload("payload", payload)
     check_int("priority", priority, low=-(2**31), high=2**31 - 1)
     return {

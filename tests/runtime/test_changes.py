@@ -16,8 +16,9 @@ import anyio
 import pytest
 from pymongo.errors import OperationFailure
 
-from mongoq import Task
+from mongoq import NewTask, Task
 from mongoq.runtime import changes
+from mongoq.tasks import schema
 from mongoq.testing import ManualClock, settle
 from tests.conftest import SERVERS
 from tests.support.helpers import QUEUE, new_queue, read
@@ -65,6 +66,15 @@ class FakeWatch:
 async def make_due_behind_the_workers_back(db: Any, clock: ManualClock, task_id: str) -> None:
     """A task due now, written as another process would: nothing here is told."""
     await db[QUEUE].update_one({"_id": task_id}, {"$set": {"lease_until": clock.now()}})
+
+
+async def put_behind_the_workers_back(db: Any, clock: ManualClock, task_id: str) -> None:
+    """A put as another process sends it (the same upsert): nothing here is told, but a
+    change stream sees an insert."""
+    await db[QUEUE].update_one(
+        schema.task_by_id(task_id), schema.task_putting(NewTask(task_id), clock.now()),
+        upsert=True,
+    )  # fmt: skip
 
 
 async def test_a_change_event_wakes_an_idle_worker_at_once(db: Any, clock: ManualClock) -> None:
@@ -115,7 +125,7 @@ async def test_a_failed_stream_is_opened_again_and_polling_goes_on_meanwhile(
             assert ran == ["t1"]
             assert len(watch.streams) == 1
             queue.stop()
-    assert any("opening a change stream failed" in r.getMessage() for r in caplog.records)
+    assert any("the change stream failed" in r.getMessage() for r in caplog.records)
 
 
 async def test_where_there_are_no_change_streams_the_worker_says_so_once_and_polls(
@@ -153,20 +163,76 @@ async def test_a_worker_on_a_replica_set_is_woken_by_another_clients_write(
     if request.node.callspec.params["db"] not in SERVERS:
         pytest.skip("change streams need a real replica set: set MONGOQ_TEST_URI")
     queue = await new_queue(db, clock)
-    await queue.put("t1", delay=3600)
-    started = anyio.Event()
+    started: list[str] = []
+    woken = anyio.Event()
 
     async def handler(task: Task) -> None:
-        started.set()
+        started.append(str(task.id))
+        woken.set()
 
     async with anyio.create_task_group() as group:
         group.start_soon(partial(queue.run, handler, poll_interval=3600))
-        # The stream opens in the background: write until it wakes the worker, at most 20 s
-        # of waiting on the network (the clock never moves: only the stream can wake it).
+        await anyio.sleep(1)  # the first claim (nothing) and the stream's opening, on the wire
+        # Put as another process does, a new task each round until the stream wakes the
+        # worker: at most 20 s of waiting on the network (the clock never moves, and the next
+        # poll is an hour away: only the stream can wake it).
         with anyio.fail_after(20):
-            while not started.is_set():
-                await make_due_behind_the_workers_back(db, clock, "t1")
+            for number in range(40):
+                await put_behind_the_workers_back(db, clock, f"t{number}")
                 with anyio.move_on_after(0.5):
-                    await started.wait()
+                    await woken.wait()
+                if started:
+                    break
         queue.stop()
-    assert (await read(db, "t1") or {}).get("status") == "done"
+    assert started and (await read(db, started[0]) or {}).get("status") == "done"
+
+
+async def test_a_stream_refused_at_its_first_read_ends_the_watch_as_having_no_streams(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Motor opens a stream at its first read: a standalone's refusal comes from the
+    iteration, not the open. It still means polling only, said once, never retried."""
+
+    class RefusedOnRead(FakeStream):
+        async def __anext__(self) -> dict[str, Any]:
+            raise OperationFailure("only supported on replica sets", 40573)
+
+    watch = FakeWatch()
+    watch.streams = []
+    opened: list[int] = []
+
+    def lazy(pipeline: list[Any]) -> FakeStream:
+        opened.append(1)
+        return RefusedOnRead()
+
+    with caplog.at_level(logging.INFO, logger="mongoq.worker"):
+        with anyio.fail_after(10):
+            await changes.watch(
+                type("C", (), {"watch": staticmethod(lazy)})(), changes.TASKS_DUE, lambda: None,
+                clock=clock, retry=POLL, name="test",
+            )  # fmt: skip
+    assert opened == [1]
+    assert any("no change streams" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_stream_that_keeps_failing_is_opened_again_less_and_less_often(
+    clock: ManualClock,
+) -> None:
+    opened: list[float] = []
+    start = clock.now()
+
+    def failing(pipeline: list[Any]) -> FakeStream:
+        opened.append((clock.now() - start).total_seconds())
+        raise OperationFailure("not authorized", 13)
+
+    collection = type("C", (), {"watch": staticmethod(failing)})()
+    async with anyio.create_task_group() as group:
+        group.start_soon(partial(
+            changes.watch, collection, changes.TASKS_DUE, lambda: None, clock=clock, retry=1,
+            name="test",
+        ))  # fmt: skip
+        for _ in range(40):
+            await settle()
+            clock.advance(1)
+        group.cancel_scope.cancel()
+    assert opened[:6] == [0, 1, 3, 7, 15, 31]  # 1, 2, 4, 8, 16 s apart

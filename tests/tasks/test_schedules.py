@@ -7,6 +7,7 @@ doubles none; ticks missed while no worker ran follow the schedule's `missed` po
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Any
@@ -159,6 +160,9 @@ async def test_a_schedule_defined_again_keeps_its_next_tick_and_a_changed_one_st
         ({"cron": "* * * * *", "every": 60}, "cron"),  # both
         ({"cron": "every day"}, "cron"),
         ({"every": 0}, "every"),
+        ({"every": 1 / 3}, "every"),  # not whole milliseconds: ticks would drift
+        ({"every": 0.5}, "every"),  # under a second
+        ({"every": 60, "missed": "skip", "grace": 0.5}, "grace"),  # shorter than a wake-up
         ({"every": 60, "timezone": "Mars/Olympus"}, "timezone"),
         ({"every": 60, "missed": "all"}, "missed"),
         ({"every": 60, "grace": -1}, "grace"),
@@ -199,3 +203,29 @@ async def test_a_worker_without_schedules_sends_no_schedule_read(
         await settle()
         queue.stop()
     assert counter.counts[f"{SCHEDULES}.find"] == 0
+
+
+async def test_a_schedule_that_cannot_tick_here_is_said_and_the_others_tick_on(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A schedule stored by another host with a time zone this one lacks: its ticker says so,
+    leaves it, and ticks the rest; the worker keeps running."""
+    queue = await new_queue(db, clock)
+    await queue.schedule("good", every=60)
+    await queue.schedule("bad", cron="* * * * *")
+    await db[SCHEDULES].update_one({"_id": "bad"}, {"$set": {"timezone": "Nowhere/Atlantis"}})
+    ran: list[str] = []
+
+    async def handler(task: Task) -> None:
+        ran.append(str(task.id))
+
+    with caplog.at_level(logging.ERROR, logger="mongoq.tasks"), anyio.fail_after(30):
+        async with anyio.create_task_group() as group:
+            group.start_soon(partial(queue.run, handler, poll_interval=1))
+            await settle()
+            for _ in range(130):
+                clock.advance(1)
+                await settle()
+            queue.stop()
+    assert ran == [tick_task_id("good", at(1)), tick_task_id("good", at(2))]
+    assert any("'bad' cannot tick here" in r.getMessage() for r in caplog.records)

@@ -137,33 +137,3 @@ async def test_wait_refuses_bad_arguments_before_reading(db: Any, clock: ManualC
         await queue.wait({"$gt": ""})  # type: ignore[arg-type]
     assert error.value.field == "task_id"
     assert counter.total == 0
-
-
-async def test_wait_is_woken_by_a_change_stream_event_of_its_task(
-    db: Any, clock: ManualClock
-) -> None:
-    """On a replica set the task's change reaches the wait from any process: here a stream
-    double (`FakeWatch`) sends the event of another process's completion; no poll passes."""
-    from tests.runtime.test_changes import FakeWatch
-
-    queue, counter = await counted_queue(db, clock)
-    watch = FakeWatch()
-    queue.collection.watch = watch  # on the counting wrapper: it counts no stream
-    await queue.put("t1")
-    waited: list[Task] = []
-    async with anyio.create_task_group() as group:
-
-        async def waiter() -> None:
-            waited.append(await queue.wait("t1", poll_interval=3600))
-
-        group.start_soon(waiter)
-        await settle()
-        assert watch.pipelines and watch.pipelines[0][0] == {"$match": {"documentKey._id": "t1"}}
-        await db[QUEUE].update_one({"_id": "t1"}, {"$set": {"status": "done", "result": 1}})
-        await settle()
-        assert waited == []  # the write alone tells this process nothing
-        await watch.streams[0].send.send({"_id": {"token": 1}, "operationType": "update"})
-        await settle()
-        assert [(t.status, t.result) for t in waited] == [("done", 1)]
-        assert reads(counter) == 2
-    assert watch.streams[0].closed
