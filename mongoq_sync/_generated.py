@@ -414,10 +414,10 @@ class TaskQueue(Facade):
         ``tombstone``); `TimeoutError` if it has not within `timeout` seconds of the queue's
         clock (None: no limit). A task that does not exist yet is waited for too.
 
-        One read, then one more each time a worker of this process ends the task (at once)
-        and every `poll_interval` seconds (an end in another process): never a tight poll. (A
-        change stream per wait would hold a pooled connection each: many waits would starve
-        the workers' heartbeats.)
+        One read, then one more each time the task's end is heard of: at once from a worker
+        of this process, through a change stream on a replica set (one per queue and process,
+        shared by every wait: streams hold a pooled connection each), and at every
+        `poll_interval` seconds otherwise: never a tight poll.
         """
         return cast(
             "Task", self._call("wait", task_id, timeout=timeout, poll_interval=poll_interval)

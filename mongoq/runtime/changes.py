@@ -12,9 +12,11 @@ Owns no collections.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -22,7 +24,7 @@ import anyio
 from mongoq import _driver
 from mongoq.clock import Clock
 
-__all__ = ["DELIVERIES_READY", "GROUPS_READY", "TASKS_DUE", "watch"]
+__all__ = ["DELIVERIES_READY", "GROUPS_READY", "TASKS_DUE", "TASKS_ENDED", "share", "watch"]
 
 log = logging.getLogger("mongoq.worker")
 
@@ -73,16 +75,91 @@ DELIVERIES_READY: list[dict[str, Any]] = [
 ]
 
 
-async def watch(
+#: A task ended (done, failed, cancelled, removed): what `AsyncTaskQueue.wait` hears of.
+TASKS_ENDED: list[dict[str, Any]] = [
+    {
+        "$match": {
+            "operationType": "update",
+            "updateDescription.updatedFields.status": {
+                "$in": ["done", "failed", "cancelled", "tombstone"]
+            },
+        }
+    },
+    {"$project": {"_id": 1, "documentKey": 1}},
+]
+
+
+@dataclass(eq=False)
+class _Shared:
+    """One change stream shared by the participants of a key on one event loop."""
+
+    owner: object | None = None
+    participants: int = 0
+    unsupported: bool = False
+    released: anyio.Event = field(default_factory=anyio.Event)
+
+
+_shared: dict[tuple[Any, int], _Shared] = {}
+#: Keys whose collection has no change streams (said once per process).
+_unsupported: set[tuple[Any, int]] = set()
+
+
+async def share(
+    key: Any,
     collection: Any,
     pipeline: Sequence[Mapping[str, Any]],
-    wake: Callable[[], None],
+    route: Callable[[Mapping[str, Any]], None],
     *,
     clock: Clock,
     retry: float,
     name: str,
 ) -> None:
-    """Call `wake` for every event of `pipeline` on `collection` until cancelled; return at
+    """Take part, until cancelled, in one change stream per `key` (and event loop) of this
+    process: one participant at a time holds it open and calls `route` with each event (the
+    participants' own route, the same for all); when it leaves, another takes it over (the
+    events in between are missed: the participants poll as well). Where there are no
+    change streams, every participant returns."""
+    client = getattr(getattr(collection, "database", None), "client", None)
+    kind = (key, id(client))  # no streams: a fact of the deployment behind this client
+    if kind in _unsupported:
+        return  # said once already: there are no streams here
+    slot = (key, id(asyncio.get_running_loop()))
+    entry = _shared.setdefault(slot, _Shared())
+    me = object()
+    entry.participants += 1
+    try:
+        while not entry.unsupported:
+            if entry.owner is not None:
+                await entry.released.wait()
+                continue
+            entry.owner = me
+            try:
+                await watch(collection, pipeline, clock=clock, retry=retry, name=name,
+                            route=route)  # fmt: skip
+                entry.unsupported = True  # it returns only where there are no streams
+                _unsupported.add(kind)
+            finally:
+                entry.owner = None
+                released, entry.released = entry.released, anyio.Event()
+                released.set()
+    finally:
+        entry.participants -= 1
+        if entry.participants == 0 and _shared.get(slot) is entry:
+            del _shared[slot]
+
+
+async def watch(
+    collection: Any,
+    pipeline: Sequence[Mapping[str, Any]],
+    wake: Callable[[], None] | None = None,
+    *,
+    clock: Clock,
+    retry: float,
+    name: str,
+    route: Callable[[Mapping[str, Any]], None] | None = None,
+) -> None:
+    """Call `wake` (or `route`, with the event) for every event of `pipeline` on `collection`
+    until cancelled; return at
     once where the backend has no change streams. A stream that keeps failing is opened
     again less and less often (`retry`, doubled each time, up to `MAX_RETRY`), said once."""
     failures = 0
@@ -90,9 +167,12 @@ async def watch(
         try:
             stream = await _driver.open_change_stream(collection, pipeline)
             try:
-                async for _ in stream:
+                async for event in stream:
                     failures = 0
-                    wake()
+                    if route is not None:
+                        route(event)
+                    if wake is not None:
+                        wake()
             finally:
                 # Bounded: a server gone away must not hold the loop's shutdown.
                 with anyio.move_on_after(CLOSE_WITHIN, shield=True):

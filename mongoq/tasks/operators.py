@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any, Protocol
 
 import anyio
@@ -27,7 +28,7 @@ from mongoq._validation import (
 )
 from mongoq.clock import Clock, stored_instant, to_millis
 from mongoq.errors import InvalidInput
-from mongoq.runtime import wakeups
+from mongoq.runtime import changes, wakeups
 from mongoq.tasks import schema
 from mongoq.tasks.models import (
     CANCELLED,
@@ -58,6 +59,7 @@ class _Queue(Protocol):
     """What the operator calls use of the queue they are mixed into."""
 
     collection: Any
+    db: Any
     max_attempts: int
     name: str
     clock: Clock
@@ -67,6 +69,8 @@ class _Queue(Protocol):
     def _finished(self, task_ids: Iterable[TaskId]) -> None: ...
 
     def _finished_key(self, task_id: TaskId) -> wakeups.Key: ...
+
+    def _route_end(self, event: Mapping[str, Any]) -> None: ...
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -244,10 +248,10 @@ class TaskOperators:
         ``tombstone``); `TimeoutError` if it has not within `timeout` seconds of the queue's
         clock (None: no limit). A task that does not exist yet is waited for too.
 
-        One read, then one more each time a worker of this process ends the task (at once)
-        and every `poll_interval` seconds (an end in another process): never a tight poll. (A
-        change stream per wait would hold a pooled connection each: many waits would starve
-        the workers' heartbeats.)"""
+        One read, then one more each time the task's end is heard of: at once from a worker
+        of this process, through a change stream on a replica set (one per queue and process,
+        shared by every wait: streams hold a pooled connection each), and at every
+        `poll_interval` seconds otherwise: never a tight poll."""
         task_id = check_id("task_id", task_id)
         limit = check_timeout("timeout", timeout)
         poll = check_seconds("poll_interval", poll_interval, positive=True)
@@ -259,22 +263,31 @@ class TaskOperators:
             ended.set()
 
         finished: Task | None = None
-        with wakeups.listen(self._finished_key(task_id), wake):
-            while True:
-                ended = anyio.Event()  # before the read: an end told during it counts
-                doc = await self.collection.find_one(schema.task_by_id(task_id))
-                task = None if doc is None else Task.from_document(doc)
-                if task is not None and task.status in FINISHED:
-                    finished = task
-                    break
-                now = await self._now()
-                if deadline is not None and now >= deadline:
-                    break
-                until = now + timedelta(seconds=poll)
-                await wakeups.sleep_until_woken(
-                    self.clock, until if deadline is None else min(until, deadline), ended
-                )
-        if finished is None:
+        async with anyio.create_task_group() as group:
+            # On a replica set the ends of this queue's tasks in any process come through one
+            # change stream this process shares among its waits (told by task id).
+            group.start_soon(partial(
+                changes.share, wakeups.key_of("tasks.ended", self.db, self.name), self.collection,
+                changes.TASKS_ENDED, self._route_end, clock=self.clock, retry=poll,
+                name=f"waits on {self.name}",
+            ))  # fmt: skip
+            with wakeups.listen(self._finished_key(task_id), wake):
+                while True:
+                    ended = anyio.Event()  # before the read: an end told during it counts
+                    doc = await self.collection.find_one(schema.task_by_id(task_id))
+                    task = None if doc is None else Task.from_document(doc)
+                    if task is not None and task.status in FINISHED:
+                        finished = task
+                        break
+                    now = await self._now()
+                    if deadline is not None and now >= deadline:
+                        break
+                    until = now + timedelta(seconds=poll)
+                    await wakeups.sleep_until_woken(
+                        self.clock, until if deadline is None else min(until, deadline), ended
+                    )
+            group.cancel_scope.cancel()  # its part in the stream
+        if finished is None:  # raised out here: inside, the task group would wrap it
             raise TimeoutError(f"task {task_id!r} did not finish within {limit} s")
         return finished
 

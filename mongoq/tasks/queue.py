@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import random
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import partial
@@ -543,6 +543,12 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
     def _finished_key(self, task_id: TaskId) -> wakeups.Key:
         """What `wait` for `task_id` listens under: its end, in this process."""
         return wakeups.key_of("tasks.finished", self.db, f"{self.name}\x00{task_id!r}")
+
+    def _route_end(self, event: Mapping[str, Any]) -> None:
+        """A change stream's event of a task's end: tell this process's waits for it."""
+        key = event.get("documentKey") or {}
+        if "_id" in key:
+            self._finished([key["_id"]])
 
     def _finished(self, task_ids: Iterable[TaskId]) -> None:
         """Tell this process's `wait`s that these tasks ended."""

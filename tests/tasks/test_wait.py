@@ -10,7 +10,8 @@ from typing import Any
 import anyio
 import pytest
 
-from mongoq import InvalidInput, PermanentError, Task
+from mongoq import InvalidInput, NewTask, PermanentError, Task
+from mongoq.runtime import changes
 from mongoq.testing import ManualClock, settle
 from tests.support.helpers import QUEUE, claim_one, counted_queue, new_queue
 
@@ -137,3 +138,38 @@ async def test_wait_refuses_bad_arguments_before_reading(db: Any, clock: ManualC
         await queue.wait({"$gt": ""})  # type: ignore[arg-type]
     assert error.value.field == "task_id"
     assert counter.total == 0
+
+
+async def test_waits_share_one_change_stream_and_hand_it_over(db: Any, clock: ManualClock) -> None:
+    """Two waits in one process, one stream (a test double): each end it reports wakes the
+    wait for that task only; when the wait holding the stream returns, the other opens it
+    again. Never two streams at once: a stream holds a pooled connection."""
+    from tests.runtime.test_changes import FakeWatch
+
+    queue, counter = await counted_queue(db, clock)
+    watch = FakeWatch()
+    queue.collection.watch = watch  # on the counting wrapper: it counts no stream
+    await queue.put_many([NewTask("t1"), NewTask("t2")])
+    waited: list[str] = []
+    async with anyio.create_task_group() as group:
+        for task_id in ("t1", "t2"):
+
+            async def waiter(task_id: str = task_id) -> None:
+                waited.append(str((await queue.wait(task_id, poll_interval=3600)).id))
+
+            group.start_soon(waiter)
+        await settle()
+        assert len(watch.streams) == 1
+        assert watch.pipelines[0] == changes.TASKS_ENDED
+        # Another process completes t1 (nothing told here), then the stream says so.
+        await db[QUEUE].update_one({"_id": "t1"}, {"$set": {"status": "done"}})
+        await watch.streams[0].send.send({"_id": {"t": 1}, "documentKey": {"_id": "t1"}})
+        await settle()
+        assert waited == ["t1"]
+        assert len(watch.streams) == 2 and watch.streams[0].closed  # handed over
+        await db[QUEUE].update_one({"_id": "t2"}, {"$set": {"status": "failed"}})
+        await watch.streams[1].send.send({"_id": {"t": 2}, "documentKey": {"_id": "t2"}})
+        await settle()
+        assert waited == ["t1", "t2"]
+    assert watch.streams[1].closed
+    assert reads(counter) == 4  # a read each at the start and at its end: no poll
