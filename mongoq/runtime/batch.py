@@ -105,12 +105,17 @@ class _Batch(Generic[Item]):
             return None
         renewing = list(self.unsettled)
         held = await self.holder.renew(renewing)
-        for item, ok in zip(renewing, held, strict=True):
-            if not ok:  # taken over: never start (or settle) it here
-                self.unsettled.remove(item)
-                self.count("lost", 1)
-                if self.running is not None and self.running[0] is item:
-                    self.running[1].cancel()  # and stop its handler: its work cannot count
+        gone = [item for item, ok in zip(renewing, held, strict=True) if not ok]
+        # What each became, asked before anything changes here: once its handler is stopped
+        # the batch may end and cancel this renewal, which must have counted it by then.
+        outcomes = await self._lost_outcomes(gone)
+        for item, outcome in zip(gone, outcomes, strict=True):
+            if item not in self.unsettled:
+                continue  # settled meanwhile (and counted there)
+            self.unsettled.remove(item)  # taken over: never start (or settle) it here
+            self.count(outcome, 1)
+            if self.running is not None and self.running[0] is item:
+                self.running[1].cancel()  # and stop its handler: its work cannot count
         if all(held):
             self.confirmed = self.clock.now() + timedelta(seconds=self.lease)
         return any(held)
@@ -121,8 +126,21 @@ class _Batch(Generic[Item]):
         if self.clock.now() < self.confirmed or await self.holder.renew_one(item):
             return True
         self.unsettled.remove(item)
-        self.count("lost", 1)
+        await self._count_lost([item])
         return False
+
+    async def _lost_outcomes(self, items: Sequence[Item]) -> list[str]:
+        """What items no longer held count as: ``lost``, or what the holder says they became
+        instead (its `lost_outcomes`: a task cancelled rather than taken over)."""
+        ask = getattr(self.holder, "lost_outcomes", None)
+        if not items or ask is None:
+            return ["lost"] * len(items)
+        outcomes: list[str] = await ask(items)
+        return outcomes
+
+    async def _count_lost(self, items: Sequence[Item]) -> None:
+        for outcome in await self._lost_outcomes(items):
+            self.count(outcome, 1)
 
     async def settle(self, item: Item, call: Callable[[], Awaitable[str]]) -> None:
         if item not in self.unsettled:  # a renewal found it lost (and counted it) meanwhile
@@ -193,7 +211,9 @@ class _Batch(Generic[Item]):
                 batch = [item for item, _ in finished]
                 done = await self.holder.complete(batch, [result for _, result in finished])
                 self.count(self.holder.done, sum(done))
-                self.count("lost", len(done) - sum(done))
+                await self._count_lost(
+                    [item for item, ok in zip(batch, done, strict=True) if not ok]
+                )
                 for item in batch:
                     self.unsettled.remove(item)
             for item in list(self.unsettled):

@@ -54,6 +54,11 @@ class TaskBatch:
     async def settle_cut_short(self, item: Task) -> str:
         return await self._retry(item, WORKER_STOPPED)
 
+    async def lost_outcomes(self, items: Sequence[Task]) -> list[str]:
+        """Per task no longer held: ``cancelled`` when it was (one read), else ``lost``."""
+        cancelled = await self.queue._cancelled_of(items)
+        return ["cancelled" if item.id in cancelled else "lost" for item in items]
+
     async def give_back(self, item: Task) -> str:
         held = await self.queue.release_not_an_attempt(item, delay=0)
         return "released" if held else "lost"

@@ -555,6 +555,14 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
         for task_id in task_ids:
             wakeups.notify(self._finished_key(task_id))
 
+    async def _cancelled_of(self, tasks: Sequence[Task]) -> set[TaskId]:
+        """Which of `tasks` (whose holder lost them) were cancelled: one read."""
+        docs = await _driver.find_list(
+            self.collection, schema.tasks_cancelled([task.id for task in tasks]),
+            projection={"_id": 1},
+        )  # fmt: skip
+        return {doc["_id"] for doc in docs}
+
     async def _is_cancelled(self, task: Task) -> bool:
         """Whether `task` (whose holder's renewal missed) was cancelled, rather than lost."""
         found = await self.collection.find_one(schema.task_cancelled(task.id), {"_id": 1})

@@ -87,6 +87,7 @@ __all__ = [
     "task_cancelled",
     "task_cancelling",
     "task_failed",
+    "tasks_cancelled",
     "task_failing",
     "task_held",
     "task_held_at_revision",
@@ -399,6 +400,11 @@ def task_cancelling(now: datetime) -> dict[str, Any]:
 def task_cancelled(task_id: TaskId) -> dict[str, Any]:
     """The task if cancelled: a holder whose renewal missed, telling a cancel from a loss."""
     return {"_id": task_id, "status": CANCELLED}
+
+
+def tasks_cancelled(task_ids: Sequence[TaskId]) -> dict[str, Any]:
+    """Those of `task_ids` cancelled: a batch telling a cancel from a loss; by ``_id``."""
+    return {"_id": {"$in": list(task_ids)}, "status": CANCELLED}
 
 
 def task_failed(task_id: TaskId) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 import pytest
 
-from mongoq import InvalidInput, LeaseLost, Task
+from mongoq import InvalidInput, LeaseLost, NewTask, Task
 from mongoq.testing import ManualClock, settle
 from tests.support.helpers import LEASE_TTL, claim_one, new_queue, read
 
@@ -137,3 +137,42 @@ async def test_purge_deletes_cancelled_tasks_older_than_asked(db: Any, clock: Ma
     assert await queue.cancel("new")
     assert await queue.purge("cancelled", older_than=60) == 1
     assert await read(db, "old") is None and (await read(db, "new") or {})["status"] == "cancelled"
+
+
+async def test_a_task_cancelled_in_a_batch_is_stopped_and_counted_cancelled(
+    db: Any, clock: ManualClock
+) -> None:
+    """run(batch_size=3): t0's handler runs when t0 is cancelled; the batch's renewal finds it
+    gone, stops the handler, counts it cancelled (not lost), and the others run on."""
+    queue = await new_queue(db, clock)
+    await queue.put_many(NewTask(f"t{n}", priority=3 - n) for n in range(3))
+    seen: list[str] = []
+
+    async def handler(task: Task) -> None:
+        seen.append(str(task.id))
+        if task.id == "t0":
+            await anyio.sleep_forever()
+
+    results: list[Any] = []
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as group:
+
+            async def run() -> None:
+                results.append(
+                    await queue.run(handler, batch_size=3, poll_interval=60, schedules=False)
+                )
+
+            group.start_soon(run)
+            await settle()
+            assert seen == ["t0"]
+            assert await queue.cancel("t0")
+            clock.advance(LEASE_TTL / 3)  # the batch's renewal
+            await settle()
+            queue.stop()
+    (summary,) = results
+    assert (summary.cancelled, summary.lost, summary.completed) == (1, 0, 2), summary
+    assert seen == ["t0", "t1", "t2"]
+    docs = {
+        task_id: (await read(db, task_id) or {}).get("status") for task_id in ("t0", "t1", "t2")
+    }
+    assert docs == {"t0": "cancelled", "t1": "done", "t2": "done"}
