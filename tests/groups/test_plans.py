@@ -17,19 +17,12 @@ from mongoq import AsyncGroupTransport, NewMessage
 from mongoq.testing import CommandCounter, ManualClock, instrument
 from tests.conftest import SERVERS
 from tests.support.group_helpers import PREFIX
-from tests.support.test_index_audit import ChainRecorder, _explain_command
+from tests.support.test_index_audit import ChainRecorder, _explain_command, plan_mappings
 
 
 def lookup_stages(explain: Any) -> Iterator[Mapping[str, Any]]:
     """The ``$lookup`` stages of an aggregation's explain output, with their statistics."""
-    if isinstance(explain, Mapping):
-        if "$lookup" in explain:
-            yield explain
-        for value in explain.values():
-            yield from lookup_stages(value)
-    elif isinstance(explain, list):
-        for value in explain:
-            yield from lookup_stages(value)
+    return (node for node in plan_mappings(explain) if "$lookup" in node)
 
 
 async def test_claim_many_reads_each_head_from_the_group_head_index_on_a_real_server(

@@ -19,19 +19,12 @@ from mongoq.outbox import AsyncOutbox, Event
 from mongoq.testing import CommandCounter, ManualClock, Operation, instrument
 from tests.conftest import SERVERS
 from tests.support.outbox_helpers import PREFIX, SUBSCRIPTIONS, key_in_lane
-from tests.support.test_index_audit import ChainRecorder, _explain_command
+from tests.support.test_index_audit import ChainRecorder, _explain_command, plan_mappings
 
 
 def plan_nodes(plan: Any) -> Iterator[Mapping[str, Any]]:
     """Every stage of an explain output, as its mapping (``stage``, ``indexName``...)."""
-    if isinstance(plan, Mapping):
-        if isinstance(plan.get("stage"), str):
-            yield plan
-        for value in plan.values():
-            yield from plan_nodes(value)
-    elif isinstance(plan, list):
-        for value in plan:
-            yield from plan_nodes(value)
+    return (node for node in plan_mappings(plan) if isinstance(node.get("stage"), str))
 
 
 async def explained(db: Any, recorder: ChainRecorder, op: Operation) -> list[Mapping[str, Any]]:

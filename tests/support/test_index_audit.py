@@ -965,15 +965,22 @@ def _explain_command(op: Operation, recorder: ChainRecorder) -> dict[str, Any]:
     raise AssertionError(f"no explain for {op.collection}.{op.name}")
 
 
-def _stages(plan: Any) -> Iterator[str]:
+def plan_mappings(plan: Any) -> Iterator[Mapping[str, Any]]:
+    """Every mapping inside an explain output, outermost first (its stages, their inputs)."""
     if isinstance(plan, Mapping):
-        if isinstance(plan.get("stage"), str):
-            yield plan["stage"]
+        yield plan
         for value in plan.values():
-            yield from _stages(value)
+            yield from plan_mappings(value)
     elif isinstance(plan, list):
         for value in plan:
-            yield from _stages(value)
+            yield from plan_mappings(value)
+
+
+def _stages(plan: Any) -> Iterator[str]:
+    """The names of the stages of an explain output (``COLLSCAN``, ``IXSCAN``...)."""
+    for node in plan_mappings(plan):
+        if isinstance(node.get("stage"), str):
+            yield node["stage"]
 
 
 def explain_recorders(
