@@ -346,6 +346,17 @@ def messages_held(pairs: Sequence[tuple[int, str]]) -> Filter:
     return _driver.owned_by(pairs)
 
 
+def message_ackable(seq: int, token: str) -> Filter:
+    """ack's delete: a head still stamped by the lease and not on its way to the dead letters
+    (a dead-lettering of the same lease that stopped after its mark decided its fate); ``_id``."""
+    return {**message_held(seq, token), "dead": None}
+
+
+def messages_ackable(pairs: Sequence[tuple[int, str]]) -> Filter:
+    """ack_many's delete: `message_ackable` for each ``(seq, token)``; by ``_id``."""
+    return {**messages_held(pairs), "dead": None}
+
+
 def messages_by_seq(seqs: Sequence[int]) -> Filter:
     """ack_many, when its delete raced: which of these heads are still there; by ``_id``."""
     return {"_id": {"$in": list(seqs)}}

@@ -50,7 +50,7 @@ class GroupSettles:
         False, and nothing changed, when the head is no longer this lease's (taken over).
         """
         check_lease(lease)
-        removed = await self.messages.delete_one(schema.message_held(lease.seq, lease.token))
+        removed = await self.messages.delete_one(schema.message_ackable(lease.seq, lease.token))
         if not removed.deleted_count:
             return False
         now = await self._now()
@@ -87,7 +87,7 @@ class GroupSettles:
             return []
         pairs = [(lease.seq, lease.token) for lease in leases]
         # Only this lease's holder can remove a head stamped with its token.
-        removed = await self.messages.delete_many(schema.messages_held(pairs))
+        removed = await self.messages.delete_many(schema.messages_ackable(pairs))
         acked = list(leases)
         if removed.deleted_count != len(leases):
             acked = await self._acked_of(leases, removed.deleted_count)

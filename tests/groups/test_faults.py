@@ -794,3 +794,26 @@ async def test_a_handler_longer_than_visibility_keeps_its_group_through_extensio
 
 async def _drained(db: Any) -> bool:
     return await messages(db) == {}
+
+
+@pytest.mark.parametrize("call", ["ack", "ack_many"])
+async def test_an_ack_after_a_dead_lettering_that_stopped_after_the_mark_changes_nothing(
+    db: Any, clock: ManualClock, faults: FaultInjector, call: str
+) -> None:
+    """The holder's dead-lettering stopped after the mark (its copy failed); the same lease
+    then acks. The head is on its way to the dead letters: the ack must not delete it (it
+    would be lost: no dead letter, no message). The next claimer finishes the burial."""
+    transport = await new_transport(instrument(db, faults), clock)
+    await transport.publish("g", "g0")
+    lease = await claim_one(transport, "A", group="g", event="g0")
+    with failing(faults, "before", "replace_one", "mq_dead", None):
+        await transport.dead_letter(lease, "bad")
+    acked = await transport.ack(lease) if call == "ack" else (await transport.ack_many([lease]))[0]
+
+    assert acked is False
+    await assert_message(db, 1, dead={"error": "bad", "at": clock.now()}, token=lease.token,
+                         stamp_until=lease.lease_until, deliveries=1)  # fmt: skip
+    clock.set(lease.lease_until)
+    assert await transport.claim("B") is None  # finishes the burial, finds g empty
+    assert list(await dead(db)) == [1]
+    assert await group_messages(db) == {}
