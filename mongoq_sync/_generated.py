@@ -75,6 +75,7 @@ class TaskQueue(Facade):
         tombstone_ttl: float = 2592000,
         retain_done: float | None = None,
         retain_failed: float | None = None,
+        retain_cancelled: float | None = None,
         clock: Clock | None = None,
     ) -> None:
         self._build(
@@ -89,6 +90,7 @@ class TaskQueue(Facade):
             tombstone_ttl=tombstone_ttl,
             retain_done=retain_done,
             retain_failed=retain_failed,
+            retain_cancelled=retain_cancelled,
             clock=clock,
         )
 
@@ -106,10 +108,10 @@ class TaskQueue(Facade):
 
     def ensure_indexes(self) -> None:
         """Create the indexes every query needs, and the retention TTL indexes `retain_done` /
-        `retain_failed` ask for (changing the expiry of one that exists); idempotent. A queue
-        without a retention setting leaves that index alone, so a producer's set-up does not
-        undo the workers'. The settings are the collection's: to stop a retention, drop its
-        index (``await queue.collection.drop_index("retain_done")``).
+        `retain_failed` / `retain_cancelled` ask for (changing the expiry of one that exists);
+        idempotent. A queue without a retention setting leaves that index alone, so a
+        producer's set-up does not undo the workers'. The settings are the collection's: to
+        stop a retention, drop its index (``await queue.collection.drop_index("retain_done")``).
         """
         self._call("ensure_indexes")
 

@@ -224,6 +224,7 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
         tombstone_ttl: float = 30 * 24 * 3600,
         retain_done: float | None = None,
         retain_failed: float | None = None,
+        retain_cancelled: float | None = None,
         clock: Clock | None = None,
     ) -> None:
         super().__init__()
@@ -236,6 +237,7 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
         self.tombstone_ttl = int(check_seconds("tombstone_ttl", tombstone_ttl, positive=True))
         self.retain_done = _retention("retain_done", retain_done)
         self.retain_failed = _retention("retain_failed", retain_failed)
+        self.retain_cancelled = _retention("retain_cancelled", retain_cancelled)
         self.clock: Clock = clock if clock is not None else ServerClock(db)
         self.db = db
         self.collection = _driver.collection(db, name)
@@ -247,14 +249,16 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
 
     async def ensure_indexes(self) -> None:
         """Create the indexes every query needs, and the retention TTL indexes `retain_done` /
-        `retain_failed` ask for (changing the expiry of one that exists); idempotent. A queue
-        without a retention setting leaves that index alone, so a producer's set-up does not
-        undo the workers'. The settings are the collection's: to stop a retention, drop its
-        index (``await queue.collection.drop_index("retain_done")``)."""
+        `retain_failed` / `retain_cancelled` ask for (changing the expiry of one that exists);
+        idempotent. A queue without a retention setting leaves that index alone, so a
+        producer's set-up does not undo the workers'. The settings are the collection's: to
+        stop a retention, drop its index (``await queue.collection.drop_index("retain_done")``).
+        """
         expiries = {
             schema.TOMBSTONE_TTL.name: self.tombstone_ttl,
             schema.RETAIN_DONE.name: self.retain_done,
             schema.RETAIN_FAILED.name: self.retain_failed,
+            schema.RETAIN_CANCELLED.name: self.retain_cancelled,
         }
         await create_indexes(self.db, self.collection, schema.INDEXES, expiries=expiries)
         await create_indexes(self.db, self._scheduler.collection, (schema.SCHEDULE_DUE,))

@@ -27,7 +27,7 @@ Invariants the queries rest on:
   holder makes the holder's settle miss, and the task is then requeued for the new revision.
 - Tombstones are deleted by the *partial* TTL index ``tombstone_ttl`` (a bare TTL index on
   ``updated_at`` would empty the queue), and, when the queue sets `retain_done` /
-  `retain_failed`, done and failed tasks by ``retain_done`` / ``retain_failed`` (the same key,
+  `retain_failed` / `retain_cancelled`, finished tasks by the index of that name (the same key,
   other partial filters: MongoDB 5.0+); the embedded backend cannot honour the partial filter
   and gets no TTL index (see `_driver.create_partial_ttl_index`).
 
@@ -67,6 +67,7 @@ __all__ = [
     "LIST_ORDER",
     "PURGEABLE",
     "RETAIN_DONE",
+    "RETAIN_CANCELLED",
     "RETAIN_FAILED",
     "STATUS_LEASE",
     "STATUS_UPDATED",
@@ -288,6 +289,10 @@ RETAIN_DONE = IndexSpec(
 RETAIN_FAILED = IndexSpec(
     "retain_failed", (("updated_at", 1),), partial=MappingProxyType({"status": FAILED}), ttl=True
 )
+RETAIN_CANCELLED = IndexSpec(
+    "retain_cancelled", (("updated_at", 1),), partial=MappingProxyType({"status": CANCELLED}),
+    ttl=True,
+)  # fmt: skip
 
 
 INDEXES: tuple[IndexSpec, ...] = (
@@ -297,6 +302,7 @@ INDEXES: tuple[IndexSpec, ...] = (
     TOMBSTONE_TTL,
     RETAIN_DONE,
     RETAIN_FAILED,
+    RETAIN_CANCELLED,
 )
 
 # ------------------------------------------------------------------ by _id (always indexed)

@@ -211,13 +211,19 @@ async def test_purge_deletes_finished_tasks_older_than_asked_and_nothing_else(
 async def test_retention_creates_partial_ttl_indexes_and_a_queue_without_it_leaves_them(
     db: Any, clock: ManualClock
 ) -> None:
-    queue = await new_queue(db, clock, retain_done=3600, retain_failed=7 * 86400)
+    queue = await new_queue(
+        db, clock, retain_done=3600, retain_failed=7 * 86400, retain_cancelled=86400
+    )
     await queue.put("t", None)
     indexes = await db["tasks"].index_information()
     if _driver.backend_of(db) is _driver.Backend.MEMORY:
         # The embedded backend's TTL ignores partial filters: no TTL index at all there.
-        assert not {"retain_done", "retain_failed", "tombstone_ttl"} & set(indexes)
+        assert not {"retain_done", "retain_failed", "retain_cancelled", "tombstone_ttl"} & set(
+            indexes
+        )
         return
+    assert indexes["retain_cancelled"]["expireAfterSeconds"] == 86400
+    assert indexes["retain_cancelled"]["partialFilterExpression"] == {"status": "cancelled"}
     assert (indexes["retain_done"]["expireAfterSeconds"], indexes["retain_failed"]
             ["expireAfterSeconds"]) == (3600, 7 * 86400)  # fmt: skip
     assert indexes["retain_done"]["partialFilterExpression"] == {"status": "done"}
@@ -241,6 +247,6 @@ async def test_retention_creates_partial_ttl_indexes_and_a_queue_without_it_leav
 def test_a_retention_must_be_a_positive_number_of_seconds(bad: Any) -> None:
     from mongoq.testing import memory_database
 
-    for field in ("retain_done", "retain_failed"):
+    for field in ("retain_done", "retain_failed", "retain_cancelled"):
         with pytest.raises(InvalidInput, match=f"^{field}: "):
             AsyncTaskQueue(memory_database(), "tasks", **{field: bad})
