@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -334,3 +335,43 @@ def test_a_system_exit_inside_a_call_reaches_the_caller_and_spares_the_portal() 
         assert portal.call(lambda: 42) == 42  # the loop still runs
     finally:
         portal.close()
+
+
+def test_the_facade_waits_cancels_and_schedules_and_a_put_wakes_its_worker(
+    blocking_db: mongoq_sync.Database,
+) -> None:
+    """Issue 15 through the blocking facade: a worker started by the facade (in its portal
+    thread) is woken by a facade put at once (its poll is an hour away, the clock never
+    moves); `wait` returns the task its handler completed; `cancel`, `schedule`, `schedules`
+    and `unschedule` work as in the async API."""
+    clock = ManualClock()
+    queue = mongoq_sync.TaskQueue(blocking_db, "tasks", clock=clock)
+    queue.ensure_indexes()
+    started = threading.Event()
+
+    def handler(task: Any) -> str:
+        started.set()
+        return f"done {task.id}"
+
+    worker = threading.Thread(target=lambda: queue.run(handler, poll_interval=3600))
+    worker.start()
+    try:
+        # Until the worker naps on the clock: its housekeeping, its schedules' ticker and its
+        # poller (whose first claim found nothing) sleep. Only a wake-up can start t1 then.
+        deadline = time.monotonic() + 10
+        while clock.sleepers < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert clock.sleepers == 3, "the worker never went idle"
+        queue.put("t1")
+        assert started.wait(10), "the put did not wake the facade's worker"
+        finished = queue.wait("t1", timeout=60, poll_interval=3600)
+        assert (finished.status, finished.result) == ("done", "done t1")
+    finally:
+        queue.stop()
+        worker.join(30)
+    queue.put("t2", delay=3600)
+    assert queue.cancel("t2") is True
+    assert queue.get("t2").status == "cancelled"  # type: ignore[union-attr]
+    schedule = queue.schedule("pulse", every=60)
+    assert [s.name for s in queue.schedules()] == ["pulse"] and schedule.every == 60
+    assert queue.unschedule("pulse") is True
