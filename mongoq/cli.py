@@ -1,6 +1,7 @@
 """The ``mongoq`` command (also ``python -m mongoq``): operate the three primitives, export their
 metrics, run the demo.
 
+    mongoq list
     mongoq tasks stats QUEUE
     mongoq tasks list QUEUE [--status S] [--limit N] [--after CURSOR]
     mongoq tasks get QUEUE TASK_ID [--int-id]
@@ -46,7 +47,7 @@ from urllib.parse import unquote, unquote_plus
 import anyio
 from pymongo.errors import ConnectionFailure, PyMongoError
 
-from mongoq import __version__, _driver
+from mongoq import __version__, _driver, registry
 from mongoq.demo import DemoConfig, DemoReport, run_demo
 from mongoq.errors import MongoqError
 from mongoq.groups import AsyncGroupTransport
@@ -591,8 +592,20 @@ def _add_outbox(commands: Any) -> None:
     parsers["purge"].add_argument("--completed-older-than", type=_duration, metavar="AGE")
 
 
+async def _list(args: argparse.Namespace, db: Any) -> Out:
+    found = await registry.registered(db)
+    text = _table(
+        ["PRIMITIVE", "NAME", "SET UP", "FIRST SET UP", "VERSION"],
+        [[r.primitive, r.name, r.set_up_at, r.registered_at, r.version] for r in found],
+        "no mongoq primitive set up in this database",
+    )
+    return Out(found, text)
+
+
 def _add_others(commands: Any) -> None:
-    """`metrics`, `demo` (which do not connect here) and the deprecated aliases."""
+    """`list`, `metrics`, `demo` (the last two do not connect here) and the deprecated
+    aliases."""
+    _command(commands, "list", _list, "the task queues, group transports and outboxes set up")
     text = "export the stats of the named primitives to Prometheus, until Ctrl-C"
     sub = _command(commands, "metrics", _metrics, text)
     sub.set_defaults(connects=False)

@@ -112,6 +112,7 @@ class TaskQueue(Facade):
         idempotent. A queue without a retention setting leaves that index alone, so a
         producer's set-up does not undo the workers'. The settings are the collection's: to
         stop a retention, drop its index (``await queue.collection.drop_index("retain_done")``).
+        The queue is recorded in the database's registry (`mongoq.registry`).
         """
         self._call("ensure_indexes")
 
@@ -539,7 +540,9 @@ class GroupTransport(Facade):
         return cast("int | None", self._get("max_deliveries"))
 
     def ensure_indexes(self) -> None:
-        """Create the indexes every query needs; idempotent."""
+        """Create the indexes every query needs, and record the transport in the database's
+        registry (`mongoq.registry`); idempotent.
+        """
         self._call("ensure_indexes")
 
     def publish(self, group_id: GroupId, event: Any, *, priority: int = 0) -> int:
@@ -793,8 +796,9 @@ class Outbox(Facade):
         return cast("str", self._get("instance"))
 
     def setup(self) -> None:
-        """Create the collections, the indexes and the 256 lane documents, and bring documents
-        an earlier version wrote up to date; idempotent. Run it once before the first publish:
+        """Create the collections, the indexes and the 256 lane documents, bring documents an
+        earlier version wrote up to date, and record the outbox in the database's registry
+        (`mongoq.registry`); idempotent. Run it once before the first publish:
         collections created implicitly inside concurrent transactions conflict with each
         other.
         """

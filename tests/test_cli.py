@@ -213,6 +213,22 @@ async def test_tasks_cancel_ends_pending_tasks_and_says_when_there_was_none(
     assert (code, out) == (1, "no pending or running task to cancel\n")
 
 
+async def test_list_shows_every_primitive_set_up_in_the_database(
+    db: Any, mongoq_cmd: Mongoq
+) -> None:
+    code, out, _ = await mongoq_cmd("list")
+    assert (code, out) == (0, "no mongoq primitive set up in this database\n")
+    await AsyncTaskQueue(db, "jobs").ensure_indexes()
+    await AsyncGroupTransport(db, "orders").ensure_indexes()
+    code, out, _ = await mongoq_cmd("list")
+    rows = [line.split()[:2] for line in out.splitlines()]
+    assert code == 0 and rows == [["PRIMITIVE", "NAME"], ["tasks", "jobs"], ["groups", "orders"]]
+    code, out, _ = await mongoq_cmd("list", "--json")
+    assert [(r["primitive"], r["name"]) for r in json.loads(out)] == [
+        ("tasks", "jobs"), ("groups", "orders"),
+    ]  # fmt: skip
+
+
 async def test_tasks_schedules_lists_and_unschedule_removes(db: Any, mongoq_cmd: Mongoq) -> None:
     queue = AsyncTaskQueue(db, "jobs")
     await queue.ensure_indexes()

@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 from pymongo import ReturnDocument
 
-from mongoq import _driver
+from mongoq import _driver, registry
 from mongoq._indexes import create_schema_indexes
 from mongoq._validation import (
     MAX_BATCH,
@@ -104,8 +104,10 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         return _driver.collection(self.db, f"{self.prefix}_{name}")
 
     async def ensure_indexes(self) -> None:
-        """Create the indexes every query needs; idempotent."""
+        """Create the indexes every query needs, and record the transport in the database's
+        registry (`mongoq.registry`); idempotent."""
         await create_schema_indexes(self.db, schema.INDEXES, self._collection)
+        await registry.register(self.db, "groups", self.prefix, self.clock.now())
 
     # ---------------------------------------------------------------------------- publish
 

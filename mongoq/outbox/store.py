@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 from logging import Logger
 from typing import Any
 
-from mongoq import _driver
+from mongoq import _driver, registry
 from mongoq._indexes import create_schema_indexes
 from mongoq._validation import MAX_BATCH, check_batch, check_int, check_name, check_seconds
 from mongoq._validation import check_worker_id as _check_owner
@@ -114,8 +114,9 @@ class AsyncOutbox:
         return _driver.collection(self.db, f"{self.prefix}{name}")
 
     async def setup(self) -> None:
-        """Create the collections, the indexes and the 256 lane documents, and bring documents
-        an earlier version wrote up to date; idempotent. Run it once before the first publish:
+        """Create the collections, the indexes and the 256 lane documents, bring documents an
+        earlier version wrote up to date, and record the outbox in the database's registry
+        (`mongoq.registry`); idempotent. Run it once before the first publish:
         collections created implicitly inside concurrent transactions conflict with each
         other."""
         await _driver.create_collections(
@@ -131,6 +132,7 @@ class AsyncOutbox:
         await self.deliveries.update_many(
             schema.delivery_parked_without_key(), schema.delivery_parking()
         )
+        await registry.register(self.db, "outbox", self.prefix, self.clock.now())
 
     async def _now(self) -> datetime:
         await self.clock.refresh()

@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 from pymongo import ReturnDocument
 
-from mongoq import _driver
+from mongoq import _driver, registry
 from mongoq._indexes import create_indexes
 from mongoq._validation import (
     MAX_BATCH,
@@ -253,6 +253,7 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
         idempotent. A queue without a retention setting leaves that index alone, so a
         producer's set-up does not undo the workers'. The settings are the collection's: to
         stop a retention, drop its index (``await queue.collection.drop_index("retain_done")``).
+        The queue is recorded in the database's registry (`mongoq.registry`).
         """
         expiries = {
             schema.TOMBSTONE_TTL.name: self.tombstone_ttl,
@@ -262,6 +263,7 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
         }
         await create_indexes(self.db, self.collection, schema.INDEXES, expiries=expiries)
         await create_indexes(self.db, self._scheduler.collection, (schema.SCHEDULE_DUE,))
+        await registry.register(self.db, "tasks", self.name, self.clock.now())
 
     async def _now(self) -> datetime:
         await self.clock.refresh()
