@@ -8,17 +8,21 @@ Collection ``mongoq_registry``, one document per primitive::
      registered_at (its first set-up), set_up_at (its last), version (of mongoq, at the last)}
 
 Every write is one upsert by ``_id`` (no secondary index). A primitive whose collections were
-dropped stays listed until `unregister` removes it.
+dropped stays listed until `unregister` removes it; one set up before this registry existed
+appears at its next `ensure_indexes` / `setup`. No task queue may be named ``mongoq_registry``.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
 from mongoq import _driver
 from mongoq.clock import stored_instant
+
+log = logging.getLogger("mongoq.registry")
 
 __all__ = ["REGISTRY", "Primitive", "Registration", "register", "registered", "unregister"]
 
@@ -45,14 +49,26 @@ def _id(primitive: Primitive, name: str) -> str:
 
 
 async def register(db: Any, primitive: Primitive, name: str, now: datetime) -> None:
-    """Record that `primitive` `name` was set up now (one upsert; idempotent)."""
+    """Record that `primitive` `name` was set up now (one upsert; idempotent). A write the
+    server refuses (a role without access to the registry) is logged, never raised: the
+    registry serves operators' tools, and a worker's start-up must not depend on it."""
     from mongoq import __version__  # the package's, read at call time (no import cycle)
 
+    try:
+        await _write(db, primitive, name, now, __version__)
+    except _driver.DRIVER_ERRORS as exc:
+        log.warning(
+            "could not record %s %r in %s (%s); `mongoq list` will not show it", primitive,
+            name, REGISTRY, exc, extra={"mongoq_primitive": primitive, "mongoq_queue": name},
+        )  # fmt: skip
+
+
+async def _write(db: Any, primitive: Primitive, name: str, now: datetime, version: str) -> None:
     await _driver.collection(db, REGISTRY).update_one(
         {"_id": _id(primitive, name)},
         {
             "$set": {"primitive": primitive, "name": name, "set_up_at": now,
-                     "version": __version__},
+                     "version": version},
             "$setOnInsert": {"registered_at": now},
         },
         upsert=True,

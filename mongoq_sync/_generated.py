@@ -649,7 +649,9 @@ class GroupTransport(Facade):
         """Remove the head and release the group (round-robin: behind the groups waiting), or
         drop the group if the head was its last message and nothing was published since.
 
-        False, and nothing changed, when the head is no longer this lease's (taken over).
+        False, and nothing changed, when the head is no longer this lease's (taken over), or
+        is on its way to the dead letters (this lease's `dead_letter` stopped after marking
+        it: the next claimer finishes the move).
         """
         return cast("bool", self._call("ack", lease))
 

@@ -47,3 +47,31 @@ async def test_unregister_forgets_a_primitive_and_leaves_its_collections(
     assert await unregister(db, "tasks", "emails") is False
     assert await registered(db) == []
     assert await queue.get("t1") is not None
+
+
+def test_no_task_queue_may_take_the_registrys_name() -> None:
+    import pytest
+
+    from mongoq import InvalidInput
+    from mongoq.testing import memory_database
+
+    with pytest.raises(InvalidInput) as error:
+        AsyncTaskQueue(memory_database(), REGISTRY)
+    assert error.value.field == "name"
+
+
+async def test_a_registry_the_server_refuses_to_write_never_stops_a_set_up(
+    db: Any, clock: ManualClock, caplog: Any
+) -> None:
+    """A role without access to the registry: the set-up logs it and goes on (a worker's
+    start-up does not depend on operators' tools)."""
+    from mongoq.testing import FaultInjector, instrument
+
+    faults = FaultInjector()
+    faults.fail_before("update_one", collection=REGISTRY)
+    queue = AsyncTaskQueue(instrument(db, faults), "emails", clock=clock)
+    await queue.ensure_indexes()
+    assert len(faults.triggered) == 1
+    assert await registered(db) == []
+    assert any("could not record tasks 'emails'" in r.getMessage() for r in caplog.records)
+    assert "claim" in await db["emails"].index_information()  # the set-up itself was done

@@ -105,17 +105,16 @@ class _Batch(Generic[Item]):
             return None
         renewing = list(self.unsettled)
         held = await self.holder.renew(renewing)
-        gone = [item for item, ok in zip(renewing, held, strict=True) if not ok]
-        # What each became, asked before anything changes here: once its handler is stopped
-        # the batch may end and cancel this renewal, which must have counted it by then.
-        outcomes = await self._lost_outcomes(gone)
-        for item, outcome in zip(gone, outcomes, strict=True):
-            if item not in self.unsettled:
-                continue  # settled meanwhile (and counted there)
-            self.unsettled.remove(item)  # taken over: never start (or settle) it here
-            self.count(outcome, 1)
+        gone = [
+            item
+            for item, ok in zip(renewing, held, strict=True)
+            if not ok and item in self.unsettled  # (else settled meanwhile, counted there)
+        ]
+        for item in gone:  # taken over: never start (or settle) it here
+            self.unsettled.remove(item)
             if self.running is not None and self.running[0] is item:
                 self.running[1].cancel()  # and stop its handler: its work cannot count
+        await self._count_lost(gone)
         if all(held):
             self.confirmed = self.clock.now() + timedelta(seconds=self.lease)
         return any(held)
@@ -129,17 +128,21 @@ class _Batch(Generic[Item]):
         await self._count_lost([item])
         return False
 
-    async def _lost_outcomes(self, items: Sequence[Item]) -> list[str]:
-        """What items no longer held count as: ``lost``, or what the holder says they became
-        instead (its `lost_outcomes`: a task cancelled rather than taken over)."""
-        ask = getattr(self.holder, "lost_outcomes", None)
-        if not items or ask is None:
-            return ["lost"] * len(items)
-        outcomes: list[str] = await ask(items)
-        return outcomes
-
     async def _count_lost(self, items: Sequence[Item]) -> None:
-        for outcome in await self._lost_outcomes(items):
+        """Count items no longer held (already out of `unsettled`): ``lost``, or what the
+        holder says they became instead (its `lost_outcomes`: a task cancelled rather than
+        taken over). Shielded and bounded like the final settles, and ``lost`` when the
+        holder cannot tell: every item is counted once, whatever happens meanwhile."""
+        outcomes = ["lost"] * len(items)
+        ask = getattr(self.holder, "lost_outcomes", None)
+        if items and ask is not None:
+            with anyio.move_on_after(self.lease, shield=True):
+                try:
+                    outcomes = list(await ask(items))
+                except _driver.DRIVER_ERRORS as exc:
+                    self.log.warning("telling what %d lost item(s) became failed (%s)",
+                                     len(items), exc)  # fmt: skip
+        for outcome in outcomes:
             self.count(outcome, 1)
 
     async def settle(self, item: Item, call: Callable[[], Awaitable[str]]) -> None:
@@ -211,11 +214,11 @@ class _Batch(Generic[Item]):
                 batch = [item for item, _ in finished]
                 done = await self.holder.complete(batch, [result for _, result in finished])
                 self.count(self.holder.done, sum(done))
+                for item in batch:
+                    self.unsettled.remove(item)
                 await self._count_lost(
                     [item for item, ok in zip(batch, done, strict=True) if not ok]
                 )
-                for item in batch:
-                    self.unsettled.remove(item)
             for item in list(self.unsettled):
                 if item is current:
                     await self.settle(item, partial(self.holder.settle_cut_short, item))

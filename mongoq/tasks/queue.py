@@ -230,6 +230,8 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
         super().__init__()
         _driver.backend_of(db)
         self.name = check_name("name", name)
+        if self.name == registry.REGISTRY:
+            raise InvalidInput("name", f"{registry.REGISTRY!r} is mongoq's registry of queues")
         self.max_attempts = check_int("max_attempts", max_attempts, low=1)
         self.lease_ttl = check_seconds("lease_ttl", lease_ttl, positive=True)
         self.backoff_base = check_seconds("backoff_base", backoff_base)

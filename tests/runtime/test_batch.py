@@ -234,3 +234,50 @@ async def test_an_empty_batch_does_nothing(clock: ManualClock) -> None:
     holder = FakeHolder(clock)
     await run(holder, [])
     assert holder.calls == [] and not holder.counts
+
+
+class TellingHolder(FakeHolder):
+    """A holder that tells what its lost items became (as the task queue's tells a cancel
+    from a loss): `became` by item, or a driver error when `broken_tell`."""
+
+    def __init__(self, clock: ManualClock, **options: Any) -> None:
+        super().__init__(clock, **options)
+        self.became: dict[str, str] = {}
+        self.broken_tell = False
+
+    async def lost_outcomes(self, items: Sequence[str]) -> list[str]:
+        self.calls.append(("tell", list(items)))
+        if self.broken_tell:
+            raise AutoReconnect("injected")
+        return [self.became.get(item, "lost") for item in items]
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["told", "telling-fails"])
+async def test_a_renewal_stops_a_lost_items_handler_first_and_counts_it_once(
+    clock: ManualClock, broken: bool
+) -> None:
+    """a is lost under its running handler: the renewal stops the handler before it asks
+    what a became, then counts it once, as told (``cancelled``) or, if the holder cannot
+    tell, ``lost``; b and c complete."""
+    holder = TellingHolder(clock)
+    holder.became["a"] = "cancelled"
+    holder.broken_tell = broken
+    holder.gate["a"] = anyio.Event()  # never set: only the renewal ends a's handler
+    with anyio.fail_after(10):  # a handler never stopped fails the test, not the suite
+        async with running(holder):
+            holder.lost = {"a"}
+            clock.advance(LEASE / 3)
+            await settle()
+    assert ("handle", "b") in holder.calls and ("handle", "c") in holder.calls
+    assert holder.counts == Counter(completed=2, **{"lost" if broken else "cancelled": 1})
+
+
+async def test_a_completion_refused_is_counted_once_even_when_telling_what_it_became_fails(
+    clock: ManualClock,
+) -> None:
+    """The final completion is refused for c, and telling what c became fails: c counts
+    ``lost`` once, a and b ``completed``, nothing ``unknown``."""
+    holder = TellingHolder(clock, lost=frozenset({"c"}))
+    holder.broken_tell = True
+    await run(holder)
+    assert holder.counts == Counter(completed=2, lost=1)
