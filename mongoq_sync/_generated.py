@@ -156,50 +156,6 @@ class TaskQueue(Facade):
         """`put` for many tasks in one round trip (one unordered bulk write)."""
         return cast("PutManyResult", self._call("put_many", tasks))
 
-    def schedule(
-        self,
-        name: str,
-        *,
-        cron: str | None = None,
-        every: float | None = None,
-        payload: Any = None,
-        priority: int = 0,
-        timezone: str = "UTC",
-        missed: MissedTicks = "once",
-        grace: float = 60.0,
-    ) -> Schedule:
-        """Define (or redefine) the periodic task `name`: a task ``"<name>@<tick>"`` with
-        `payload` and `priority` at every tick of `cron` (read in `timezone`, an IANA name;
-        needs the ``cron`` extra) or every `every` seconds from now. Any number of workers
-        (`run`) tick it, one task a tick. Ticks missed while no worker ran: ``missed="once"``
-        puts the latest of them once, ``"skip"`` none older than `grace` seconds.
-
-        Idempotent: the same definition again keeps its next tick (call it at every start);
-        a changed one starts from the next tick after now. Two commands, three when new.
-        """
-        return cast(
-            "Schedule",
-            self._call(
-                "schedule",
-                name,
-                cron=cron,
-                every=every,
-                payload=payload,
-                priority=priority,
-                timezone=timezone,
-                missed=missed,
-                grace=grace,
-            ),
-        )
-
-    def schedules(self) -> list[Schedule]:
-        """Every schedule of the queue, by name (one command)."""
-        return cast("list[Schedule]", self._call("schedules"))
-
-    def unschedule(self, name: str) -> bool:
-        """Remove the schedule `name` (its tasks already put stay); False if there was none."""
-        return cast("bool", self._call("unschedule", name))
-
     def claim(self, worker_id: str | None = None) -> Task | None:
         """Take the most urgent due task, atomically (one command); None when nothing is due.
 
@@ -429,6 +385,50 @@ class TaskQueue(Facade):
     def stats(self) -> TaskQueueStats:
         """Counts per status, due, expired and the oldest due age (eight indexed commands)."""
         return cast("TaskQueueStats", self._call("stats"))
+
+    def schedule(
+        self,
+        name: str,
+        *,
+        cron: str | None = None,
+        every: float | None = None,
+        payload: Any = None,
+        priority: int = 0,
+        timezone: str = "UTC",
+        missed: MissedTicks = "once",
+        grace: float = 60.0,
+    ) -> Schedule:
+        """Define (or redefine) the periodic task `name`: a task ``"<name>@<tick>"`` with
+        `payload` and `priority` at every tick of `cron` (read in `timezone`, an IANA name;
+        needs the ``cron`` extra) or every `every` seconds from now. Any number of workers
+        (`run`) tick it, one task a tick. Ticks missed while no worker ran: ``missed="once"``
+        puts the latest of them once, ``"skip"`` none older than `grace` seconds.
+
+        Idempotent: the same definition again keeps its next tick (call it at every start);
+        a changed one starts from the next tick after now. Two commands, three when new.
+        """
+        return cast(
+            "Schedule",
+            self._call(
+                "schedule",
+                name,
+                cron=cron,
+                every=every,
+                payload=payload,
+                priority=priority,
+                timezone=timezone,
+                missed=missed,
+                grace=grace,
+            ),
+        )
+
+    def schedules(self) -> list[Schedule]:
+        """Every schedule of the queue, by name (one command)."""
+        return cast("list[Schedule]", self._call("schedules"))
+
+    def unschedule(self, name: str) -> bool:
+        """Remove the schedule `name` (its tasks already put stay); False if there was none."""
+        return cast("bool", self._call("unschedule", name))
 
     def stop(self) -> None:
         """Ask every `run` loop of this instance to stop gracefully: they claim nothing more,

@@ -227,7 +227,8 @@ class OutboxDispatcher:
                 group.start_soon(watch_signals, self, group.cancel_scope, self.owner)
             group.start_soon(self._renew_while_running)
             group.start_soon(partial(
-                changes.watch, self.outbox.deliveries, changes.DELIVERIES_READY, self._woken,
+                changes.watch, self.outbox.deliveries, changes.DELIVERIES_READY,
+                lambda _: self._woken(),
                 clock=self.outbox.clock, retry=self.poll_interval, name=f"dispatcher {self.owner}",
             ))  # fmt: skip
             with wakeups.listen(self.outbox.wake_key, self._woken):

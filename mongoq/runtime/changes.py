@@ -134,8 +134,7 @@ async def share(
                 continue
             entry.owner = me
             try:
-                await watch(collection, pipeline, clock=clock, retry=retry, name=name,
-                            route=route)  # fmt: skip
+                await watch(collection, pipeline, route, clock=clock, retry=retry, name=name)
                 entry.unsupported = True  # it returns only where there are no streams
                 _unsupported.add(kind)
             finally:
@@ -151,14 +150,13 @@ async def share(
 async def watch(
     collection: Any,
     pipeline: Sequence[Mapping[str, Any]],
-    wake: Callable[[], None] | None = None,
+    on_event: Callable[[Mapping[str, Any]], None],
     *,
     clock: Clock,
     retry: float,
     name: str,
-    route: Callable[[Mapping[str, Any]], None] | None = None,
 ) -> None:
-    """Call `wake` (or `route`, with the event) for every event of `pipeline` on `collection`
+    """Call `on_event` with every event of `pipeline` on `collection`
     until cancelled; return at
     once where the backend has no change streams. A stream that keeps failing is opened
     again less and less often (`retry`, doubled each time, up to `MAX_RETRY`), said once."""
@@ -169,10 +167,7 @@ async def watch(
             try:
                 async for event in stream:
                     failures = 0
-                    if route is not None:
-                        route(event)
-                    if wake is not None:
-                        wake()
+                    on_event(event)
             finally:
                 # Bounded: a server gone away must not hold the loop's shutdown.
                 with anyio.move_on_after(CLOSE_WITHIN, shield=True):

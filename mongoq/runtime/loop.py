@@ -230,7 +230,7 @@ class WorkerLoop(Generic[Item]):
             if self._changes is not None:
                 collection, pipeline = self._changes
                 group.start_soon(partial(
-                    changes.watch, collection, pipeline, self.wake, clock=self._clock,
+                    changes.watch, collection, pipeline, lambda _: self.wake(), clock=self._clock,
                     retry=self._poll_interval, name=self.name,
                 ))  # fmt: skip
             listening = (

@@ -43,12 +43,10 @@ from mongoq.runtime.report import Attempt, log_attempt_end
 from mongoq.tasks import schema
 from mongoq.tasks.batch import TaskBatch
 from mongoq.tasks.models import (
-    MissedTicks,
     NewTask,
     PutManyResult,
     PutOutcome,
     RunSummary,
-    Schedule,
     Task,
     TaskId,
     check_new_task,
@@ -56,7 +54,7 @@ from mongoq.tasks.models import (
     check_result,
 )
 from mongoq.tasks.operators import TaskOperators
-from mongoq.tasks.schedules import Scheduler
+from mongoq.tasks.schedules import Scheduler, TaskSchedules
 
 __all__ = ["AsyncTaskQueue", "TaskLease"]
 
@@ -202,7 +200,7 @@ class TaskLease:
                     self.queue._leases.pop(self.task.lease_token or "", None)
 
 
-class AsyncTaskQueue(TaskOperators, WorkerHost):
+class AsyncTaskQueue(TaskOperators, TaskSchedules, WorkerHost):
     """A durable task queue in one MongoDB collection (its layout: `mongoq.tasks.schema`).
 
     Guarantees: a task has at most one live holder (claims are one atomic command; every settle
@@ -332,41 +330,6 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
         if inserted + updated and any(spec.due(now) <= now for spec in checked):
             wakeups.notify(self._wake_key)
         return PutManyResult(inserted, updated, len(checked) - inserted - updated)
-
-    # --------------------------------------------------------------------------- schedules
-
-    async def schedule(
-        self,
-        name: str,
-        *,
-        cron: str | None = None,
-        every: float | None = None,
-        payload: Any = None,
-        priority: int = 0,
-        timezone: str = "UTC",
-        missed: MissedTicks = "once",
-        grace: float = 60.0,
-    ) -> Schedule:
-        """Define (or redefine) the periodic task `name`: a task ``"<name>@<tick>"`` with
-        `payload` and `priority` at every tick of `cron` (read in `timezone`, an IANA name;
-        needs the ``cron`` extra) or every `every` seconds from now. Any number of workers
-        (`run`) tick it, one task a tick. Ticks missed while no worker ran: ``missed="once"``
-        puts the latest of them once, ``"skip"`` none older than `grace` seconds.
-
-        Idempotent: the same definition again keeps its next tick (call it at every start);
-        a changed one starts from the next tick after now. Two commands, three when new."""
-        return await self._scheduler.define(
-            name, cron=cron, every=every, payload=payload, priority=priority,
-            timezone=timezone, missed=missed, grace=grace,
-        )  # fmt: skip
-
-    async def schedules(self) -> list[Schedule]:
-        """Every schedule of the queue, by name (one command)."""
-        return await self._scheduler.list()
-
-    async def unschedule(self, name: str) -> bool:
-        """Remove the schedule `name` (its tasks already put stay); False if there was none."""
-        return await self._scheduler.remove(name)
 
     # ---------------------------------------------------------------------------- consumer
 
@@ -573,8 +536,7 @@ class AsyncTaskQueue(TaskOperators, WorkerHost):
 
     async def _is_cancelled(self, task: Task) -> bool:
         """Whether `task` (whose holder's renewal missed) was cancelled, rather than lost."""
-        found = await self.collection.find_one(schema.task_cancelled(task.id), {"_id": 1})
-        return found is not None
+        return task.id in await self._cancelled_of([task])
 
     async def heartbeat(self, task: Task) -> bool:
         """Extend the lease by `lease_ttl` from now; False when the task is no longer held."""

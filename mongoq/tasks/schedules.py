@@ -1,5 +1,6 @@
 """Periodic tasks of a queue: `Scheduler`, one per `AsyncTaskQueue`, behind its `schedule`,
-`schedules` and `unschedule`, and the ticker its `run` keeps going.
+`schedules` and `unschedule` (`TaskSchedules`, mixed into the queue), and the ticker its `run`
+keeps going.
 
 A schedule's tick puts one task, ``"<name>@<tick>"`` (`tick_task_id`): the id is the same in
 every process, so any number of workers tick without a leader and the put, idempotent by id,
@@ -37,7 +38,7 @@ from mongoq.tasks.models import MissedTicks, Schedule, tick_task_id
 if TYPE_CHECKING:
     from mongoq.tasks.queue import AsyncTaskQueue
 
-__all__ = ["Scheduler"]
+__all__ = ["Scheduler", "TaskSchedules"]
 
 log = logging.getLogger("mongoq.tasks")
 
@@ -84,6 +85,45 @@ class _Rule:
             return self.latest(after) + timedelta(milliseconds=round(self.every * 1000))
         local = after.astimezone(self.zone)
         return to_millis(_croniter()(self.cron, local).get_next(datetime).astimezone(UTC))
+
+
+class TaskSchedules:
+    """`schedule`, `schedules` and `unschedule` of `AsyncTaskQueue`, which it mixes in."""
+
+    _scheduler: Scheduler  # set by the queue's constructor
+
+    async def schedule(
+        self,
+        name: str,
+        *,
+        cron: str | None = None,
+        every: float | None = None,
+        payload: Any = None,
+        priority: int = 0,
+        timezone: str = "UTC",
+        missed: MissedTicks = "once",
+        grace: float = 60.0,
+    ) -> Schedule:
+        """Define (or redefine) the periodic task `name`: a task ``"<name>@<tick>"`` with
+        `payload` and `priority` at every tick of `cron` (read in `timezone`, an IANA name;
+        needs the ``cron`` extra) or every `every` seconds from now. Any number of workers
+        (`run`) tick it, one task a tick. Ticks missed while no worker ran: ``missed="once"``
+        puts the latest of them once, ``"skip"`` none older than `grace` seconds.
+
+        Idempotent: the same definition again keeps its next tick (call it at every start);
+        a changed one starts from the next tick after now. Two commands, three when new."""
+        return await self._scheduler.define(
+            name, cron=cron, every=every, payload=payload, priority=priority,
+            timezone=timezone, missed=missed, grace=grace,
+        )  # fmt: skip
+
+    async def schedules(self) -> list[Schedule]:
+        """Every schedule of the queue, by name (one command)."""
+        return await self._scheduler.list()
+
+    async def unschedule(self, name: str) -> bool:
+        """Remove the schedule `name` (its tasks already put stay); False if there was none."""
+        return await self._scheduler.remove(name)
 
 
 class Scheduler:

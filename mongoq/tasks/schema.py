@@ -85,7 +85,6 @@ __all__ = [
     "task_expired_retryable",
     "task_extending",
     "task_cancellable",
-    "task_cancelled",
     "task_cancelling",
     "task_failed",
     "tasks_cancelled",
@@ -403,13 +402,9 @@ def task_cancelling(now: datetime) -> dict[str, Any]:
     }
 
 
-def task_cancelled(task_id: TaskId) -> dict[str, Any]:
-    """The task if cancelled: a holder whose renewal missed, telling a cancel from a loss."""
-    return {"_id": task_id, "status": CANCELLED}
-
-
 def tasks_cancelled(task_ids: Sequence[TaskId]) -> dict[str, Any]:
-    """Those of `task_ids` cancelled: a batch telling a cancel from a loss; by ``_id``."""
+    """Those of `task_ids` cancelled: a holder (or a batch) telling a cancel from a loss; by
+    ``_id``."""
     return {"_id": {"$in": list(task_ids)}, "status": CANCELLED}
 
 

@@ -208,7 +208,7 @@ async def test_a_stream_refused_at_its_first_read_ends_the_watch_as_having_no_st
     with caplog.at_level(logging.INFO, logger="mongoq.worker"):
         with anyio.fail_after(10):
             await changes.watch(
-                type("C", (), {"watch": staticmethod(lazy)})(), changes.TASKS_DUE, lambda: None,
+                type("C", (), {"watch": staticmethod(lazy)})(), changes.TASKS_DUE, lambda _: None,
                 clock=clock, retry=POLL, name="test",
             )  # fmt: skip
     assert opened == [1]
@@ -228,7 +228,7 @@ async def test_a_stream_that_keeps_failing_is_opened_again_less_and_less_often(
     collection = type("C", (), {"watch": staticmethod(failing)})()
     async with anyio.create_task_group() as group:
         group.start_soon(partial(
-            changes.watch, collection, changes.TASKS_DUE, lambda: None, clock=clock, retry=1,
+            changes.watch, collection, changes.TASKS_DUE, lambda _: None, clock=clock, retry=1,
             name="test",
         ))  # fmt: skip
         for _ in range(40):
