@@ -11,6 +11,7 @@ import functools
 import inspect
 import math
 from collections.abc import Iterable, Mapping
+from datetime import datetime
 from typing import Any
 
 import bson
@@ -212,3 +213,15 @@ def parse_id_token(field: str, token: str, problem: str) -> str | int:
     except ValueError:
         raise InvalidInput(field, problem) from None
     return check_id(field, value)
+
+
+def check_window(since: Any, until: Any) -> tuple[datetime, datetime | None]:
+    """``[since, until)``: timezone-aware instants, `until` (None: open) not before `since`."""
+    for field, value in (("since", since), ("until", until)):
+        if value is None and field == "until":
+            continue
+        if not isinstance(value, datetime) or value.tzinfo is None:
+            raise InvalidInput(field, "must be a timezone-aware datetime")
+    if until is not None and until < since:
+        raise InvalidInput("until", "must not be before since")
+    return since, until

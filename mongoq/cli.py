@@ -20,7 +20,9 @@ metrics, run the demo.
     mongoq outbox requeue EVENT_ID HANDLER [--prefix P]
     mongoq outbox purge [--prefix P] [--dead-older-than AGE] [--completed-older-than AGE]
     mongoq metrics [--port 9108] [--addr A] [--tasks NAME ...] [--groups P ...] [--outbox P ...]
-    mongoq demo [--tasks N] [--workers N] [--seed N]
+    mongoq dashboard [--host 127.0.0.1] [--port 8188] [--allow-actions] [--token T]
+                     [--allowed-host NAME ...] [--sample-interval S]
+    mongoq demo [--tasks N] [--workers N] [--seed N] [--dashboard [--host H] [--port P]]
 
 Global options, before or after the command: ``--uri`` (``MONGOQ_URI``; else the embedded
 backend), ``--database`` (``MONGOQ_DATABASE``, mongoq), ``--timeout`` (``MONGOQ_TIMEOUT``, 5 s),
@@ -33,13 +35,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import re
 import sys
 from collections.abc import AsyncIterator, Iterable, Sequence
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn
 from urllib.parse import unquote, unquote_plus
@@ -48,7 +51,17 @@ import anyio
 from pymongo.errors import ConnectionFailure, PyMongoError
 
 from mongoq import __version__, _driver, registry
-from mongoq.demo import DemoConfig, DemoReport, run_demo
+from mongoq._text import format_age as _age
+from mongoq._text import one_line, parse_age
+from mongoq._text import plain as _plain
+from mongoq.demo import (
+    DEMO_DATABASE,
+    DemoConfig,
+    DemoReport,
+    demo_queue_name,
+    drop_demo,
+    run_demo,
+)
 from mongoq.errors import MongoqError
 from mongoq.groups import AsyncGroupTransport
 from mongoq.groups.models import NEVER_CLAIMED
@@ -56,18 +69,22 @@ from mongoq.outbox import AsyncOutbox
 from mongoq.tasks import AsyncTaskQueue
 from mongoq.tasks.models import STATUSES
 from mongoq.tasks.schema import PURGEABLE
+from mongoq.testing import ManualClock
 
 __all__ = ["main", "redact", "run", "scrub"]
 
 GROUP_STATES = ("ready", "in_flight", "parked")
 DELIVERY_STATUSES = ("pending", "parked", "dead", "completed")
+#: Wall-clock seconds between the demo's rounds under ``--dashboard``: a chart that moves.
+DEMO_ROUND_PAUSE = 0.5
+#: Seconds the demo waits, at most, to drop its queue when it stops.
+DEMO_DROP_WAIT = 10.0
 #: The widest a free-text cell (an error) is printed in a table.
 CELL_WIDTH = 60
 EPILOG = """\
 global options go before or after the command; AGE is seconds or 30s, 15m, 12h, 7d
 exit codes: 0 done, 1 nothing to requeue/redrive/cancel (or no such task), 2 error, 130 interrupted
 deprecated (one release): mongoq stats|reclaim QUEUE, mongoq requeue QUEUE TASK_ID"""
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 class UsageError(Exception):
@@ -149,24 +166,8 @@ def _unreachable(uri: str, error: ConnectionFailure, timeout: float) -> str:
 # ---------------------------------------------------------------------------- printing
 
 
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    left, parts = int(seconds), list[str]()
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if left >= size or parts:
-            parts.append(f"{left // size}{unit}")
-            left %= size
-    return "".join([*parts, f"{left}s"][:2])
-
-
 def _line(text: str, width: int = CELL_WIDTH) -> str:
-    """Free text in one line: a stored traceback becomes its last line (the exception)."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()] or [""]
-    summary = lines[-1] if lines[0].startswith("Traceback") else lines[0]
-    if len(summary) > width:
-        return summary[: width - 3] + "..."
-    return summary + (" ..." if len(lines) > 1 and summary is lines[0] else "")
+    return one_line(text, width)
 
 
 def _cell(value: Any) -> str:
@@ -196,21 +197,6 @@ def _pairs(rows: Sequence[tuple[str, Any]]) -> list[str]:
     return [f"{label:<{width}}  {_cell(value)}" for label, value in rows]
 
 
-def _plain(value: Any) -> Any:
-    """`value` as JSON: dataclasses as objects, datetimes in ISO 8601, the rest as text."""
-    if is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
-    if isinstance(value, datetime):
-        return (value.replace(tzinfo=UTC) if value.tzinfo is None else value).isoformat()
-    if isinstance(value, dict):
-        return {str(key): _plain(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(item) for item in value]
-    if value is None or isinstance(value, str | int | float | bool):
-        return value
-    return str(value)
-
-
 @dataclass(frozen=True)
 class Out:
     """What an operator command shows: `data` under ``--json``, else the lines of `text`."""
@@ -221,10 +207,10 @@ class Out:
 
 
 def _duration(text: str) -> float:
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd]?)", text.strip())
-    if match is None:
+    seconds = parse_age(text)
+    if seconds is None:
         raise argparse.ArgumentTypeError(f"expected seconds or 30s, 15m, 12h, 7d; got {text!r}")
-    return float(match.group(1)) * _UNITS[match.group(2)]
+    return seconds
 
 
 # ----------------------------------------------------------------------------- tasks
@@ -466,9 +452,115 @@ def _print_report(report: DemoReport) -> None:
 
 async def _demo(args: argparse.Namespace) -> int:
     config = DemoConfig(uri=args.uri, tasks=args.tasks, workers=args.workers, seed=args.seed)
+    if args.dashboard:
+        return await _demo_with_dashboard(args, config)
     report = await run_demo(config, progress=lambda line: print(line, flush=True))
     _print_report(report)
     return 0 if report.ok else 1
+
+
+# ------------------------------------------------------------------------- dashboard
+
+
+def _dashboard_module() -> Any:
+    try:
+        from mongoq import dashboard  # the dashboard extra: imported only when asked for
+    except ImportError as error:
+        raise MongoqError(
+            f"the dashboard needs the dashboard extra ({error.name} is missing): "
+            "pip install 'mongoq[dashboard]'"
+        ) from None
+    return dashboard
+
+
+async def _serve_dashboard(app: Any, sock: Any) -> None:
+    """Serve `app` on `sock` until Ctrl-C; tests replace it."""
+    await _dashboard_module().serve(app, sock=sock)
+
+
+#: Addresses that bind every interface: the host names the dashboard is reached by are unknown.
+_ANY_ADDRESS = ("0.0.0.0", "::", "")
+
+
+def _dashboard_app(args: argparse.Namespace, db: Any, **options: Any) -> tuple[Any, Any]:
+    """The app `args` ask for, and its socket, bound before anything is printed (a port
+    taken is one error line). It answers the host names of ``--allowed-host``; by default
+    loopback names on loopback, the address itself on another, any on every address."""
+    loopback = args.host in ("127.0.0.1", "localhost", "::1")
+    hosts = getattr(args, "allowed_hosts", None)
+    if not hosts and not loopback:
+        hosts = ["*"] if args.host in _ANY_ADDRESS else [args.host]
+    token = None
+    if args.allow_actions:  # a read-only dashboard needs no token, configured or not
+        token = getattr(args, "token", None) or os.environ.get("MONGOQ_DASHBOARD_TOKEN") or None
+    app = _dashboard_module().create_app(
+        db, allow_actions=args.allow_actions, token=token, allowed_hosts=hosts or None, **options
+    )
+    sock = _dashboard_module().bind(args.host, args.port)
+    port = sock.getsockname()[1]  # the one given, or the free one --port 0 found
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"serving the dashboard on http://{host}:{port}/ (Ctrl-C stops)", flush=True)
+    if args.allow_actions:
+        given = "the configured one" if token else app.state.dashboard.token
+        print(f"actions are enabled; each needs the token: {given}", flush=True)
+    else:
+        print("read-only (--allow-actions enables requeue, redrive, cancel, purge)", flush=True)
+    if hosts == ["*"]:
+        print(f"mongoq: warning: the dashboard is reachable on {args.host}, not only from this "
+              "machine, under any host name (--allowed-host NAME narrows it)",
+              file=sys.stderr)  # fmt: skip
+    if args.log_level is None:  # actions are logged at INFO: shown whatever the default
+        logging.getLogger("mongoq.dashboard").setLevel(logging.INFO)
+    return app, sock
+
+
+async def _dashboard(args: argparse.Namespace) -> int:
+    async with _database(args) as db:
+        app, sock = _dashboard_app(args, db, sample_interval=args.sample_interval)
+        await _serve_dashboard(app, sock)
+    return 0
+
+
+async def _drop_demo_quietly(db: Any, name: str) -> None:
+    """Drop the demo's queue however the demo stopped; a failure to is said, never raised
+    over the error that stopped it, and waited for at most `DEMO_DROP_WAIT` seconds."""
+    with anyio.move_on_after(DEMO_DROP_WAIT, shield=True) as scope:
+        try:
+            await drop_demo(db, name)
+        except PyMongoError as error:
+            print(f"mongoq: warning: could not drop the demo's queue {name}: {error}",
+                  file=sys.stderr)  # fmt: skip
+    if scope.cancelled_caught:
+        print(f"mongoq: warning: dropping the demo's queue {name} timed out", file=sys.stderr)
+
+
+async def _demo_with_dashboard(args: argparse.Namespace, config: DemoConfig) -> int:
+    """The demo with its dashboard beside it, on the same database (the embedded backend
+    lives in this process only; on a server the demo's own database), until Ctrl-C after the
+    demo ends. With ``--uri`` the demo's queue is dropped however it stops."""
+    args.allow_actions = True  # a newcomer tries a requeue; the token still guards it
+    args.database = DEMO_DATABASE
+    config = dataclasses.replace(config, round_pause=DEMO_ROUND_PAUSE)
+    clock, name = ManualClock(), demo_queue_name()
+    report: DemoReport | None = None
+    started = False
+    async with _database(args) as db:
+        try:
+            app, sock = _dashboard_app(args, db, clock=clock, sample_interval=1.0)
+            async with anyio.create_task_group() as group:
+                group.start_soon(_serve_dashboard, app, sock)
+                started = True
+                report = await run_demo(config, lambda line: print(line, flush=True), db=db,
+                                        clock=clock, name=name)  # fmt: skip
+                _print_report(report)
+                print("the demo is over; the dashboard still serves it (Ctrl-C stops)",
+                      flush=True)  # fmt: skip
+                await _serve_until_stopped("")
+                group.cancel_scope.cancel()
+        finally:
+            if started and _uri(args) is not None:
+                await _drop_demo_quietly(db, name)
+    return 0 if report is not None and report.ok else 1
 
 
 def _deprecated(name: str) -> Any:
@@ -602,6 +694,11 @@ async def _list(args: argparse.Namespace, db: Any) -> Out:
     return Out(found, text)
 
 
+def _serving(sub: Any) -> None:
+    sub.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (this machine only)")
+    sub.add_argument("--port", type=int, default=8188, help="default: 8188")
+
+
 def _add_others(commands: Any) -> None:
     """`list`, `metrics`, `demo` (the last two do not connect here) and the deprecated
     aliases."""
@@ -618,6 +715,32 @@ def _add_others(commands: Any) -> None:
     sub.add_argument("--tasks", type=int, default=DemoConfig.tasks)
     sub.add_argument("--workers", type=int, default=DemoConfig.workers)
     sub.add_argument("--seed", type=int, default=DemoConfig.seed)
+    sub.add_argument("--dashboard", action="store_true",
+                     help="serve the dashboard on the demo's database while it runs")  # fmt: skip
+    _serving(sub)
+    text = "serve the web dashboard of this database's primitives, until Ctrl-C"
+    sub = _command(commands, "dashboard", _dashboard, text)
+    sub.set_defaults(connects=False)
+    _serving(sub)
+    sub.add_argument(
+        "--allow-actions",
+        action="store_true",
+        help="enable requeue, redrive, cancel and purge (each needs the token)",
+    )
+    sub.add_argument(
+        "--token",
+        help="the actions' token (default: MONGOQ_DASHBOARD_TOKEN, else a random one, printed)",
+    )
+    sub.add_argument(
+        "--allowed-host",
+        dest="allowed_hosts",
+        action="append",
+        metavar="NAME",
+        help="a host name the dashboard answers to (repeatable; default: loopback "
+        "names, or the --host address)",
+    )
+    sub.add_argument("--sample-interval", type=_duration, default=10.0, metavar="SECONDS",
+                     help="how often the throughput chart samples (default: 10)")  # fmt: skip
     for name in ("stats", "reclaim", "requeue"):
         target = ["queue", "task_id"] if name == "requeue" else ["queue"]
         sub = _command(commands, name, _deprecated(name), f"deprecated: tasks {name}", *target)

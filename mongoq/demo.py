@@ -25,15 +25,17 @@ from typing import Any
 
 import anyio
 
-from mongoq import _driver
+from mongoq import _driver, registry
 from mongoq.clock import to_millis
 from mongoq.errors import PermanentError
 from mongoq.tasks import AsyncTaskQueue, NewTask, Task
 from mongoq.testing import ManualClock
 
-__all__ = ["DemoConfig", "DemoReport", "run_demo"]
+__all__ = ["DEMO_DATABASE", "DemoConfig", "DemoReport", "demo_queue_name", "drop_demo", "run_demo"]
 
 
+#: The database the demo runs in, whatever ``--database`` says: never an operator's own.
+DEMO_DATABASE = "mongoq_demo"
 #: Rounds a zombie stalls: past its lease (two rounds) and the round that takes the task over.
 ZOMBIE_STALL_ROUNDS = 4
 
@@ -55,6 +57,8 @@ class DemoConfig:
     seed: int = 7
     max_attempts: int = 4
     lease_ttl: float = 60.0
+    #: seconds of wall time to pause between rounds (``demo --dashboard``: a chart that moves)
+    round_pause: float = 0.0
 
 
 @dataclass
@@ -71,6 +75,8 @@ class DemoReport:
     simulated_seconds: float = 0.0
     wall_seconds: float = 0.0
     checks: list[tuple[str, bool]] = field(default_factory=list)
+    #: the collection the demo's queue lives in
+    queue: str = ""
 
     @property
     def ok(self) -> bool:
@@ -78,27 +84,47 @@ class DemoReport:
 
 
 async def run_demo(
-    config: DemoConfig, progress: Callable[[str], None] = lambda line: None
+    config: DemoConfig,
+    progress: Callable[[str], None] = lambda line: None,
+    *,
+    db: Any = None,
+    clock: ManualClock | None = None,
+    name: str | None = None,
 ) -> DemoReport:
-    """Run the demo; `progress` receives one line per round."""
+    """Run the demo; `progress` receives one line per round. With `db` (and its `clock`:
+    ``demo --dashboard`` shows both) the caller owns the queue's collection and drops it
+    with `drop_demo` (`name`, from `demo_queue_name`, lets it do so even when the demo is
+    stopped midway); otherwise the demo connects to `config.uri` and drops it at the end."""
     rng = random.Random(config.seed)
     started = time.perf_counter()
-    clock = ManualClock()
-    db = _driver.connect(config.uri, "mongoq_demo")
-    name = f"demo_tasks_{uuid.uuid4().hex[:8]}"
+    clock = clock if clock is not None else ManualClock()
+    owned = db is None
+    db = _driver.connect(config.uri, DEMO_DATABASE) if owned else db
+    name = name if name is not None else demo_queue_name()
     queue = AsyncTaskQueue(
         db, name, clock=clock, lease_ttl=config.lease_ttl, max_attempts=config.max_attempts,
         backoff_base=5, backoff_cap=120,
     )  # fmt: skip
-    report = DemoReport()
+    report = DemoReport(queue=name)
     try:
         await _play(queue, clock, config, rng, report, progress)
         await _check(queue, config, report)
     finally:
         report.wall_seconds = time.perf_counter() - started
-        if config.uri is not None:
-            await queue.collection.drop()
+        if owned and config.uri is not None:
+            await drop_demo(db, name)
     return report
+
+
+def demo_queue_name() -> str:
+    """A fresh name for the demo's queue (a collection of its own)."""
+    return f"demo_tasks_{uuid.uuid4().hex[:8]}"
+
+
+async def drop_demo(db: Any, name: str) -> None:
+    """Drop the demo queue's collection and its registration (a server outlives the demo)."""
+    await _driver.collection(db, name).drop()
+    await registry.unregister(db, "tasks", name)
 
 
 def _fate(task_id: str, config: DemoConfig) -> str:
@@ -186,6 +212,8 @@ async def _play(
         if next_due is not None:
             step = max(step, (next_due - clock.now()).total_seconds())
         clock.advance(step)
+        if config.round_pause:
+            await anyio.sleep(config.round_pause)
     report.simulated_seconds = (clock.now() - began).total_seconds()
 
 

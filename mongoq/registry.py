@@ -5,7 +5,9 @@ a database by reading it, never by guessing from collection names.
 Collection ``mongoq_registry``, one document per primitive::
 
     {_id: "<primitive>:<name>", primitive: "tasks" | "groups" | "outbox", name,
-     registered_at (its first set-up), set_up_at (its last), version (of mongoq, at the last)}
+     registered_at (its first set-up), set_up_at (its last), version (of mongoq, at the last),
+     options (what a reader needs to open it as its owner does: an outbox's
+     ``completion_history``)}
 
 Every write is one upsert by ``_id`` (no secondary index). A primitive whose collections were
 dropped stays listed until `unregister` removes it; one set up before this registry existed
@@ -15,7 +17,7 @@ appears at its next `ensure_indexes` / `setup`. No task queue may be named ``mon
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
@@ -42,20 +44,26 @@ class Registration:
     registered_at: datetime | None
     set_up_at: datetime | None
     version: str | None
+    #: what its last set-up recorded to open it as its owner does (an outbox's
+    #: ``completion_history``); empty for a task queue or group transport
+    options: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
 def _id(primitive: Primitive, name: str) -> str:
     return f"{primitive}:{name}"
 
 
-async def register(db: Any, primitive: Primitive, name: str, now: datetime) -> None:
-    """Record that `primitive` `name` was set up now (one upsert; idempotent). A write the
-    server refuses (a role without access to the registry) is logged, never raised: the
-    registry serves operators' tools, and a worker's start-up must not depend on it."""
+async def register(
+    db: Any, primitive: Primitive, name: str, now: datetime, options: dict[str, Any] | None = None
+) -> None:
+    """Record that `primitive` `name` was set up now, with `options` (one upsert; idempotent).
+    A write the server refuses (a role without access to the registry) is logged, never
+    raised: the registry serves operators' tools, and a worker's start-up must not depend on
+    it."""
     from mongoq import __version__  # the package's, read at call time (no import cycle)
 
     try:
-        await _write(db, primitive, name, now, __version__)
+        await _write(db, primitive, name, now, __version__, options or {})
     except _driver.DRIVER_ERRORS as exc:
         log.warning(
             "could not record %s %r in %s (%s); `mongoq list` will not show it", primitive,
@@ -63,12 +71,14 @@ async def register(db: Any, primitive: Primitive, name: str, now: datetime) -> N
         )  # fmt: skip
 
 
-async def _write(db: Any, primitive: Primitive, name: str, now: datetime, version: str) -> None:
+async def _write(
+    db: Any, primitive: Primitive, name: str, now: datetime, version: str, options: dict[str, Any]
+) -> None:
     await _driver.collection(db, REGISTRY).update_one(
         {"_id": _id(primitive, name)},
         {
             "$set": {"primitive": primitive, "name": name, "set_up_at": now,
-                     "version": version},
+                     "version": version, "options": options},
             "$setOnInsert": {"registered_at": now},
         },
         upsert=True,
@@ -92,6 +102,7 @@ async def registered(db: Any) -> list[Registration]:
             registered_at=stored_instant(doc.get("registered_at")),
             set_up_at=stored_instant(doc.get("set_up_at")),
             version=doc.get("version"),
+            options=dict(doc["options"]) if isinstance(doc.get("options"), dict) else {},
         )
         for doc in docs
         if doc.get("primitive") in _KINDS and isinstance(doc.get("name"), str)

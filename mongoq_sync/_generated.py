@@ -382,6 +382,14 @@ class TaskQueue(Facade):
             "Task", self._call("wait", task_id, timeout=timeout, poll_interval=poll_interval)
         )
 
+    def count_finished(self, since: datetime, until: datetime | None = None) -> int:
+        """How many tasks finished (done, failed or cancelled) at or after `since` and
+        before `until` (None: up to now) and are still stored: a throughput that a purge or
+        a retention TTL of older tasks leaves alone (one indexed count; the dashboard's
+        chart, whose consecutive windows ``[since, until)`` count each task once).
+        """
+        return cast("int", self._call("count_finished", since, until))
+
     def stats(self) -> TaskQueueStats:
         """Counts per status, due, expired and the oldest due age (eight indexed commands)."""
         return cast("TaskQueueStats", self._call("stats"))
@@ -927,6 +935,14 @@ class Outbox(Facade):
         unfinished ones, and how many lanes are held; a fixed number of commands.
         """
         return cast("OutboxStatistics", self._call("stats"))
+
+    def count_finished(self, since: datetime, until: datetime | None = None) -> int | None:
+        """How many deliveries finished (completed or buried) at or after `since` and before
+        `until` (None: up to now) and are still recorded: a throughput that a purge of older
+        ones leaves alone (two indexed counts; the dashboard's chart). None without
+        `completion_history`: a completion then leaves no record to count.
+        """
+        return cast("int | None", self._call("count_finished", since, until))
 
     def statistics(self) -> OutboxStatistics:
         """An alias of `stats`, the name this call had before the three primitives shared one

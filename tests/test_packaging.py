@@ -29,7 +29,29 @@ def test_the_base_install_is_pymongo_and_anyio_and_the_rest_are_extras() -> None
     assert _names(extras["motor"]) == {"motor"}
     assert _names(extras["metrics"]) == {"prometheus_client"}
     assert _names(extras["cron"]) == {"croniter"}
-    assert "mongoq[embedded,motor,metrics,cron]" in extras["test"]
+    assert _names(extras["dashboard"]) == {"starlette", "uvicorn"}
+    assert "mongoq[embedded,motor,metrics,cron,dashboard]" in extras["test"]
+
+
+async def test_the_dashboard_without_its_extra_names_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mongoq import cli
+
+    # Submodules imported earlier would be found in sys.modules past a missing parent.
+    for name in [m for m in sys.modules if m == "starlette" or m.startswith("starlette.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "starlette", None)
+    for name in [m for m in sys.modules if m.startswith("mongoq.dashboard")]:
+        monkeypatch.delitem(sys.modules, name)
+
+    async def never(*args: object) -> None:
+        raise AssertionError("the dashboard was served without its extra")
+
+    monkeypatch.setattr(cli, "_serve_dashboard", never)
+    monkeypatch.delattr(mongoq, "dashboard", raising=False)
+    assert await cli.run(["dashboard", "--uri", "memory://"]) == 2
+    assert "pip install 'mongoq[dashboard]'" in capsys.readouterr().err
 
 
 async def test_a_cron_schedule_without_the_cron_extra_names_it_and_writes_nothing(

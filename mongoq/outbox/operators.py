@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from mongoq import _driver
-from mongoq._validation import MAX_BATCH, check_int
+from mongoq._validation import MAX_BATCH, check_int, check_window
 from mongoq.clock import stored_instant
 from mongoq.errors import InvalidInput
 from mongoq.outbox import schema
@@ -154,6 +154,17 @@ class Operators:
             updated_at=stored_instant(doc.get("updated_at") or doc.get("completed_at")),
             running=running,
         )
+
+    async def count_finished(self, since: datetime, until: datetime | None) -> int | None:
+        """`AsyncOutbox.count_finished`."""
+        since, until = check_window(since, until)
+        if not self.outbox.completion_history:
+            return None
+        dead, completed = await asyncio.gather(
+            self.deliveries.count_documents(schema.deliveries_dead_between(since, until)),
+            self.history.count_documents(schema.history_completed_between(since, until)),
+        )
+        return int(dead) + int(completed)
 
     async def stats(self) -> OutboxStatistics:
         """`AsyncOutbox.stats`."""

@@ -502,6 +502,16 @@ def delivery_in_status(status: str) -> dict[str, Any]:
     return {"status": status}
 
 
+def deliveries_dead_between(since: datetime, until: datetime | None) -> dict[str, Any]:
+    """The deliveries buried in ``[since, until)``: `count_finished` (``status_updated``)."""
+    return {"status": DEAD, "updated_at": _between(since, until)}
+
+
+def _between(since: datetime, until: datetime | None) -> dict[str, Any]:
+    """``[since, until)`` (`until` None: open): consecutive windows count each instant once."""
+    return {"$gte": since} if until is None else {"$gte": since, "$lt": until}
+
+
 def listed_by(handler: str | None, event_type: str | None) -> dict[str, Any]:
     """The deliveries (or completion records) of `handler` and `event_type`, either optional:
     `list_deliveries`, sorted by ``_id`` (``handler``, ``event_type``; completed_deliveries
@@ -657,6 +667,11 @@ def history_inserting(record: Mapping[str, Any]) -> dict[str, Any]:
 def history_completed_before(cutoff: datetime) -> dict[str, Any]:
     """Completion records before `cutoff`: purge (``completed``)."""
     return {"completed_at": {"$lt": cutoff}}
+
+
+def history_completed_between(since: datetime, until: datetime | None) -> dict[str, Any]:
+    """Completion records in ``[since, until)``: `count_finished` (``completed``)."""
+    return {"completed_at": _between(since, until)}
 
 
 # =============================================================================== lanes

@@ -74,6 +74,7 @@ __all__ = [
     "TOMBSTONE_TTL",
     "IndexSpec",
     "task_as_claimed",
+    "tasks_finished_between",
     "task_burying",
     "task_by_id",
     "task_claimable",
@@ -267,6 +268,17 @@ def tasks_purgeable(status: TaskStatus, before: datetime) -> dict[str, Any]:
     """`purge`: the tasks in a finished `status` last changed before `before`;
     ``status_updated``."""
     return {"status": status, "updated_at": {"$lt": before}}
+
+
+def tasks_finished_between(since: datetime, until: datetime | None) -> dict[str, Any]:
+    """`count_finished`: the done, failed and cancelled tasks last changed at or after
+    `since` and before `until`; ``status_updated`` (a range per status)."""
+    return {"status": {"$in": [DONE, FAILED, CANCELLED]}, "updated_at": _between(since, until)}
+
+
+def _between(since: datetime, until: datetime | None) -> dict[str, Any]:
+    """``[since, until)``: consecutive windows count each instant once."""
+    return {"$gte": since} if until is None else {"$gte": since, "$lt": until}
 
 
 def tasks_failed(task_ids: Sequence[TaskId] | None) -> dict[str, Any]:
