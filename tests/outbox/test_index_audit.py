@@ -19,6 +19,7 @@ fails the test, so neither list can go stale: fixing a problem means removing it
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -310,6 +311,9 @@ async def exercise_outbox(
     # What a drained dispatcher waits for: the first pending delivery of its handlers.
     assert await outbox._next_due(["mail", "stats"]) is not None
     assert stats.completed and stats.oldest_due_at is not None
+    # The dashboard's throughput: burials and completions in a window, then up to now.
+    assert await outbox.count_finished(EPOCH_START, clock.now()) is not None
+    assert await outbox.count_finished(EPOCH_START)
 
     # Purge with each cutoff, then both.
     clock.advance(3600)
@@ -320,6 +324,9 @@ async def exercise_outbox(
     assert purged.completed_records and purged.events
     await outbox.purge(dead_before=cutoff, completed_before=cutoff)
 
+
+#: Before anything this workload does.
+EPOCH_START = datetime(2000, 1, 1, tzinfo=UTC)
 
 ENGINES = {
     "memory": (memory_database, publish_plain, MEMORY_WITNESSES),

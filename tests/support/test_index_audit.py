@@ -589,6 +589,10 @@ async def exercise_tasks(db: Any, clock: ManualClock) -> None:
     assert await queue.requeue_failed() >= 1
     clock.advance(10)
     await queue.run(handler, stop_when_drained=True, worker_id="run3")
+    # The dashboard's throughput: finished in a window, then up to now.
+    since = datetime(2000, 1, 1, tzinfo=UTC)
+    assert await queue.count_finished(since, clock.now()) >= 1
+    assert await queue.count_finished(since) >= 1
     assert await queue.purge("done", older_than=0) >= 1
 
 
