@@ -26,6 +26,7 @@ from mongoq.tasks.schema import PURGEABLE
 __all__ = ["ACTIONS", "Action", "Done"]
 
 _INTEGER = re.compile("-?[0-9]{1,19}")
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,9 @@ def _item_id(form: Mapping[str, str], name: str) -> str | int:
     """An id as the list showed it: text, or an integer when the form says ``<name>_type=int``."""
     value = _field(form, name)
     if form.get(f"{name}_type", "str") == "int":
-        if not _INTEGER.fullmatch(value):  # int() would take " 7", "+7", "7_0" and "²"
-            raise InvalidInput(name, f"must be an integer, got {value!r}")
+        if not _INTEGER.fullmatch(value) or not _INT64[0] <= int(value) <= _INT64[1]:
+            # int() would take " 7", "+7", "7_0" and "²"; a stored id is a 64-bit integer
+            raise InvalidInput(name, f"must be a 64-bit integer, got {value!r}")
         return int(value)
     return value
 
@@ -126,8 +128,8 @@ async def _task_purge(queue: AsyncTaskQueue, form: Mapping[str, str]) -> Done:
 
 def _seq(form: Mapping[str, str]) -> int:
     value = _field(form, "seq").strip()
-    if not _INTEGER.fullmatch(value) or int(value) < 1:
-        raise InvalidInput("seq", f"must be a positive integer, got {value!r}")
+    if not _INTEGER.fullmatch(value) or not 1 <= int(value) <= _INT64[1]:
+        raise InvalidInput("seq", f"must be a positive 64-bit integer, got {value!r}")
     return int(value)
 
 
@@ -145,15 +147,13 @@ REDRIVE_BATCH = 1000
 
 
 async def _redrive(transport: AsyncGroupTransport, form: Mapping[str, str]) -> Done:
-    if _everything(form):
-        count = moved = await transport.redrive(limit=REDRIVE_BATCH)
-        while moved == REDRIVE_BATCH:
-            moved = await transport.redrive(limit=REDRIVE_BATCH)
-            count += moved
-    elif "group" in form:
-        group = _item_id(form, "group")
+    if _everything(form) or "group" in form:
+        group = None if _everything(form) else _item_id(form, "group")
+        # At most as many as there were: letters buried again while this runs (a poison
+        # message its workers bury at once) wait for the next redrive, not loop here.
+        there = (await transport.stats()).dead
         count = moved = await transport.redrive(group_id=group, limit=REDRIVE_BATCH)
-        while moved == REDRIVE_BATCH:
+        while moved == REDRIVE_BATCH and count < there:
             moved = await transport.redrive(group_id=group, limit=REDRIVE_BATCH)
             count += moved
     else:

@@ -133,14 +133,6 @@ class _Checked:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        host = _header(scope, "host")
-        if not self.guard.host_allowed(host):
-            log.warning("dashboard: refused a request for host %r", host,
-                        extra={"mongoq_host": host})  # fmt: skip
-            response = Response("this dashboard does not answer that host name", 403)
-            await response(scope, receive, send)
-            return
-
         started = False
 
         async def send_with_headers(message: MutableMapping[str, Any]) -> None:
@@ -151,6 +143,18 @@ class _Checked:
                 message["headers"] = [*message.get("headers", []), *extra]
             await send(message)
 
+        host = _header(scope, "host")
+        if not self.guard.host_allowed(host):
+            log.warning("dashboard: refused a request for host %r", host,
+                        extra={"mongoq_host": host})  # fmt: skip
+            text = "this dashboard does not answer that host name"
+            refused: Response = (
+                JSONResponse({"error": text}, 403)
+                if str(scope.get("path", "")).startswith("/api/")
+                else Response(text, 403, media_type="text/plain")
+            )
+            await refused(scope, receive, send_with_headers)
+            return
         try:
             await self.app(scope, receive, send_with_headers)
         except Exception as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, TypeVar, cast
 
 import anyio
@@ -27,6 +27,9 @@ log = logging.getLogger("mongoq.dashboard")
 __all__ = ["Catalog", "Summary"]
 
 _P = TypeVar("_P", AsyncTaskQueue, AsyncGroupTransport, AsyncOutbox)
+#: How far behind its read a throughput window ends: a worker whose clock lags, or whose write
+#: was still on its way, stamps a finish before the read; the next window still counts it.
+WINDOW_LAG = timedelta(seconds=5)
 #: How long one primitive's stats may take before the overview shows it as unreadable.
 READ_TIMEOUT = 10.0
 
@@ -36,9 +39,9 @@ class Summary:
     """One primitive on the overview: its counts by label, how much waits (`backlog`), how
     long the oldest waiting item has waited in seconds (None when nothing waits), and when it
     was read on the primitive's clock (`read_at`). `finished` is how many items finished
-    from the instant the read was asked about up to `read_at` (the throughput chart's source;
-    None when not asked, when that instant is not before `read_at`, or where the primitive
-    keeps no record of finished items: a group transport, an outbox without
+    from the instant the read was asked about up to `counted_until` (the throughput chart's
+    source; None when not asked, when that instant is not before `counted_until`, or where
+    the primitive keeps no record of finished items: a group transport, an outbox without
     ``completion_history``). `error` says why the read failed (the counts are
     then empty)."""
 
@@ -50,6 +53,9 @@ class Summary:
     read_at: datetime | None = None
     finished: int | None = None
     error: str | None = None
+    #: where the window `finished` counted ended (`WINDOW_LAG` before `read_at`): where the
+    #: next one starts
+    counted_until: datetime | None = None
 
     @property
     def key(self) -> str:
@@ -138,11 +144,12 @@ class Catalog:
         if isinstance(primitive, AsyncTaskQueue):
             tasks = await primitive.stats()
             now = primitive.clock.now()
-            if since is not None and since < now:
-                finished = await primitive.count_finished(since, now)
+            until = now - WINDOW_LAG
+            if since is not None and since < until:
+                finished = await primitive.count_finished(since, until)
             counts = {**tasks.counts, "due": tasks.due, "expired": tasks.expired}
             return Summary("tasks", found.name, counts, tasks.counts.get("pending", 0),
-                           tasks.oldest_due_age, now, finished)  # fmt: skip
+                           tasks.oldest_due_age, now, finished, counted_until=until)  # fmt: skip
         if isinstance(primitive, AsyncGroupTransport):
             groups = await primitive.stats()
             counts = {"ready": groups.ready, "in_flight": groups.in_flight,
@@ -152,12 +159,14 @@ class Catalog:
                            groups.oldest_message_age, primitive.clock.now())  # fmt: skip
         outbox = await primitive.stats()
         now = primitive.clock.now()
-        if since is not None and since < now:
-            finished = await primitive.count_finished(since, now)
+        until = now - WINDOW_LAG
+        if since is not None and since < until:
+            finished = await primitive.count_finished(since, until)
         counts = {"pending": outbox.pending, "parked": outbox.parked, "running": outbox.running,
                   "dead": outbox.dead, "completed": outbox.completed}  # fmt: skip
         return Summary("outbox", found.name, counts, outbox.pending,
-                       _age(now, outbox.oldest_due_at), now, finished)  # fmt: skip
+                       _age(now, outbox.oldest_due_at), now, finished,
+                       counted_until=until)  # fmt: skip
 
 
 def _age(now: datetime, since: datetime | None) -> float | None:

@@ -47,8 +47,8 @@ class Sampler:
         self.interval = interval
         self.keep = keep
         self._points: dict[str, deque[Point]] = {}
-        #: per primitive, when its last sample read it (on its own clock): what the next
-        #: sample counts the finished items after
+        #: per primitive, where its last sample's window ended (on its own clock): where the
+        #: next sample's window starts
         self._read_at: dict[str, datetime] = {}
         #: the summaries of the last sample, and when it was taken (on the sampler's clock)
         self.latest: list[Summary] = []
@@ -67,8 +67,9 @@ class Sampler:
             if summary.error is not None or summary.read_at is None:
                 continue  # a gap in the chart, not a made-up zero
             before = self._read_at.get(summary.key)
-            if before is None or summary.read_at > before:  # a clock gone back: no window
-                self._read_at[summary.key] = summary.read_at
+            until = summary.counted_until
+            if until is not None and (before is None or until > before):  # never backwards
+                self._read_at[summary.key] = until
             points = self._points.setdefault(summary.key, deque(maxlen=self.keep))
             points.append(Point(at, summary.backlog, _rate(before, summary)))
         self.latest, self.latest_at = summaries, at
@@ -104,8 +105,8 @@ class Sampler:
 
 
 def _rate(before: datetime | None, summary: Summary) -> float | None:
-    """Items per minute over the window ``[before, read_at)`` the summary counted."""
-    if before is None or summary.finished is None or summary.read_at is None:
+    """Items per minute over the window ``[before, counted_until)`` the summary counted."""
+    if before is None or summary.finished is None or summary.counted_until is None:
         return None
-    seconds = (summary.read_at - before).total_seconds()
+    seconds = (summary.counted_until - before).total_seconds()
     return round(summary.finished * 60.0 / seconds, 3) if seconds > 0 else None

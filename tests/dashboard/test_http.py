@@ -5,12 +5,13 @@ when it is allowed, carries the token and comes from the dashboard's own page.""
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from html import escape
 from typing import Any
 
 import pytest
 
-from mongoq import AsyncTaskQueue, InvalidInput
+from mongoq import AsyncTaskQueue, InvalidInput, NewTask
 from mongoq.dashboard import create_app
 from mongoq.outbox import Event
 from mongoq.registry import unregister
@@ -268,6 +269,8 @@ async def test_a_request_for_another_host_name_is_refused_pages_included(
         ipv6 = await http.get("/", headers={"host": "[::1]:8188"})
 
     assert (rebound.status_code, post.status_code) == (403, 403)
+    assert rebound.json() == {"error": "this dashboard does not answer that host name"}
+    assert rebound.headers["x-frame-options"] == "DENY"
     assert (local.status_code, ipv6.status_code) == (200, 200)
     assert await task_status(db, "bounce-2") == "failed"
     async with client(app_of(db, clock, allowed_hosts=["*"])) as http:
@@ -527,6 +530,8 @@ async def test_a_chunked_form_is_read_no_further_than_its_limit(
         ("/actions/groups/orders/redrive", {"seq": "²"}, "seq"),
         ("/actions/tasks/emails/requeue", {"id": "+7", "id_type": "int"}, "id"),
         ("/actions/tasks/emails/requeue", {"id": "7_0", "id_type": "int"}, "id"),
+        ("/actions/tasks/emails/cancel", {"id": "9" * 19, "id_type": "int"}, "id"),
+        ("/actions/groups/orders/redrive", {"seq": "9" * 19}, "seq"),
     ],
 )
 async def test_an_integer_is_digits_only(
@@ -594,3 +599,26 @@ async def test_a_sample_in_the_millisecond_of_the_last_loses_nothing(
     await sampler.sample()
     rates = [p["per_minute"] for p in sampler.series()["series"]["tasks:emails"]]
     assert rates == [None, None, 2.0]
+
+
+async def test_a_finish_stamped_just_before_a_sample_is_counted_by_the_next(
+    db: Any, clock: ManualClock
+) -> None:
+    """A worker whose clock lags the dashboard's (or whose write was on its way) stamps a
+    finish before the sample that comes first: the window ends `WINDOW_LAG` behind."""
+    await seed(db, clock)  # digest-3 was put 90 s ago: due on either clock
+    behind = ManualClock(clock.now() - timedelta(seconds=1))
+    worker = AsyncTaskQueue(db, "emails", clock=behind)
+    sampler = app_of(db, clock).state.dashboard.sampler
+    sampler.clock = clock
+    await sampler.sample()
+    await worker.put_many(NewTask(f"late-{n}") for n in range(4))
+    for _ in range(5):  # digest-3 and the four new ones, stamped 1 s before the sample
+        task = await worker.claim("w")
+        assert task is not None
+        await worker.complete(task)
+    clock.advance(60)
+    behind.advance(60)
+    await sampler.sample()
+    rates = [p["per_minute"] for p in sampler.series()["series"]["tasks:emails"]]
+    assert rates == [None, 5.0]
