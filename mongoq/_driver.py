@@ -228,6 +228,12 @@ def ids_after(last: str | int) -> dict[str, Any]:
     return later
 
 
+def within(since: Any, until: Any | None) -> dict[str, Any]:
+    """A field's condition for the window ``[since, until)`` (`until` None: open-ended):
+    consecutive windows hold each value once."""
+    return {"$gte": since} if until is None else {"$gte": since, "$lt": until}
+
+
 def owned_by(pairs: Sequence[tuple[Any, Any]], token_field: str = "token") -> dict[str, Any]:
     """A filter matching the documents ``(_id, token)`` of `pairs`: one ``_id $in`` per distinct
     token (a batch shares one), rather than an ``$or`` branch per document."""

@@ -30,6 +30,7 @@ from starlette.routing import Route
 
 from mongoq import _driver
 from mongoq._text import plain
+from mongoq._validation import check_seconds
 from mongoq.clock import Clock
 from mongoq.dashboard import pages
 from mongoq.dashboard.actions import ACTIONS, Action
@@ -91,12 +92,8 @@ def create_app(
     """
     if not isinstance(allow_actions, bool):
         raise InvalidInput("allow_actions", "must be a bool")
-    if sample_interval is not None and (
-        isinstance(sample_interval, bool)
-        or not isinstance(sample_interval, int | float)
-        or not sample_interval > 0
-    ):
-        raise InvalidInput("sample_interval", "must be a positive number of seconds, or None")
+    if sample_interval is not None:
+        sample_interval = check_seconds("sample_interval", sample_interval, positive=True)
     _driver.backend_of(db)  # a clear error for something that is not a database
     catalog = Catalog(db, clock)
     sampler = Sampler(catalog, interval=float(sample_interval or 10.0))

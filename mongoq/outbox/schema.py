@@ -504,12 +504,7 @@ def delivery_in_status(status: str) -> dict[str, Any]:
 
 def deliveries_dead_between(since: datetime, until: datetime | None) -> dict[str, Any]:
     """The deliveries buried in ``[since, until)``: `count_finished` (``status_updated``)."""
-    return {"status": DEAD, "updated_at": _between(since, until)}
-
-
-def _between(since: datetime, until: datetime | None) -> dict[str, Any]:
-    """``[since, until)`` (`until` None: open): consecutive windows count each instant once."""
-    return {"$gte": since} if until is None else {"$gte": since, "$lt": until}
+    return {"status": DEAD, "updated_at": _driver.within(since, until)}
 
 
 def listed_by(handler: str | None, event_type: str | None) -> dict[str, Any]:
@@ -671,7 +666,7 @@ def history_completed_before(cutoff: datetime) -> dict[str, Any]:
 
 def history_completed_between(since: datetime, until: datetime | None) -> dict[str, Any]:
     """Completion records in ``[since, until)``: `count_finished` (``completed``)."""
-    return {"completed_at": _between(since, until)}
+    return {"completed_at": _driver.within(since, until)}
 
 
 # =============================================================================== lanes

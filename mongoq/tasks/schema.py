@@ -273,12 +273,10 @@ def tasks_purgeable(status: TaskStatus, before: datetime) -> dict[str, Any]:
 def tasks_finished_between(since: datetime, until: datetime | None) -> dict[str, Any]:
     """`count_finished`: the done, failed and cancelled tasks last changed at or after
     `since` and before `until`; ``status_updated`` (a range per status)."""
-    return {"status": {"$in": [DONE, FAILED, CANCELLED]}, "updated_at": _between(since, until)}
-
-
-def _between(since: datetime, until: datetime | None) -> dict[str, Any]:
-    """``[since, until)``: consecutive windows count each instant once."""
-    return {"$gte": since} if until is None else {"$gte": since, "$lt": until}
+    return {
+        "status": {"$in": [DONE, FAILED, CANCELLED]},
+        "updated_at": _driver.within(since, until),
+    }
 
 
 def tasks_failed(task_ids: Sequence[TaskId] | None) -> dict[str, Any]:
