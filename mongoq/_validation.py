@@ -28,7 +28,8 @@ MAX_ID_LENGTH = 1024
 MAX_BATCH = 1000
 #: Durations beyond ten years are mistakes (and overflow date arithmetic near year 9999).
 MAX_SECONDS = 10 * 365 * 24 * 3600
-_INT64 = (-(2**63), 2**63 - 1)
+#: What a stored integer may be (BSON's int64).
+INT64_RANGE = (-(2**63), 2**63 - 1)
 
 
 def _kind(value: Any) -> str:
@@ -40,7 +41,7 @@ def check_id(field: str, value: Any) -> str | int:
     if isinstance(value, bool) or not isinstance(value, str | int):
         raise InvalidInput(field, f"must be a non-empty string or an int, got {_kind(value)}")
     if isinstance(value, int):
-        if not _INT64[0] <= value <= _INT64[1]:
+        if not INT64_RANGE[0] <= value <= INT64_RANGE[1]:
             raise InvalidInput(field, "must fit in a signed 64-bit integer")
         return value
     if not value:

@@ -486,17 +486,20 @@ def _dashboard_app(args: argparse.Namespace, db: Any, **options: Any) -> tuple[A
     """The app `args` ask for, and its socket, bound before anything is printed (a port
     taken is one error line). It answers the host names of ``--allowed-host``; by default
     loopback names on loopback, the address itself on another, any on every address."""
-    loopback = args.host in ("127.0.0.1", "localhost", "::1")
+    dashboard = _dashboard_module()  # first: a missing extra is said before anything else
+    from mongoq.dashboard.security import LOOPBACK
+
+    loopback = args.host in LOOPBACK
     hosts = getattr(args, "allowed_hosts", None)
     if not hosts and not loopback:
         hosts = ["*"] if args.host in _ANY_ADDRESS else [args.host]
     token = None
     if args.allow_actions:  # a read-only dashboard needs no token, configured or not
         token = getattr(args, "token", None) or os.environ.get("MONGOQ_DASHBOARD_TOKEN") or None
-    app = _dashboard_module().create_app(
+    app = dashboard.create_app(
         db, allow_actions=args.allow_actions, token=token, allowed_hosts=hosts or None, **options
     )
-    sock = _dashboard_module().bind(args.host, args.port)
+    sock = dashboard.bind(args.host, args.port)
     port = sock.getsockname()[1]  # the one given, or the free one --port 0 found
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"serving the dashboard on http://{host}:{port}/ (Ctrl-C stops)", flush=True)

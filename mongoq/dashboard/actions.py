@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 from mongoq._text import parse_age
-from mongoq._validation import check_seconds
+from mongoq._validation import INT64_RANGE, check_id, check_int, check_seconds
 from mongoq.errors import InvalidInput
 from mongoq.groups import AsyncGroupTransport
 from mongoq.outbox import AsyncOutbox
@@ -26,7 +26,6 @@ from mongoq.tasks.schema import PURGEABLE
 __all__ = ["ACTIONS", "Action", "Done"]
 
 _INTEGER = re.compile("-?[0-9]{1,19}")
-_INT64 = (-(2**63), 2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -60,11 +59,12 @@ def _item_id(form: Mapping[str, str], name: str) -> str | int:
     """An id as the list showed it: text, or an integer when the form says ``<name>_type=int``."""
     value = _field(form, name)
     if form.get(f"{name}_type", "str") == "int":
-        if not _INTEGER.fullmatch(value) or not _INT64[0] <= int(value) <= _INT64[1]:
+        low, high = INT64_RANGE
+        if not _INTEGER.fullmatch(value) or not low <= int(value) <= high:
             # int() would take " 7", "+7", "7_0" and "²"; a stored id is a 64-bit integer
             raise InvalidInput(name, f"must be a 64-bit integer, got {value!r}")
         return int(value)
-    return value
+    return check_id(name, value)
 
 
 def _age(form: Mapping[str, str], name: str) -> float:
@@ -128,9 +128,9 @@ async def _task_purge(queue: AsyncTaskQueue, form: Mapping[str, str]) -> Done:
 
 def _seq(form: Mapping[str, str]) -> int:
     value = _field(form, "seq").strip()
-    if not _INTEGER.fullmatch(value) or not 1 <= int(value) <= _INT64[1]:
+    if not _INTEGER.fullmatch(value):
         raise InvalidInput("seq", f"must be a positive 64-bit integer, got {value!r}")
-    return int(value)
+    return check_int("seq", int(value), low=1, high=INT64_RANGE[1])
 
 
 def _describe_redrive(name: str, form: Mapping[str, str]) -> str:
