@@ -806,11 +806,12 @@ class Outbox(Facade):
         return cast("str", self._get("instance"))
 
     def setup(self) -> None:
-        """Create the collections, the indexes and the 256 lane documents, bring documents an
-        earlier version wrote up to date, and record the outbox in the database's registry
-        (`mongoq.registry`); idempotent. Run it once before the first publish:
-        collections created implicitly inside concurrent transactions conflict with each
-        other.
+        """Create the collections, the indexes and 256 lane documents for each handler, bring
+        documents an earlier version wrote up to date (lanes it shared among all handlers
+        become each handler's own: stop its dispatchers first), and record the outbox in the
+        database's registry (`mongoq.registry`); idempotent. Run it once before the first
+        publish: collections created implicitly inside concurrent transactions conflict with
+        each other.
         """
         self._call("setup")
 

@@ -44,7 +44,7 @@ from mongoq._validation import MAX_BATCH
 from mongoq.clock import stored_instant
 from mongoq.errors import InvalidInput
 from mongoq.outbox import schema
-from mongoq.outbox.lanes import Entry, Lane, LaneView, charge_lost, read_lanes
+from mongoq.outbox.lanes import Entry, Lane, LaneView, charge_lost, read_lanes, seed_lanes
 from mongoq.outbox.models import LANES, Delivery, Event
 from mongoq.runtime.loop import error_text
 
@@ -269,7 +269,18 @@ class Claimer:
     async def _claim(self, owner: str, handlers: list[str] | None, limit: int) -> list[Delivery]:
         now = await self.outbox._now()
         view, read = await self._lane_view(owner, now)
-        held, free, stale = view.split(owner, self.outbox.instance, now)
+        missing = [] if handlers is None else sorted(set(handlers) - view.handlers())
+        if missing:  # handlers no set-up here gave lanes (another service publishes to them)
+            await seed_lanes(self.db, self.lanes, missing)
+            self.invalidate()
+            view, read = await self._lane_view(owner, now)
+        held, free, stale = view.split(owner, self.outbox.instance, now, handlers)
+        # What this owner runs is decided over all its lanes, whatever handlers this claim
+        # serves: its records of what it handed out cover them all (see `_reconcile`).
+        others = {
+            i: lane for i, lane in view.split(owner, self.outbox.instance, now)[0].items()
+            if i not in held
+        }  # fmt: skip
         # A lane whose previous holder left deliveries listed (a crash, an expired lease, a
         # graceful stop) is taken over before anything is read from it: what was running there
         # is charged its lost attempt first, so the scan below sees current generations. Those
@@ -278,30 +289,41 @@ class Claimer:
             held.update(await self._take_over(owner, stale[:STALE_LANES_PER_CLAIM], now))
         # A lost list on a lane this owner holds was left by a claim that failed between the
         # takeover and the charge: charge it now.
-        unpaid = [(lane, lane.epoch) for lane in held.values() if lane.lost]
+        unpaid = [(lane, lane.epoch) for lane in (*held.values(), *others.values()) if lane.lost]
         if unpaid:
             await charge_lost(self.db, self.deliveries, self.lanes, unpaid, now)
             paid = [replace(lane, lost=[], rev=None) for lane, _ in unpaid]
-            held.update((lane.id, lane) for lane in paid)
+            for lane in paid:
+                (held if lane.id in held else others)[lane.id] = lane
             view.update(paid)
         if read or self._unpark_wanted(handlers):
             await self._unpark(handlers)
-        running = await self._reconcile(owner, held.values(), now, look=read)
+        running = await self._reconcile(owner, [*held.values(), *others.values()], now, look=read)
 
         picking = _Picking(limit, running, self._heads)
         page = min(limit * 2 + PARK_THRESHOLD, MAX_BATCH)
-        # Every lane this owner's or free: one scan in due order of them all (``ready``);
-        # else a merge of the lanes' ranges (``claim``).
-        lane_ids = None if len(held) + len(free) == LANES else sorted([*held, *free])
+        # The lanes of each handler are its own: a delivery is this claim's to take when the
+        # lane of its handler and number is held by this owner or free.
+        mine = {lane.pair: lane for lane in (*held.values(), *free.values())}
+        wanted = sorted(handlers if handlers is not None else view.handlers())
+        # Every lane of every handler this owner's or free: one scan in due order of them
+        # all (``ready``); else a merge of the lanes' ranges (``claim``).
+        lane_ids: list[int] | None = sorted({lane.number for lane in mine.values()})
+        if len(mine) == LANES * len(wanted):
+            lane_ids = None
         after: tuple[datetime, Any] | None = None
-        while not picking.done and lane_ids != []:
-            candidates = await self._scan(lane_ids, handlers, now, after, page)
-            after = await picking.take(candidates) or after
+        while not picking.done and wanted and lane_ids != []:
+            candidates = await self._scan(lane_ids, wanted, now, after, page)
+            # A delivery in a lane another owner holds for its handler, where this owner
+            # holds the same number for another handler: read, never picked.
+            await picking.take([c for c in candidates if (c["handler"], c["lane_id"]) in mine])
             if len(candidates) < page:
                 break
+            last = candidates[-1]  # the next page after what was read, kept or not
+            after = (last["due_at"], last["_id"])
             page = min(page * 2, MAX_BATCH)  # a long blocked stretch: read further per query
         picks, waiting, heads = picking.picks, picking.waiting, picking.heads
-        deliveries = await self._record(owner, now, held, free, running, picks)
+        deliveries = await self._record(owner, now, held, free, running, picks, mine)
         issued = self.issued[owner]
         for delivery in deliveries:
             issued[bson.ObjectId(delivery.id)] = parse_token(delivery)[3]
@@ -498,15 +520,17 @@ class Claimer:
         free: dict[int, Lane],
         running: list[Entry],
         picks: list[dict[str, Any]],
+        lanes: Mapping[tuple[str | None, int], Lane],
     ) -> list[Delivery]:
         """Read the picks' events, then record the picks on their lanes (taking the free ones),
         and hand back held lanes that yield nothing and run nothing. Returns the deliveries
-        whose lane write took effect."""
+        whose lane write took effect. `lanes`: the lane of each (handler, lane number)."""
         events = await self._events_of(picks, now)
         picks = [p for p in picks if p["event_id"] in events]
+        lane_of_pick = {p["_id"]: lanes[(p["handler"], p["lane_id"])].id for p in picks}
         by_lane: dict[int, list[dict[str, Any]]] = defaultdict(list)
         for pick in picks:
-            by_lane[pick["lane_id"]].append(pick)
+            by_lane[lane_of_pick[pick["_id"]]].append(pick)
         running_by_lane: dict[Any, list[Entry]] = defaultdict(list)
         running_ids = {e.delivery for e in running}
         for lane in held.values():
@@ -547,9 +571,11 @@ class Claimer:
             else:
                 self._seen(after)
         return [
-            self._delivery(pick, events[pick["event_id"]], owner, expected[pick["lane_id"]])
+            self._delivery(
+                pick, events[pick["event_id"]], owner, expected[lane_of_pick[pick["_id"]]]
+            )
             for pick in picks
-            if pick["lane_id"] in written
+            if lane_of_pick[pick["_id"]] in written
         ]
 
     def _take(

@@ -37,12 +37,14 @@ filters and updates are in `mongoq.outbox.schema`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from pymongo import UpdateMany, UpdateOne
+from pymongo import ReturnDocument, UpdateMany, UpdateOne
+from pymongo.errors import DuplicateKeyError
 
 from mongoq import _driver
 from mongoq.clock import stored_instant
@@ -50,8 +52,13 @@ from mongoq.outbox import schema
 from mongoq.outbox.models import LANES
 from mongoq.outbox.schema import REQUEUES
 
-__all__ = ["REQUEUES", "Entry", "Lane", "LaneView", "charge_lost", "read_lanes", "seed_lanes"]
+__all__ = [
+    "REQUEUES", "Entry", "Lane", "LaneView", "adopt_shared_lanes", "charge_lost", "read_lanes",
+    "read_slots", "seed_lanes",
+]  # fmt: skip
 
+#: Lane documents one read returns in its first batch (256 a handler).
+READ_BATCH = 100_000
 #: A lane nobody ever held: its lease expired long ago.
 NEVER = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -92,6 +99,10 @@ class Lane:
     lease_until: datetime
     epoch: int
     rev: int | None = 0
+    #: the handler whose deliveries of lane `number` this lane holds (None: a lane of an
+    #: earlier version, shared by every handler, until `setup` adopts it)
+    handler: str | None = None
+    number: int = 0
     in_flight: list[Entry] = field(default_factory=list)
     lost: list[Entry] = field(default_factory=list)
     requeued: int = 0
@@ -111,7 +122,14 @@ class Lane:
             lost=[Entry.from_document(e) for e in doc.get("lost") or ()],
             requeued=int(doc.get("requeued", 0)),
             write=doc.get("write"),
+            handler=doc.get("handler"),
+            number=int(doc.get("n", int(doc["_id"]) % LANES)),
         )
+
+    @property
+    def pair(self) -> tuple[str | None, int]:
+        """(handler, lane number): which deliveries this lane holds."""
+        return self.handler, self.number
 
     def held_by(self, owner: str, instance: str) -> bool:
         """Held by this owner on this instance; an expired lease nobody took over is still
@@ -172,16 +190,25 @@ class LaneView:
     failed: bool = False
     _tick: int = 0
     _stamps: dict[int, int] = field(default_factory=dict)
+    _handlers: set[str] = field(default_factory=set)
+
+    def handlers(self) -> set[str]:
+        """The handlers this view has lanes of."""
+        return set(self._handlers)
 
     def split(
-        self, owner: str, instance: str, now: datetime
+        self, owner: str, instance: str, now: datetime, handlers: Sequence[str] | None = None
     ) -> tuple[dict[int, Lane], dict[int, Lane], list[Lane]]:
-        """The lanes `owner` holds on `instance`, the free ones with nothing listed, and the
-        free ones left with deliveries listed (to take over first), as this view has them."""
+        """The lanes of `handlers` (None: of every handler) `owner` holds on `instance`, the
+        free ones with nothing listed, and the free ones left with deliveries listed (to take
+        over first), as this view has them."""
         held: dict[int, Lane] = {}
         free: dict[int, Lane] = {}
         stale: list[Lane] = []
+        wanted = None if handlers is None else set(handlers)
         for lane_id, lane in self.lanes.items():  # one pass: this runs on every claim
+            if wanted is not None and lane.handler not in wanted:
+                continue
             if lane.held_by(owner, instance):
                 held[lane_id] = lane
             elif lane.owner is None or lane.lease_until <= now:  # free
@@ -211,11 +238,15 @@ class LaneView:
                 stamp = read_since
             self.lanes[lane.id] = lane
             self._stamps[lane.id] = stamp
+            if lane.handler is not None:
+                self._handlers.add(lane.handler)
 
 
-def lane_document(lane_id: int) -> dict[str, Any]:
+def lane_document(lane_id: int, handler: str) -> dict[str, Any]:
     return {
         "_id": lane_id,
+        "handler": handler,
+        "n": lane_id % LANES,
         "owner": None,
         "instance": None,
         "lease_until": NEVER,
@@ -227,23 +258,94 @@ def lane_document(lane_id: int) -> dict[str, Any]:
     }
 
 
-async def seed_lanes(db: Any, collection: Any) -> None:
-    """Create the lane documents that do not exist yet (idempotent, safe to race)."""
-    ops = [
-        _driver.update_by_id(
-            db, schema.lane_by_id(lane_id), schema.lane_seeding(lane_document(lane_id)), upsert=True
-        )
-        for lane_id in range(LANES)
-    ]
-    await collection.bulk_write(ops, ordered=False)
+async def read_slots(collection: Any) -> dict[str, int]:
+    """Every handler's slot: its lanes are ``slot * 256 + n`` (one read)."""
+    docs = await _driver.find_list(collection, schema.slots_all())
+    return {doc["handler"]: int(doc["slot"]) for doc in docs}
+
+
+async def seed_lanes(db: Any, collection: Any, handlers: Sequence[str]) -> dict[str, int]:
+    """Give each of `handlers` a slot and its 256 lanes, where it has none yet (idempotent,
+    safe to race), then adopt the lanes an earlier version shared among all handlers
+    (`adopt_shared_lanes`); returns every handler's slot. The first handler ever given one
+    gets slot 0: lanes 0-255, the earlier version's lane ids."""
+    slots = await _give_slots(db, collection, handlers)
+    first = next((h for h, slot in slots.items() if slot == 0), None)
+    if first is not None:
+        slots = await adopt_shared_lanes(db, collection, first, slots)
+    return slots
+
+
+async def _give_slots(db: Any, collection: Any, handlers: Iterable[str]) -> dict[str, int]:
+    """A slot, and its lanes, for each of `handlers` without one; every handler's slot."""
+    slots = await read_slots(collection)
+    for handler in dict.fromkeys(handlers):
+        if handler in slots:
+            continue
+        counted = await collection.find_one_and_update(
+            schema.slot_counter(), schema.slot_counting(), upsert=True,
+            return_document=ReturnDocument.AFTER,
+        )  # fmt: skip
+        # Another process may have given it one first: a slot number wasted, no harm.
+        with contextlib.suppress(DuplicateKeyError):
+            await collection.insert_one(schema.slot_document(handler, int(counted["next"]) - 1))
+        slots = await read_slots(collection)
+        first = slots[handler] * LANES
+        # Upserts that create only what is missing: slot 0's ids may be shared lanes.
+        await collection.bulk_write([
+            _driver.update_by_id(db, schema.lane_by_id(lane_id),
+                                 schema.lane_seeding(lane_document(lane_id, handler)),
+                                 upsert=True)
+            for lane_id in range(first, first + LANES)
+        ], ordered=False)  # fmt: skip
+    return slots
+
+
+async def adopt_shared_lanes(
+    db: Any, collection: Any, first: str, slots: dict[str, int]
+) -> dict[str, int]:
+    """Lanes 0-255 become `first`'s (slot 0). A lane an earlier version shared among all
+    handlers is adopted: what it listed moves, by handler, to the ``lost`` of that handler's
+    lane of the same number (charged by its next holder, fenced on generation, so a repeated
+    adoption charges once), and the lane is left unowned. A dispatcher of the earlier
+    version still running loses what it ran (it runs again): stop those before the first
+    `setup` of this version. Returns every handler's slot."""
+    for _ in range(8):  # a write to a shared lane in between: read it again
+        docs = await _driver.find_list(collection, schema.lanes_shared())
+        shared = [Lane.from_document(doc) for doc in docs]
+        if not shared:
+            break
+        listed = {e.handler for lane in shared for e in lane.in_flight + lane.lost}
+        slots = await _give_slots(db, collection, sorted(listed - {first}))
+        moves: dict[int, list[Entry]] = {}
+        for lane in shared:
+            for entry in lane.in_flight + lane.lost:
+                if entry.handler != first:
+                    moves.setdefault(slots[entry.handler] * LANES + lane.number, []).append(entry)
+        if moves:
+            await collection.bulk_write([
+                _driver.update_by_id(db, schema.lane_by_id(lane_id),
+                                     schema.lane_losing(entries))
+                for lane_id, entries in moves.items()
+            ], ordered=False)  # fmt: skip
+        await collection.bulk_write([
+            _driver.update_by_id(
+                db, schema.lane_as_read(lane.id, lane.rev or 0),
+                schema.lane_adopting(first, lane.number, [
+                    e for e in lane.in_flight + lane.lost if e.handler == first
+                ]),
+            )
+            for lane in shared
+        ], ordered=False)  # fmt: skip
+    return slots
 
 
 async def read_lanes(collection: Any) -> list[Lane]:
-    """Every lane, in one round trip."""
-    # More than there are (the lanes and the counter): a first batch the documents fill exactly
-    # leaves the cursor open on a server, and draining it would be a getMore.
-    docs = await _driver.find_list(collection, schema.lanes_all(), batch_size=LANES + 2)
-    return [Lane.from_document(doc) for doc in docs if isinstance(doc["_id"], int)]
+    """Every handler's lanes, in one round trip."""
+    # A batch larger than there are: a first batch the documents fill exactly leaves the
+    # cursor open on a server, and draining it would be a getMore.
+    docs = await _driver.find_list(collection, schema.lanes_all(), batch_size=READ_BATCH)
+    return [Lane.from_document(doc) for doc in docs]
 
 
 async def charge_lost(

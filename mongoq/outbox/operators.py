@@ -59,25 +59,26 @@ class Operators:
         # Counted in the delivery's lane before and after it turns pending: a claim that read
         # the lane before a count and lists picks in it after fails that write, either way,
         # even if the second count never happens (see `Lane.listing_fence`).
-        await self._count_requeue(int(found["lane_id"]))
+        await self._count_requeue(handler, int(found["lane_id"]))
         result = await self.deliveries.update_one(
             schema.delivery_dead(event_id, handler), schema.delivery_requeuing(now)
         )
         if not result.modified_count and not found.get("requeue_uncounted"):
             return False  # requeued by another call meanwhile
         # (A requeue that stopped before counting itself is finished by calling it again.)
-        await self._count_requeue(int(found["lane_id"]))
+        await self._count_requeue(handler, int(found["lane_id"]))
         await self.deliveries.update_one(
             schema.delivery_requeue_uncounted(event_id, handler), schema.delivery_requeue_counted()
         )
         return True
 
-    async def _count_requeue(self, lane_id: int) -> None:
-        """Count a requeue in its lane, and in the counter earlier versions' claims read."""
+    async def _count_requeue(self, handler: str, number: int) -> None:
+        """Count a requeue in its handler's lane, and in the counter earlier versions' claims
+        read."""
         self.outbox._claimer.invalidate()  # this instance's claims know it at once
         await self.lanes.bulk_write(
             [
-                _driver.update_by_id(self.db, schema.lane_by_id(lane_id),
+                _driver.update_single(self.db, schema.lane_of_handler(handler, number),
                                      schema.lane_requeue_counting()),
                 _driver.update_by_id(self.db, schema.requeue_counter(),
                                      schema.requeue_counting(), upsert=True),

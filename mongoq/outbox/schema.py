@@ -57,6 +57,7 @@ import bson
 
 from mongoq import _driver
 from mongoq._indexes import IndexSpec
+from mongoq.outbox.models import LANES as LANE_COUNT
 from mongoq.outbox.models import Delivery, Event
 
 if TYPE_CHECKING:
@@ -673,9 +674,64 @@ def history_completed_between(since: datetime, until: datetime | None) -> dict[s
 
 
 def lanes_all() -> dict[str, Any]:
-    """Every lane (and the requeue counter): an instance's lane view read whole now and then,
-    `stats` (no index, by design: 257 small documents)."""
-    return {}
+    """Every handler's lanes: an instance's lane view read whole now and then, `stats` (no
+    index, by design: 256 small documents a handler)."""
+    return {"n": {"$exists": True}}
+
+
+def lanes_shared() -> dict[str, Any]:
+    """The lanes of an earlier version, shared among all handlers (no handler, no number):
+    `setup` adopting them (``_id``)."""
+    return {"_id": {"$gte": 0, "$lt": LANE_COUNT}, "n": {"$exists": False}}
+
+
+def lane_losing(entries: Sequence[Entry]) -> dict[str, Any]:
+    """Adding what a shared lane listed of this lane's handler to its ``lost`` (charged by
+    its next holder): `setup` adopting shared lanes (`lane_by_id`)."""
+    return {"$push": {"lost": {"$each": [e.document() for e in entries]}}, "$inc": {"rev": 1}}
+
+
+def lane_adopting(handler: str, number: int, lost: Sequence[Entry]) -> dict[str, Any]:
+    """A shared lane becoming `handler`'s lane `number`, unowned, what it listed of that
+    handler lost (`lane_as_read`)."""
+    return {
+        "$set": {"handler": handler, "n": number, "owner": None, "instance": None,
+                 "in_flight": [], "lost": [e.document() for e in lost]},
+        "$inc": {"epoch": 1, "rev": 1},
+    }  # fmt: skip
+
+
+def lane_of_handler(handler: str, number: int) -> dict[str, Any]:
+    """`handler`'s lane `number`: `requeue` counting itself there (no index: a scan of the
+    lane documents, 256 a handler)."""
+    return {"handler": handler, "n": number}
+
+
+#: What `setup` lists the distinct values of (``handler`` index: a distinct scan), to give
+#: every handler with deliveries its lanes.
+HANDLER_FIELD = "handler"
+#: The prefix of a slot document's ``_id`` (``"slot:" + handler``).
+SLOT_PREFIX = "slot:"
+
+
+def slots_all() -> dict[str, Any]:
+    """Every handler's slot document (``_id`` range)."""
+    return {"_id": {"$gte": SLOT_PREFIX, "$lt": "slot;"}}
+
+
+def slot_document(handler: str, slot: int) -> dict[str, Any]:
+    """`handler`'s slot: its lanes are ``slot * 256`` to ``slot * 256 + 255``."""
+    return {"_id": SLOT_PREFIX + handler, "handler": handler, "slot": slot}
+
+
+def slot_counter() -> dict[str, Any]:
+    """The counter slots are numbered from (``_id``)."""
+    return {"_id": "slots"}
+
+
+def slot_counting() -> dict[str, Any]:
+    """Taking the next slot number (`slot_counter`, upsert)."""
+    return {"$inc": {"next": 1}}
 
 
 def lanes_by_ids(ids: Iterable[int]) -> dict[str, Any]:

@@ -107,6 +107,8 @@ class AsyncOutbox:
         self._claimer = Claimer(self)
         self._operators = Operators(self)
         self._publisher = Publisher(self)
+        #: the handlers this instance knows have lanes (given by its `setup` or a publish)
+        self._laned: set[str] = set()
 
     # ------------------------------------------------------------------------------ set-up
 
@@ -114,11 +116,12 @@ class AsyncOutbox:
         return _driver.collection(self.db, f"{self.prefix}{name}")
 
     async def setup(self) -> None:
-        """Create the collections, the indexes and the 256 lane documents, bring documents an
-        earlier version wrote up to date, and record the outbox in the database's registry
-        (`mongoq.registry`); idempotent. Run it once before the first publish:
-        collections created implicitly inside concurrent transactions conflict with each
-        other."""
+        """Create the collections, the indexes and 256 lane documents for each handler, bring
+        documents an earlier version wrote up to date (lanes it shared among all handlers
+        become each handler's own: stop its dispatchers first), and record the outbox in the
+        database's registry (`mongoq.registry`); idempotent. Run it once before the first
+        publish: collections created implicitly inside concurrent transactions conflict with
+        each other."""
         await _driver.create_collections(
             self.db,
             [
@@ -127,7 +130,12 @@ class AsyncOutbox:
             ],
         )
         await create_schema_indexes(self.db, schema.INDEXES, self._collection)
-        await seed_lanes(self.db, self.lanes)
+        # Lanes for the handlers this outbox publishes to, and for those with deliveries (a
+        # handler another service subscribes); the first ever takes lanes 0-255.
+        subscribed = [h for names in self.subscriptions.values() for h in names]
+        delivered = sorted(await self.deliveries.distinct(schema.HANDLER_FIELD))
+        await seed_lanes(self.db, self.lanes, [*subscribed, *delivered])
+        self._laned.update(subscribed)
         # Deliveries parked by an earlier version get the key unparking now scans by.
         await self.deliveries.update_many(
             schema.delivery_parked_without_key(), schema.delivery_parking()
@@ -175,6 +183,7 @@ class AsyncOutbox:
             checked.setdefault(good.id, good)  # the same id twice in one call: the first wins
         if not checked:
             return PublishResult(0, 0)
+        await self._lanes_for(checked.values())
         now = await self._now()
         if transactional:
             return await self._publisher.in_transaction(list(checked.values()), session, now)
@@ -182,6 +191,16 @@ class AsyncOutbox:
         if result.deliveries_added:
             wakeups.notify(self.wake_key)  # committed already: this process's dispatchers
         return result
+
+    async def _lanes_for(self, events: Iterable[Event]) -> None:
+        """Lanes for the handlers `events` go to, before their deliveries exist (outside any
+        transaction: lanes are never rolled back): a claim for every handler (None) finds
+        the handlers by their lanes. Once per handler and instance; `setup` gave its own."""
+        wanted = {h for e in events for h in self.subscriptions.get(e.type, ())}
+        missing = sorted(wanted - self._laned)
+        if missing:
+            await seed_lanes(self.db, self.lanes, missing)
+            self._laned.update(missing)
 
     # ------------------------------------------------------------------------------- claim
 

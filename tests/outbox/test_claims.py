@@ -33,6 +33,7 @@ from tests.support.outbox_helpers import (
     key_in_lane,
     keys_in_distinct_lanes,
     lane_docs,
+    lane_ids_of,
     new_outbox,
     order,
     paid,
@@ -76,14 +77,15 @@ async def test_a_claim_hands_out_due_deliveries_oldest_first_and_records_them_on
                             ("p2", "stats")]  # fmt: skip
     assert await stored(odb) == before  # a claim writes no delivery document
     docs = {(d["event_id"], d["handler"]): d for d in await deliveries(odb)}
-    expected: dict[int, list[dict[str, Any]]] = {}
+    expected: dict[int, list[dict[str, Any]]] = {}  # by lane _id: each handler its own lanes
     for delivery in batch:
         doc = docs[(delivery.event.id, delivery.handler)]
         lane = lane_of(delivery.event.id)
         assert (delivery.id, delivery.attempt, delivery.owner) == (str(doc["_id"]), 1, "A")
         assert delivery.lease_token == f"{lane}:1:0" and delivery.lane_id == lane
         assert (delivery.sequence, doc["attempts"], doc["claims"]) == (None, 0, 0)
-        expected.setdefault(lane, []).append(entry(doc))
+        lane_id = await lane_ids_of(odb, delivery.handler) + lane
+        expected.setdefault(lane_id, []).append(entry(doc))
     assert batch[0].event.payload == {"n": 3} and batch[0].event.type == "order.created"
     stored_lanes = await lane_docs(odb)
     for lane, listed in expected.items():
@@ -546,3 +548,69 @@ async def test_invalid_settles_raise_before_any_database_call(
     assert counter.total == 0
     assert await stored(odb) == before
     assert await outbox.complete(x)
+
+
+async def test_claimers_of_disjoint_handlers_progress_side_by_side_in_one_lane_number(
+    odb: Any, clock: ManualClock
+) -> None:
+    """Each handler's lanes are its own (issue 14): while A holds mail's lane of k, B claims
+    stats's deliveries of the same key, and each key keeps its order per handler."""
+    outbox = await new_outbox(odb, clock)
+    await outbox.publish([order(1, "k"), order(2, "k")], session=None)
+    mail = await outbox.claim("A", ["mail"], limit=5)
+    stats = await outbox.claim("B", ["stats"], limit=5)
+    assert (pairs(mail), pairs(stats)) == ([("e1", "mail")], [("e1", "stats")])
+    assert mail[0].lane_id == stats[0].lane_id == lane_of("k")
+    stored_lanes = await lane_docs(odb)
+    mail_lane = stored_lanes[await lane_ids_of(odb, "mail") + lane_of("k")]
+    stats_lane = stored_lanes[await lane_ids_of(odb, "stats") + lane_of("k")]
+    assert (mail_lane["owner"], stats_lane["owner"]) == ("A", "B")
+    assert await outbox.claim("B", ["stats"]) == []  # e2 of stats waits behind e1
+    assert await outbox.complete(stats[0])
+    assert pairs(await outbox.claim("B", ["stats"])) == [("e2", "stats")]  # A still runs e1
+    assert await outbox.complete(mail[0])
+    assert pairs(await outbox.claim("A", ["mail"])) == [("e2", "mail")]
+
+
+async def test_setup_adopts_the_lanes_an_earlier_version_shared_among_all_handlers(
+    odb: Any, clock: ManualClock
+) -> None:
+    """An earlier version's lane k listed a mail and a stats delivery under a live lease. The
+    first set-up of this version gives slot 0 (lanes 0-255) to stats and moves mail's entry to
+    mail's lane of the same number; both are lost, charged once by the next holder, and run
+    again. A second set-up changes nothing."""
+    outbox = await new_outbox(odb, clock)
+    await outbox.publish(order(1, "k"), session=None)
+    ran_before = await outbox.claim("OLD", limit=5)
+    assert pairs(ran_before) == [("e1", "mail"), ("e1", "stats")]
+    entries = [entry(await delivery_of(odb, "e1", h)) for h in ("mail", "stats")]
+    number = lane_of("k")
+    # The collection as the earlier version left it: 256 shared lanes and nothing else.
+    await odb[f"{PREFIX}lanes"].delete_many({})
+    shared = [{"_id": n, "owner": None, "instance": None, "lease_until": clock.now(),
+               "epoch": 0, "rev": 0, "requeued": 0, "in_flight": [], "lost": []}
+              for n in range(256)]  # fmt: skip
+    shared[number].update(owner="OLD", instance="old-process", epoch=3, rev=7,
+                          lease_until=clock.now() + timedelta(seconds=LEASE),
+                          in_flight=entries)  # fmt: skip
+    await odb[f"{PREFIX}lanes"].insert_many(shared)
+
+    upgraded = await new_outbox(odb, clock)
+    stored_lanes = await lane_docs(odb)
+    assert sorted(stored_lanes) == list(range(512))
+    stats_lane = stored_lanes[number]
+    mail_lane = stored_lanes[await lane_ids_of(odb, "mail") + number]
+    assert (stats_lane["handler"], stats_lane["n"], stats_lane["owner"]) == ("stats", number, None)
+    assert stats_lane["epoch"] == 4  # the earlier holder's writes are fenced off
+    assert (stats_lane["in_flight"], stats_lane["lost"]) == ([], [entries[1]])
+    assert (mail_lane["handler"], mail_lane["lost"]) == ("mail", [entries[0]])
+    await new_outbox(odb, clock)  # again: nothing left to adopt
+    assert await lane_docs(odb) == stored_lanes
+
+    again = await upgraded.claim("B", limit=5)  # takes both lanes over: each charged once
+    assert [(d.event.id, d.handler, d.attempt) for d in again] == [
+        ("e1", "mail", 2), ("e1", "stats", 2),
+    ]  # fmt: skip
+    assert await settle_stale(outbox, ran_before[0]) == [False, [False], False, False, False]
+    assert await upgraded.complete_many(again) == [True, True]
+    assert await deliveries(odb) == []

@@ -49,9 +49,20 @@ Publish = Callable[[AsyncOutbox, Sequence[Event]], Awaitable[Any]]
 
 #: Shapes no declared index serves on purpose, by (collection, command, top-level filter fields).
 BY_DESIGN: dict[Shape, str] = {
-    (LANES, "find", ()): (
-        "the 256 lane documents, read whole by design (once per claim, and by statistics and "
-        "list_deliveries to tell what runs): mongoq.outbox.lanes"
+    (LANES, "find", ("n",)): (
+        "the lane documents (256 a handler), read whole by design (once per claim, and by "
+        "statistics and list_deliveries to tell what runs): mongoq.outbox.lanes"
+    ),
+    (LANES, "bulk_write:UpdateMany", ("handler", "n")): (
+        "requeue counting itself in its handler's lane: a scan of the lane documents (256 a "
+        "handler), no secondary index by design (the embedded backend sends it as UpdateMany)"
+    ),
+    (LANES, "bulk_write:UpdateOne", ("handler", "n")): (
+        "the same, as the transactional engine and a server's driver send it"
+    ),
+    (DELIVERIES, "distinct", ()): (
+        "setup: the handlers with deliveries, a DISTINCT_SCAN of the handler index (the "
+        "matcher does not model distinct keys)"
     ),
     (LANES, "update_many", ("instance", "owner")): (
         "extend_lease: the lanes have no secondary index by design, a scan of 256 small documents"
@@ -86,12 +97,11 @@ OUTBOX_UNINDEXED: dict[Shape, str] = BY_DESIGN | LIBRARY_PROBLEMS
 WITNESSES: set[Shape] = {
     (EVENTS, "find", ("_id",)),  # a replay reads the handlers the event had; a claim its events
     (SEQUENCES, "find_one_and_update", ("_id",)),  # a keyed publish
-    (DELIVERIES, "find", ("due_at", "lane", "lane_id")),  # the claim scan
-    (DELIVERIES, "find", ("due_at", "handler", "lane", "lane_id")),  # ... of some handlers
-    (DELIVERIES, "find", ("$or", "due_at", "lane", "lane_id")),  # ... its next page
-    (DELIVERIES, "find", ("due_at", "lane")),  # the claim scan of every lane
-    (DELIVERIES, "find", ("due_at", "handler", "lane")),  # ... of some handlers
-    (DELIVERIES, "find", ("$or", "due_at", "lane")),  # ... its next page
+    # The claim scan names its handlers always (a claim of every handler: those with lanes).
+    (DELIVERIES, "find", ("due_at", "handler", "lane", "lane_id")),  # of some lanes
+    (DELIVERIES, "find", ("$or", "due_at", "handler", "lane", "lane_id")),  # ... next page
+    (DELIVERIES, "find", ("due_at", "handler", "lane")),  # of every lane
+    (DELIVERIES, "find", ("$or", "due_at", "handler", "lane")),  # ... its next page
     (DELIVERIES, "find_one", ("event_id", "handler")),  # a requeue: is it dead, in which lane
     (DELIVERIES, "find", ("due_at", "handler", "key", "sequence")),  # before a key's candidate
     (DELIVERIES, "find", ("$or",)),  # ... of several keys at once
@@ -207,7 +217,7 @@ async def exercise_outbox(
         ("e1", "audit")
     }
     assert await outbox.claim("A", ["audit"]) == []  # e1's is running already
-    assert await outbox.extend_lease("A") == 3
+    assert await outbox.extend_lease("A") == 7  # a lane per handler: e1 x3, k1 x2, k2 x2
     # The settles, fenced on the claim generation.
     assert await outbox.complete(by["e2", "mail"])
     assert await outbox.release(by["e1", "mail"])
@@ -357,7 +367,13 @@ async def test_every_outbox_query_is_served_by_a_declared_index(engine: str) -> 
     assert not result.unserved, "queries no declared index serves:\n" + "\n".join(
         query.describe() for query in result.unserved
     )
+    # One single-document update is sent as UpdateMany or UpdateOne by backend: either will do.
+    either = {
+        (LANES, f"bulk_write:{kind}", ("handler", "n")) for kind in ("UpdateMany", "UpdateOne")
+    }
     stale = OUTBOX_UNINDEXED.keys() - result.allowed
+    if either & result.allowed:
+        stale -= either
     assert stale == set(), "stale OUTBOX_UNINDEXED entries: remove them"
     # The hinted queries use the index they name.
     hinted = {(q.collection, q.command, q.hint): plan for q, plan in result.checked if q.hint}

@@ -40,6 +40,7 @@ from tests.support.outbox_helpers import (
     delivery_of,
     events,
     faulty_outbox,
+    lane_ids_of,
     lanes,
     new_outbox,
     order,
@@ -116,13 +117,16 @@ async def test_setup_twice_seeds_256_lanes_and_the_indexes_and_leaves_held_lanes
     await new_outbox(odb, clock)
     assert await lanes(odb) == held
     stored = {lane_id: doc for lane_id, doc in held.items() if isinstance(lane_id, int)}
-    assert sorted(stored) == list(range(256))
-    mine = stored[lane_of("e1")]
+    assert sorted(stored) == list(range(512))  # 256 for each handler: stats's, then mail's
+    assert {doc["handler"] for lane_id, doc in stored.items() if lane_id < 256} == {"stats"}
+    assert {doc["handler"] for lane_id, doc in stored.items() if lane_id >= 256} == {"mail"}
+    claimed_lane = await lane_ids_of(odb, claimed.handler) + lane_of("e1")
+    mine = stored[claimed_lane]
     assert (mine["owner"], mine["epoch"]) == ("w", 1)
     assert [str(entry["d"]) for entry in mine["in_flight"]] == [claimed.id]
     assert len(await deliveries(odb)) == 2
     for lane_id, doc in stored.items():
-        if lane_id != lane_of("e1"):
+        if lane_id != claimed_lane:
             assert utc({name: doc[name] for name in FREE_LANE}) == FREE_LANE, doc
     assert f"{PREFIX}key_sequences" in await odb.list_collection_names()
 

@@ -21,7 +21,7 @@ import pytest
 from pymongo.errors import PyMongoError
 
 from mongoq import _driver
-from mongoq.outbox import AsyncOutbox, Event, PublishResult
+from mongoq.outbox import AsyncOutbox, Event, PublishResult, schema
 from mongoq.outbox.claim import VIEW_TTL
 from mongoq.outbox.schema import PUBLISH_GRACE
 from mongoq.testing import CommandCounter, FaultInjector, ManualClock, instrument, settle
@@ -115,7 +115,10 @@ async def test_a_lane_another_instance_hands_back_is_claimed_by_the_next_short_c
     assert (x.event.id, y.event.id) == ("x", "y")
     assert await a.claim("A", limit=1) == []  # k2's lane is B's: short, A reads the lanes
     assert await b.complete(y)
-    assert await b.claim("B", ["mail"]) == []  # nothing for B's mail: k2's lane handed back
+    # Each handler's lanes are its own: a claim of B's for mail leaves k2's stats lane alone.
+    assert await b.claim("B", ["mail"]) == []
+    assert (await lane_docs(odb))[y.lane_id]["owner"] == "B"
+    assert await b.relinquish("B") == 1  # B stops: k2's lane handed back
     assert (await lane_docs(odb))[y.lane_id]["owner"] is None
     assert ran(await a.claim("A", limit=1)) == [("z", 1)]  # seen at once: A came up short
 
@@ -335,7 +338,13 @@ class HoldReplies:
 def lane_read(whole: bool) -> Any:
     def match(op: Any) -> bool:
         read = op.collection == f"{PREFIX}lanes" and op.name == "find"
-        return bool(read and (op.filter == {}) == whole)
+        return bool(
+            read
+            and (op.filter == schema.lanes_all()) == whole
+            and (
+                whole or ("_id" in op.filter and "$in" in op.filter["_id"])  # a read-back
+            )
+        )
 
     return match
 

@@ -15,9 +15,11 @@ from mongoq.outbox import AsyncOutbox, Delivery, DeliveryContext, Event, OutboxD
 from mongoq.testing import CommandCounter, FaultInjector, ManualClock, instrument
 
 PREFIX = "ob_"
+#: "stats" first: set up first, it has slot 0, whose lanes are 0-255 (a lane's ``_id`` is its
+#: number); "mail"'s are 256-511.
 SUBSCRIPTIONS: dict[str, list[str]] = {
-    "order.created": ["mail", "stats"],
     "order.paid": ["stats"],
+    "order.created": ["mail", "stats"],
 }
 #: One handler, "h", for events of type "t".
 ONLY_H: dict[str, list[str]] = {"t": ["h"]}
@@ -99,7 +101,17 @@ async def events(db: Any, prefix: str = PREFIX) -> dict[str, dict[str, Any]]:
 
 
 async def lanes(db: Any, prefix: str = PREFIX) -> dict[int, dict[str, Any]]:
-    return {d["_id"]: d for d in await db[f"{prefix}lanes"].find({}).to_list(None)}
+    """The lane documents by ``_id`` (``slot * 256 + number``; the first handler set up has
+    slot 0: lanes 0-255), without the slot documents and counters beside them."""
+    docs = await db[f"{prefix}lanes"].find({"n": {"$exists": True}}).to_list(None)
+    return {d["_id"]: d for d in docs}
+
+
+async def lane_ids_of(db: Any, handler: str, prefix: str = PREFIX) -> int:
+    """The first lane ``_id`` of `handler` (its slot times 256)."""
+    doc = await db[f"{prefix}lanes"].find_one({"_id": f"slot:{handler}"})
+    assert doc is not None, f"{handler} has no lanes"
+    return int(doc["slot"]) * 256
 
 
 async def delivery_of(
@@ -144,8 +156,8 @@ def keys_in_distinct_lanes(count: int, stem: str = "k") -> list[str]:
 
 
 async def lane_docs(db: Any, prefix: str = PREFIX) -> dict[int, dict[str, Any]]:
-    """The 256 lane documents, by lane (the collection also keeps a requeue counter)."""
-    return {i: doc for i, doc in (await lanes(db, prefix)).items() if isinstance(i, int)}
+    """The lane documents, by ``_id`` (256 a handler)."""
+    return await lanes(db, prefix)
 
 
 def entry(doc: dict[str, Any] | None) -> dict[str, Any]:
