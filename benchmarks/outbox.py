@@ -114,6 +114,25 @@ async def parked_keys(uri: str | None, keys: int, claims: int = 20) -> list[Resu
         return [after, looked]
 
 
+async def disjoint_handlers(uri: str | None, count: int = 200) -> Result:
+    """Two services' dispatchers on one outbox, each serving its own handler of every event:
+    while A's dispatcher runs all of its handler's deliveries (holding their lanes), B's
+    drains its own, in batches of 100. Lanes shared by all handlers left B nothing while A
+    held them; per-handler lanes leave B all of its deliveries."""
+    async with counted_database(uri) as bench:
+        clock = ManualClock()
+        outbox = AsyncOutbox(bench.db, "bench_", subscriptions={"e": ["a", "b"]}, clock=clock)
+        await outbox.setup()
+        await outbox.publish(_events(count, None), session=None)
+        running = await outbox.claim("A", ["a"], limit=count)
+        assert len(running) == count, len(running)
+        bench.start()
+        done = 0
+        while claimed := await outbox.claim("B", ["b"], limit=100):
+            done += sum(await outbox.complete_many(claimed))
+        return bench.stop(f"outbox: B drained {done}/{count} while A runs its {count}", done)
+
+
 async def claim_cpu(uri: str | None, backlog: int = 500, claims: int = 200) -> Result:
     """mongoq's own time per unbatched claim (limit 1, then its completion, not timed), the
     commands left out: a backlog of unkeyed deliveries over every lane, one worker."""
@@ -151,6 +170,7 @@ def scenarios(count: int, blocked: list[int]) -> list[tuple[str, Callable[[str |
         ("outbox lifecycle single keyed", lambda uri: lifecycle(uri, count, 1, 50)),
         ("outbox lifecycle batched keyed", lambda uri: lifecycle(uri, count, 100, 50)),
         ("outbox own time per claim", lambda uri: claim_cpu(uri)),
+        ("outbox disjoint handlers", lambda uri: disjoint_handlers(uri)),
     ]
     for size in blocked:
         runs.append((f"outbox blocked key {size}", lambda uri, size=size: blocked_key(uri, size)))

@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 
 from pymongo import ReadPreference, UpdateMany, UpdateOne
 from pymongo.errors import (
+    BulkWriteError,
     CollectionInvalid,
     ConnectionFailure,
     DocumentTooLarge,
@@ -62,6 +63,18 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 )
 #: Every driver error: what background loops (heartbeats, worker slots) survive and log.
 DRIVER_ERRORS: tuple[type[BaseException], ...] = (PyMongoError,)
+#: A unique index refused a document.
+DUPLICATE_KEY = 11000
+
+
+def only_duplicates(error: BulkWriteError) -> bool:
+    """Whether every write a bulk write refused was refused as a duplicate key (and only
+    that): an insert of what may exist already, done."""
+    errors = error.details.get("writeErrors", [])
+    concern = error.details.get("writeConcernErrors", [])
+    return bool(errors) and not concern and all(e.get("code") == DUPLICATE_KEY for e in errors)
+
+
 #: The server's refusals of a document over 16 MiB: an update's result (17419), an upsert's
 #: insert (17420), a document built otherwise (10334). Definite: nothing was written.
 TOO_LARGE_CODES = frozenset({17419, 17420, 10334})

@@ -44,7 +44,15 @@ from mongoq._validation import MAX_BATCH
 from mongoq.clock import stored_instant
 from mongoq.errors import InvalidInput
 from mongoq.outbox import schema
-from mongoq.outbox.lanes import Entry, Lane, LaneView, charge_lost, read_lanes, seed_lanes
+from mongoq.outbox.lanes import (
+    Entry,
+    Lane,
+    LaneView,
+    adopt_shared_lanes,
+    charge_lost,
+    read_lanes,
+    read_slots,
+)
 from mongoq.outbox.models import LANES, Delivery, Event
 from mongoq.runtime.loop import error_text
 
@@ -245,42 +253,54 @@ class Claimer:
         view expects, or one outside the claim)."""
         self.view.failed = True
 
-    async def _lane_view(self, owner: str, now: datetime) -> tuple[LaneView, bool]:
-        """The lane view for a claim of `owner`, and whether it was read for it."""
+    async def _lane_view(
+        self, owner: str, handlers: list[str] | None, now: datetime
+    ) -> tuple[LaneView, bool]:
+        """The lane view for a claim of `owner` and `handlers`, and whether it was read for it:
+        the lanes of those handlers (of every handler for None) and the slots."""
         view = self.view
-        if (
-            view.failed
-            or owner not in self.filled
-            or (now - view.read_at).total_seconds() >= VIEW_TTL
-            or view.read_at > now  # the clock went back
-        ):
+        wanted: list[str | None] = [None, *(handlers or view.slots.handlers)]
+        if view.failed or owner not in self.filled or view.read_due(wanted, now, VIEW_TTL):
             view.failed = False
             since = view.mark()
             try:
-                lanes = await read_lanes(self.lanes)
+                unknown = handlers is not None and any(
+                    view.slots.first_lane(h) is None for h in handlers
+                )
+                if unknown and view.read_due([None], now, VIEW_TTL):
+                    # A handler whose lanes this view does not know: which are they?
+                    view.slots = await read_slots(self.lanes)
+                    view.read_at[None] = now
+                ranges = None if handlers is None else view.slots.ranges(handlers)
+                lanes, slots = await read_lanes(self.lanes, ranges, shared=not view.slots.adopted)
             except BaseException:
                 view.failed = True
                 raise
+            # Read now: the slots, and the lanes of the handlers whose slots were known (a
+            # handler given one since is read by the next claim).
+            known = slots.handlers if handlers is None else [
+                h for h in handlers if view.slots.first_lane(h) is not None
+            ]  # fmt: skip
             view.update(lanes, read_since=since)
-            view.read_at = now
+            view.slots = slots
+            view.read_at.update(dict.fromkeys([None, *known], now))
             return view, True
         return view, False
 
     async def _claim(self, owner: str, handlers: list[str] | None, limit: int) -> list[Delivery]:
         now = await self.outbox._now()
-        view, read = await self._lane_view(owner, now)
-        missing = [] if handlers is None else sorted(set(handlers) - view.handlers())
-        if missing:  # handlers no set-up here gave lanes (another service publishes to them)
-            await seed_lanes(self.db, self.lanes, missing)
+        view, read = await self._lane_view(owner, handlers, now)
+        if view.shared() and view.slots.handlers:
+            # Lanes of an earlier version are adopted (what they list moved to each handler's
+            # own lanes) before any claim from a handler's lane of their numbers.
+            await adopt_shared_lanes(self.db, self.lanes, view.slots)
             self.invalidate()
-            view, read = await self._lane_view(owner, now)
-        held, free, stale = view.split(owner, self.outbox.instance, now, handlers)
-        # What this owner runs is decided over all its lanes, whatever handlers this claim
-        # serves: its records of what it handed out cover them all (see `_reconcile`).
-        others = {
-            i: lane for i, lane in view.split(owner, self.outbox.instance, now)[0].items()
-            if i not in held
-        }  # fmt: skip
+            view, read = await self._lane_view(owner, handlers, now)
+        wanted = sorted(handlers if handlers is not None else view.slots.handlers)
+        # What this owner runs is decided over all its lanes (`others`: those of handlers this
+        # claim does not serve), its records of what it handed out cover them all: see
+        # `_reconcile`. Those of them that run nothing are handed back.
+        held, free, stale, others = view.split(owner, self.outbox.instance, now, wanted)
         # A lane whose previous holder left deliveries listed (a crash, an expired lease, a
         # graceful stop) is taken over before anything is read from it: what was running there
         # is charged its lost attempt first, so the scan below sees current generations. Those
@@ -288,7 +308,7 @@ class Claimer:
         if stale:
             held.update(await self._take_over(owner, stale[:STALE_LANES_PER_CLAIM], now))
         # A lost list on a lane this owner holds was left by a claim that failed between the
-        # takeover and the charge: charge it now.
+        # takeover and the charge (or by an adoption of an earlier version's lanes): charge it.
         unpaid = [(lane, lane.epoch) for lane in (*held.values(), *others.values()) if lane.lost]
         if unpaid:
             await charge_lost(self.db, self.deliveries, self.lanes, unpaid, now)
@@ -305,7 +325,6 @@ class Claimer:
         # The lanes of each handler are its own: a delivery is this claim's to take when the
         # lane of its handler and number is held by this owner or free.
         mine = {lane.pair: lane for lane in (*held.values(), *free.values())}
-        wanted = sorted(handlers if handlers is not None else view.handlers())
         # Every lane of every handler this owner's or free: one scan in due order of them
         # all (``ready``); else a merge of the lanes' ranges (``claim``).
         lane_ids: list[int] | None = sorted({lane.number for lane in mine.values()})
@@ -323,7 +342,7 @@ class Claimer:
             after = (last["due_at"], last["_id"])
             page = min(page * 2, MAX_BATCH)  # a long blocked stretch: read further per query
         picks, waiting, heads = picking.picks, picking.waiting, picking.heads
-        deliveries = await self._record(owner, now, held, free, running, picks, mine)
+        deliveries = await self._record(owner, now, {**held, **others}, free, running, picks, mine)
         issued = self.issued[owner]
         for delivery in deliveries:
             issued[bson.ObjectId(delivery.id)] = parse_token(delivery)[3]

@@ -38,13 +38,14 @@ filters and updates are in `mongoq.outbox.schema`.
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from pymongo import ReturnDocument, UpdateMany, UpdateOne
-from pymongo.errors import DuplicateKeyError
+from pymongo import UpdateMany, UpdateOne
+from pymongo.errors import BulkWriteError, DuplicateKeyError
 
 from mongoq import _driver
 from mongoq.clock import stored_instant
@@ -53,8 +54,8 @@ from mongoq.outbox.models import LANES
 from mongoq.outbox.schema import REQUEUES
 
 __all__ = [
-    "REQUEUES", "Entry", "Lane", "LaneView", "adopt_shared_lanes", "charge_lost", "read_lanes",
-    "read_slots", "seed_lanes",
+    "REQUEUES", "Entry", "Lane", "LaneView", "Slots", "adopt_shared_lanes", "charge_lost",
+    "read_lanes", "read_slots", "seed_lanes",
 ]  # fmt: skip
 
 #: Lane documents one read returns in its first batch (256 a handler).
@@ -174,6 +175,33 @@ class Lane:
                        in_flight=[], lost=[])  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Slots:
+    """The handlers with lanes, in slot order (handler ``handlers[s]``'s lanes are ``s * 256``
+    to ``s * 256 + 255``), and whether no lane of an earlier version is left."""
+
+    handlers: tuple[str, ...] = ()
+    adopted: bool = False
+
+    @classmethod
+    def from_document(cls, doc: Mapping[str, Any] | None) -> Slots:
+        if doc is None:
+            return cls()
+        return cls(tuple(doc.get("handlers") or ()), bool(doc.get("adopted")))
+
+    def first_lane(self, handler: str) -> int | None:
+        """The ``_id`` of `handler`'s lane 0 (None: it has no lanes)."""
+        try:
+            return self.handlers.index(handler) * LANES
+        except ValueError:
+            return None
+
+    def ranges(self, handlers: Iterable[str]) -> list[tuple[int, int]]:
+        """The ``_id`` ranges of the lanes of those of `handlers` that have lanes."""
+        firsts = (self.first_lane(h) for h in dict.fromkeys(handlers))
+        return [(first, first + LANES) for first in firsts if first is not None]
+
+
 @dataclass
 class LaneView:
     """What one `AsyncOutbox` instance knows of the lanes: every lane as last read or as its
@@ -186,37 +214,50 @@ class LaneView:
     its next write builds on."""
 
     lanes: dict[int, Lane] = field(default_factory=dict)
-    read_at: datetime = NEVER
+    #: which handler has which lanes, as last read
+    slots: Slots = field(default_factory=Slots)
+    #: handler -> when its lanes were last read (None: the slots)
+    read_at: dict[str | None, datetime] = field(default_factory=dict)
     failed: bool = False
     _tick: int = 0
     _stamps: dict[int, int] = field(default_factory=dict)
-    _handlers: set[str] = field(default_factory=set)
 
-    def handlers(self) -> set[str]:
-        """The handlers this view has lanes of."""
-        return set(self._handlers)
+    def read_due(self, handlers: Iterable[str | None], now: datetime, ttl: float) -> bool:
+        """Whether the lanes of `handlers` were read `ttl` seconds ago or more (or never, or
+        the clock went back)."""
+        for handler in handlers:
+            read_at = self.read_at.get(handler, NEVER)
+            if read_at > now or (now - read_at).total_seconds() >= ttl:
+                return True
+        return False
+
+    def shared(self) -> bool:
+        """Whether this view has lanes of an earlier version, shared among all handlers."""
+        return not self.slots.adopted and any(lane.handler is None for lane in self.lanes.values())
 
     def split(
-        self, owner: str, instance: str, now: datetime, handlers: Sequence[str] | None = None
-    ) -> tuple[dict[int, Lane], dict[int, Lane], list[Lane]]:
-        """The lanes of `handlers` (None: of every handler) `owner` holds on `instance`, the
-        free ones with nothing listed, and the free ones left with deliveries listed (to take
-        over first), as this view has them."""
+        self, owner: str, instance: str, now: datetime, handlers: Iterable[str]
+    ) -> tuple[dict[int, Lane], dict[int, Lane], list[Lane], dict[int, Lane]]:
+        """The lanes of `handlers` `owner` holds on `instance`, the free ones with nothing
+        listed, and the free ones left with deliveries listed (to take over first), as this
+        view has them; and the lanes of other handlers `owner` holds on `instance`."""
         held: dict[int, Lane] = {}
         free: dict[int, Lane] = {}
         stale: list[Lane] = []
-        wanted = None if handlers is None else set(handlers)
+        others: dict[int, Lane] = {}
+        wanted = set(handlers)
         for lane_id, lane in self.lanes.items():  # one pass: this runs on every claim
-            if wanted is not None and lane.handler not in wanted:
-                continue
-            if lane.held_by(owner, instance):
+            if lane.handler not in wanted:
+                if lane.handler is not None and lane.held_by(owner, instance):
+                    others[lane_id] = lane
+            elif lane.held_by(owner, instance):
                 held[lane_id] = lane
             elif lane.owner is None or lane.lease_until <= now:  # free
                 if lane.in_flight or lane.lost:
                     stale.append(lane)
                 else:
                     free[lane_id] = lane
-        return held, free, stale
+        return held, free, stale, others
 
     def mark(self) -> int:
         """The mark to give `update` with what a read sent now returns: later than every
@@ -238,8 +279,6 @@ class LaneView:
                 stamp = read_since
             self.lanes[lane.id] = lane
             self._stamps[lane.id] = stamp
-            if lane.handler is not None:
-                self._handlers.add(lane.handler)
 
 
 def lane_document(lane_id: int, handler: str) -> dict[str, Any]:
@@ -258,74 +297,95 @@ def lane_document(lane_id: int, handler: str) -> dict[str, Any]:
     }
 
 
-async def read_slots(collection: Any) -> dict[str, int]:
-    """Every handler's slot: its lanes are ``slot * 256 + n`` (one read)."""
-    docs = await _driver.find_list(collection, schema.slots_all())
-    return {doc["handler"]: int(doc["slot"]) for doc in docs}
+async def read_slots(collection: Any) -> Slots:
+    """Which handler has which lanes (one read)."""
+    return Slots.from_document(await collection.find_one(schema.slots_document()))
 
 
-async def seed_lanes(db: Any, collection: Any, handlers: Sequence[str]) -> dict[str, int]:
-    """Give each of `handlers` a slot and its 256 lanes, where it has none yet (idempotent,
-    safe to race), then adopt the lanes an earlier version shared among all handlers
-    (`adopt_shared_lanes`); returns every handler's slot. The first handler ever given one
-    gets slot 0: lanes 0-255, the earlier version's lane ids."""
+async def seed_lanes(db: Any, collection: Any, handlers: Iterable[str]) -> Slots:
+    """Give each of `handlers` a slot and its 256 lanes, where it has none yet, create any
+    lane missing from a slot it has, then adopt the lanes an earlier version shared among all
+    handlers (`adopt_shared_lanes`); idempotent, safe to race. The first handler ever given a
+    slot has slot 0: lanes 0-255, the earlier version's lane ids."""
     slots = await _give_slots(db, collection, handlers)
-    first = next((h for h, slot in slots.items() if slot == 0), None)
-    if first is not None:
-        slots = await adopt_shared_lanes(db, collection, first, slots)
+    if not slots.adopted:
+        slots = await adopt_shared_lanes(db, collection, slots)
     return slots
 
 
-async def _give_slots(db: Any, collection: Any, handlers: Iterable[str]) -> dict[str, int]:
-    """A slot, and its lanes, for each of `handlers` without one; every handler's slot."""
+async def _give_slots(db: Any, collection: Any, handlers: Iterable[str]) -> Slots:
+    """A slot for each of `handlers` without one, and every lane of theirs not there yet."""
+    wanted = list(dict.fromkeys(handlers))
     slots = await read_slots(collection)
-    for handler in dict.fromkeys(handlers):
-        if handler in slots:
-            continue
-        counted = await collection.find_one_and_update(
-            schema.slot_counter(), schema.slot_counting(), upsert=True,
-            return_document=ReturnDocument.AFTER,
-        )  # fmt: skip
-        # Another process may have given it one first: a slot number wasted, no harm.
-        with contextlib.suppress(DuplicateKeyError):
-            await collection.insert_one(schema.slot_document(handler, int(counted["next"]) - 1))
+    missing = [h for h in wanted if slots.first_lane(h) is None]
+    if missing:
+        with contextlib.suppress(DuplicateKeyError):  # two first set-ups at once
+            await collection.update_one(
+                schema.slots_document(), schema.slots_creating(), upsert=True
+            )
+        for handler in missing:  # a set-up that gave it one meanwhile: no match, no harm
+            await collection.update_one(schema.slot_not_given(handler), schema.slot_giving(handler))
         slots = await read_slots(collection)
-        first = slots[handler] * LANES
-        # Upserts that create only what is missing: slot 0's ids may be shared lanes.
-        await collection.bulk_write([
-            _driver.update_by_id(db, schema.lane_by_id(lane_id),
-                                 schema.lane_seeding(lane_document(lane_id, handler)),
-                                 upsert=True)
-            for lane_id in range(first, first + LANES)
-        ], ordered=False)  # fmt: skip
+    ranges = slots.ranges(wanted)
+    if not ranges:
+        return slots
+    # Only what is missing: a seeding that failed half-way is finished by the next one, and
+    # slot 0's ids may be lanes an earlier version shared (adopted, never overwritten). A lane
+    # another seeding inserts meanwhile is refused as a duplicate: there already.
+    present = {
+        doc["_id"]
+        for doc in await _driver.find_list(
+            collection,
+            schema.lanes_in(ranges),
+            projection={"_id": 1},
+            batch_size=READ_BATCH,
+        )
+    }
+    seeds = [
+        lane_document(lane_id, slots.handlers[lo // LANES])
+        for lo, hi in ranges
+        for lane_id in range(lo, hi)
+        if lane_id not in present
+    ]
+    if seeds:
+        try:
+            await collection.insert_many(seeds, ordered=False)
+        except BulkWriteError as exc:  # another seeding wrote some first
+            if not _driver.only_duplicates(exc):
+                raise
     return slots
 
 
-async def adopt_shared_lanes(
-    db: Any, collection: Any, first: str, slots: dict[str, int]
-) -> dict[str, int]:
-    """Lanes 0-255 become `first`'s (slot 0). A lane an earlier version shared among all
-    handlers is adopted: what it listed moves, by handler, to the ``lost`` of that handler's
-    lane of the same number (charged by its next holder, fenced on generation, so a repeated
-    adoption charges once), and the lane is left unowned. A dispatcher of the earlier
-    version still running loses what it ran (it runs again): stop those before the first
-    `setup` of this version. Returns every handler's slot."""
-    for _ in range(8):  # a write to a shared lane in between: read it again
-        docs = await _driver.find_list(collection, schema.lanes_shared())
+async def adopt_shared_lanes(db: Any, collection: Any, slots: Slots) -> Slots:
+    """Lanes 0-255 of an earlier version, shared among all handlers, become slot 0's: what
+    each listed moves, by handler, to the ``lost`` of that handler's lane of the same number
+    (first, so that no lane of that number is claimable with it unlisted; charged by the next
+    holder, fenced on generation, so a repeated adoption charges once), and the lane itself
+    becomes slot 0's handler's, unowned, its epoch moved on. Then the slots record that none
+    is left, and claims stop looking for them. A claim that meets one runs this first.
+
+    A dispatcher of the earlier version still running loses what it ran (it runs again): stop
+    those before the first `setup` of this version. Returns the slots."""
+    for _ in range(8):  # an earlier version's write to a shared lane in between: again
+        docs = await _driver.find_list(collection, schema.lanes_shared(), batch_size=READ_BATCH)
         shared = [Lane.from_document(doc) for doc in docs]
         if not shared:
-            break
-        listed = {e.handler for lane in shared for e in lane.in_flight + lane.lost}
-        slots = await _give_slots(db, collection, sorted(listed - {first}))
-        moves: dict[int, list[Entry]] = {}
+            await collection.update_one(schema.slots_document(), schema.slots_adopted())
+            return replace(slots, adopted=True)
+        listed = sorted({e.handler for lane in shared for e in lane.in_flight + lane.lost})
+        slots = await _give_slots(db, collection, listed)
+        if not slots.handlers:
+            return slots  # no handler has lanes yet: nothing to adopt them
+        first = slots.handlers[0]
+        moves: dict[int, list[Entry]] = defaultdict(list)
         for lane in shared:
             for entry in lane.in_flight + lane.lost:
-                if entry.handler != first:
-                    moves.setdefault(slots[entry.handler] * LANES + lane.number, []).append(entry)
+                lane_id = slots.first_lane(entry.handler)
+                if entry.handler != first and lane_id is not None:
+                    moves[lane_id + lane.number].append(entry)
         if moves:
             await collection.bulk_write([
-                _driver.update_by_id(db, schema.lane_by_id(lane_id),
-                                     schema.lane_losing(entries))
+                _driver.update_by_id(db, schema.lane_by_id(lane_id), schema.lane_losing(entries))
                 for lane_id, entries in moves.items()
             ], ordered=False)  # fmt: skip
         await collection.bulk_write([
@@ -340,12 +400,18 @@ async def adopt_shared_lanes(
     return slots
 
 
-async def read_lanes(collection: Any) -> list[Lane]:
-    """Every handler's lanes, in one round trip."""
+async def read_lanes(
+    collection: Any, ranges: Sequence[tuple[int, int]] | None = None, *, shared: bool = True
+) -> tuple[list[Lane], Slots]:
+    """The lanes of the ``_id`` `ranges` (None: every lane), with those an earlier version
+    shared if `shared`, and the slots; one round trip, in ``_id`` order (a shared lane is read
+    before any handler's lane of its number: see `adopt_shared_lanes`)."""
+    query = schema.lanes_all() if ranges is None else schema.lanes_read(ranges, shared)
     # A batch larger than there are: a first batch the documents fill exactly leaves the
     # cursor open on a server, and draining it would be a getMore.
-    docs = await _driver.find_list(collection, schema.lanes_all(), batch_size=READ_BATCH)
-    return [Lane.from_document(doc) for doc in docs]
+    docs = await _driver.find_list(collection, query, sort=[("_id", 1)], batch_size=READ_BATCH)
+    slots = next((Slots.from_document(d) for d in docs if d["_id"] == schema.SLOTS), Slots())
+    return [Lane.from_document(doc) for doc in docs if isinstance(doc["_id"], int)], slots
 
 
 async def charge_lost(

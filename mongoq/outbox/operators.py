@@ -18,7 +18,7 @@ from mongoq._validation import MAX_BATCH, check_int, check_window
 from mongoq.clock import stored_instant
 from mongoq.errors import InvalidInput
 from mongoq.outbox import schema
-from mongoq.outbox.lanes import Lane, read_lanes
+from mongoq.outbox.lanes import Lane, read_lanes, read_slots
 from mongoq.outbox.models import DeliveryInfo, OutboxStatistics, PurgeResult, check_handler
 from mongoq.outbox.schema import (
     COMPLETED,
@@ -73,18 +73,21 @@ class Operators:
         return True
 
     async def _count_requeue(self, handler: str, number: int) -> None:
-        """Count a requeue in its handler's lane, and in the counter earlier versions' claims
-        read."""
+        """Count a requeue in its handler's lane of `number`, and in the counter earlier
+        versions' claims read."""
         self.outbox._claimer.invalidate()  # this instance's claims know it at once
-        await self.lanes.bulk_write(
-            [
-                _driver.update_single(self.db, schema.lane_of_handler(handler, number),
-                                     schema.lane_requeue_counting()),
-                _driver.update_by_id(self.db, schema.requeue_counter(),
-                                     schema.requeue_counting(), upsert=True),
-            ],
-            ordered=False,
-        )  # fmt: skip
+        slots = self.outbox._claimer.view.slots  # a handler's slot never changes
+        if slots.first_lane(handler) is None:
+            slots = await read_slots(self.lanes)
+        first = slots.first_lane(handler)
+        # A handler without lanes has no claim to fence: none can list its deliveries.
+        ops = [] if first is None else [
+            _driver.update_by_id(self.db, schema.lane_by_id(first + number),
+                                 schema.lane_requeue_counting()),
+        ]  # fmt: skip
+        ops.append(_driver.update_by_id(self.db, schema.requeue_counter(),
+                                        schema.requeue_counting(), upsert=True))  # fmt: skip
+        await self.lanes.bulk_write(ops, ordered=False)
 
     @staticmethod
     def _live(lanes: Iterable[Lane], now: datetime) -> list[Lane]:
@@ -123,7 +126,7 @@ class Operators:
                 self.deliveries, schema.delivery_listed(status, handler, event_type),
                 sort=None if hint else [("_id", 1)], limit=limit, hint=hint,
             )  # fmt: skip
-            live = self._live(await read_lanes(self.lanes), now) if docs else []
+            live = self._live((await read_lanes(self.lanes))[0], now) if docs else []
             running = await self._running_ids(live)
             infos += [self._info(doc, doc["_id"] in running) for doc in docs]
         history = self.outbox.completion_history
@@ -183,7 +186,7 @@ class Operators:
                 ),
                 read_lanes(self.lanes),
             )  # fmt: skip
-        live = self._live(lanes, now)
+        live = self._live(lanes[0], now)
         running = len(await self._running_ids(live))
         return OutboxStatistics(
             pending=int(pending),

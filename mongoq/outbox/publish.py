@@ -26,13 +26,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Publisher"]
 
-_DUPLICATE_KEY = 11000
-
-
-def _only_duplicates(error: BulkWriteError) -> bool:
-    errors = error.details.get("writeErrors", [])
-    return bool(errors) and all(e.get("code") == _DUPLICATE_KEY for e in errors)
-
 
 class Publisher:
     """The publish of one `AsyncOutbox`: in the caller's transaction (`in_transaction`) or
@@ -169,7 +162,7 @@ class Publisher:
             try:
                 await self.outbox.deliveries.insert_many(deliveries, ordered=False)
             except BulkWriteError as exc:
-                if not _only_duplicates(exc):
+                if not _driver.only_duplicates(exc):
                     raise
                 refused = {e["index"] for e in exc.details.get("writeErrors", [])}
                 inserted = [d for i, d in enumerate(deliveries) if i not in refused]

@@ -673,27 +673,50 @@ def history_completed_between(since: datetime, until: datetime | None) -> dict[s
 # =============================================================================== lanes
 
 
+#: The lanes collection's document that numbers the handlers' slots: ``{_id: "slots",
+#: handlers: [the handler of slot 0, of slot 1, ...], adopted: bool}``. A handler's lanes are
+#: ``slot * 256`` to ``slot * 256 + 255``; ``adopted``: no lane of an earlier version is left.
+SLOTS = "slots"
+
+
 def lanes_all() -> dict[str, Any]:
-    """Every handler's lanes: an instance's lane view read whole now and then, `stats` (no
-    index, by design: 256 small documents a handler)."""
-    return {"n": {"$exists": True}}
+    """The whole lanes collection (every handler's lanes, the slots and the requeue counter):
+    a claim of every handler, `stats` and the listings (no index, by design: 256 small
+    documents a handler)."""
+    return {}
+
+
+def lanes_read(ranges: Sequence[tuple[int, int]], shared: bool) -> dict[str, Any]:
+    """The lanes of some handlers (their ``_id`` ranges, ``[first, end)``) and the slots; with
+    `shared`, also the lanes an earlier version shared among all handlers: a claim's lane view
+    (``_id``, one range a handler)."""
+    clauses: list[dict[str, Any]] = [*lanes_in(ranges)["$or"], slots_document()]
+    if shared:
+        clauses.append(lanes_shared())
+    return {"$or": clauses}
 
 
 def lanes_shared() -> dict[str, Any]:
-    """The lanes of an earlier version, shared among all handlers (no handler, no number):
-    `setup` adopting them (``_id``)."""
+    """The lanes of an earlier version, shared among all handlers (no ``n``): adopting them
+    (``_id``)."""
     return {"_id": {"$gte": 0, "$lt": LANE_COUNT}, "n": {"$exists": False}}
+
+
+def lanes_in(ranges: Sequence[tuple[int, int]]) -> dict[str, Any]:
+    """The lanes of some handlers (their ``_id`` ranges, ``[first, end)``): seeding what is
+    missing of them (``_id``)."""
+    return {"$or": [{"_id": {"$gte": lo, "$lt": hi}} for lo, hi in ranges]}
 
 
 def lane_losing(entries: Sequence[Entry]) -> dict[str, Any]:
     """Adding what a shared lane listed of this lane's handler to its ``lost`` (charged by
-    its next holder): `setup` adopting shared lanes (`lane_by_id`)."""
+    its next holder, fenced on generation): adopting shared lanes (`lane_by_id`)."""
     return {"$push": {"lost": {"$each": [e.document() for e in entries]}}, "$inc": {"rev": 1}}
 
 
 def lane_adopting(handler: str, number: int, lost: Sequence[Entry]) -> dict[str, Any]:
-    """A shared lane becoming `handler`'s lane `number`, unowned, what it listed of that
-    handler lost (`lane_as_read`)."""
+    """A shared lane becoming `handler`'s lane `number` (slot 0: the same ``_id``), unowned,
+    what it listed of that handler lost (`lane_as_read`)."""
     return {
         "$set": {"handler": handler, "n": number, "owner": None, "instance": None,
                  "in_flight": [], "lost": [e.document() for e in lost]},
@@ -701,37 +724,36 @@ def lane_adopting(handler: str, number: int, lost: Sequence[Entry]) -> dict[str,
     }  # fmt: skip
 
 
-def lane_of_handler(handler: str, number: int) -> dict[str, Any]:
-    """`handler`'s lane `number`: `requeue` counting itself there (no index: a scan of the
-    lane documents, 256 a handler)."""
-    return {"handler": handler, "n": number}
-
-
 #: What `setup` lists the distinct values of (``handler`` index: a distinct scan), to give
 #: every handler with deliveries its lanes.
 HANDLER_FIELD = "handler"
-#: The prefix of a slot document's ``_id`` (``"slot:" + handler``).
-SLOT_PREFIX = "slot:"
 
 
-def slots_all() -> dict[str, Any]:
-    """Every handler's slot document (``_id`` range)."""
-    return {"_id": {"$gte": SLOT_PREFIX, "$lt": "slot;"}}
+def slots_document() -> dict[str, Any]:
+    """The slots (``_id``)."""
+    return {"_id": SLOTS}
 
 
-def slot_document(handler: str, slot: int) -> dict[str, Any]:
-    """`handler`'s slot: its lanes are ``slot * 256`` to ``slot * 256 + 255``."""
-    return {"_id": SLOT_PREFIX + handler, "handler": handler, "slot": slot}
+def slots_creating() -> dict[str, Any]:
+    """The slots before any handler has one (`slots_document`, upsert)."""
+    return {"$setOnInsert": {"handlers": [], "adopted": False}}
 
 
-def slot_counter() -> dict[str, Any]:
-    """The counter slots are numbered from (``_id``)."""
-    return {"_id": "slots"}
+def slot_not_given(handler: str) -> dict[str, Any]:
+    """The slots, while `handler` has none (``_id``): one document, so that two set-ups never
+    give a handler two slots, and slot numbers have no gaps."""
+    return {"_id": SLOTS, "handlers": {"$ne": handler}}
 
 
-def slot_counting() -> dict[str, Any]:
-    """Taking the next slot number (`slot_counter`, upsert)."""
-    return {"$inc": {"next": 1}}
+def slot_giving(handler: str) -> dict[str, Any]:
+    """`handler` taking the next slot (`slot_not_given`)."""
+    return {"$push": {"handlers": handler}}
+
+
+def slots_adopted() -> dict[str, Any]:
+    """No lane of an earlier version is left (`slots_document`): a claim's view stops
+    looking for them."""
+    return {"$set": {"adopted": True}}
 
 
 def lanes_by_ids(ids: Iterable[int]) -> dict[str, Any]:
@@ -746,13 +768,8 @@ def lanes_held(owner: str, instance: str) -> dict[str, Any]:
 
 
 def lane_by_id(lane_id: int) -> dict[str, Any]:
-    """One lane: `setup` creating it (``_id``)."""
+    """One lane: adopting shared lanes, `requeue` counting itself (``_id``)."""
     return {"_id": lane_id}
-
-
-def lane_seeding(document: Mapping[str, Any]) -> dict[str, Any]:
-    """`setup` writing a lane that does not exist yet (`lane_by_id`, upsert)."""
-    return {"$setOnInsert": document}
 
 
 def _requeued(count: int) -> Any:

@@ -49,17 +49,6 @@ Publish = Callable[[AsyncOutbox, Sequence[Event]], Awaitable[Any]]
 
 #: Shapes no declared index serves on purpose, by (collection, command, top-level filter fields).
 BY_DESIGN: dict[Shape, str] = {
-    (LANES, "find", ("n",)): (
-        "the lane documents (256 a handler), read whole by design (once per claim, and by "
-        "statistics and list_deliveries to tell what runs): mongoq.outbox.lanes"
-    ),
-    (LANES, "bulk_write:UpdateMany", ("handler", "n")): (
-        "requeue counting itself in its handler's lane: a scan of the lane documents (256 a "
-        "handler), no secondary index by design (the embedded backend sends it as UpdateMany)"
-    ),
-    (LANES, "bulk_write:UpdateOne", ("handler", "n")): (
-        "the same, as the transactional engine and a server's driver send it"
-    ),
     (DELIVERIES, "distinct", ()): (
         "setup: the handlers with deliveries, a DISTINCT_SCAN of the handler index (the "
         "matcher does not model distinct keys)"
@@ -367,13 +356,7 @@ async def test_every_outbox_query_is_served_by_a_declared_index(engine: str) -> 
     assert not result.unserved, "queries no declared index serves:\n" + "\n".join(
         query.describe() for query in result.unserved
     )
-    # One single-document update is sent as UpdateMany or UpdateOne by backend: either will do.
-    either = {
-        (LANES, f"bulk_write:{kind}", ("handler", "n")) for kind in ("UpdateMany", "UpdateOne")
-    }
     stale = OUTBOX_UNINDEXED.keys() - result.allowed
-    if either & result.allowed:
-        stale -= either
     assert stale == set(), "stale OUTBOX_UNINDEXED entries: remove them"
     # The hinted queries use the index they name.
     hinted = {(q.collection, q.command, q.hint): plan for q, plan in result.checked if q.hint}

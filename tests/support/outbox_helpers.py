@@ -102,16 +102,16 @@ async def events(db: Any, prefix: str = PREFIX) -> dict[str, dict[str, Any]]:
 
 async def lanes(db: Any, prefix: str = PREFIX) -> dict[int, dict[str, Any]]:
     """The lane documents by ``_id`` (``slot * 256 + number``; the first handler set up has
-    slot 0: lanes 0-255), without the slot documents and counters beside them."""
+    slot 0: lanes 0-255), without the slots and the counter beside them."""
     docs = await db[f"{prefix}lanes"].find({"n": {"$exists": True}}).to_list(None)
     return {d["_id"]: d for d in docs}
 
 
 async def lane_ids_of(db: Any, handler: str, prefix: str = PREFIX) -> int:
     """The first lane ``_id`` of `handler` (its slot times 256)."""
-    doc = await db[f"{prefix}lanes"].find_one({"_id": f"slot:{handler}"})
-    assert doc is not None, f"{handler} has no lanes"
-    return int(doc["slot"]) * 256
+    doc = await db[f"{prefix}lanes"].find_one({"_id": "slots"})
+    assert doc is not None and handler in doc["handlers"], f"{handler} has no lanes"
+    return int(doc["handlers"].index(handler)) * 256
 
 
 async def delivery_of(

@@ -1,0 +1,314 @@
+"""Each handler's lanes are its own (issue 14): dispatchers of disjoint handlers never wait for
+each other, a handler's lanes are given once (one slot a handler, numbered in one document),
+a set-up cut short is finished by the next one, and the lanes an earlier version shared among
+all handlers are adopted before any claim could hand out what they list a second time.
+
+Every test reads the lane, slot and delivery documents back.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from functools import partial
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+from pymongo.errors import AutoReconnect
+
+from mongoq.outbox import DeliveryContext, DispatchSummary, Event, lane_of
+from mongoq.testing import FaultInjector, ManualClock, instrument
+from tests.support.outbox_helpers import (
+    LEASE,
+    PREFIX,
+    SUBSCRIPTIONS,
+    another,
+    deliveries,
+    delivery_of,
+    dispatcher,
+    entry,
+    lane_docs,
+    lane_ids_of,
+    new_outbox,
+    order,
+    pairs,
+)
+
+
+async def slots(db: Any) -> dict[str, Any] | None:
+    doc: dict[str, Any] | None = await db[f"{PREFIX}lanes"].find_one({"_id": "slots"})
+    return doc
+
+
+def by_handler(stored: dict[int, dict[str, Any]]) -> dict[str, list[int]]:
+    """Each handler's lane numbers, as stored."""
+    numbers: dict[str, list[int]] = {}
+    for lane_id in sorted(stored):
+        numbers.setdefault(stored[lane_id]["handler"], []).append(stored[lane_id]["n"])
+    return numbers
+
+
+async def test_dispatchers_of_disjoint_handlers_progress_side_by_side_in_one_lane(
+    odb: Any, clock: ManualClock
+) -> None:
+    """A mail dispatcher runs e1 of key k and holds mail's lane of k; a stats dispatcher of
+    another process drains every stats delivery of k meanwhile, in order (one lane for all
+    handlers made it wait for mail's lane)."""
+    a = await new_outbox(odb, clock)
+    b = another(odb, clock)
+    await a.publish([order(n, "k") for n in (1, 2, 3)], session=None)
+    started, release = anyio.Event(), anyio.Event()
+    ran: list[tuple[str, str]] = []
+
+    async def mail(event: Event, context: DeliveryContext) -> None:
+        ran.append(("mail", event.id))
+        started.set()
+        await release.wait()
+
+    async def stats(event: Event, context: DeliveryContext) -> None:
+        ran.append(("stats", event.id))
+        await anyio.lowlevel.checkpoint()
+
+    number = lane_of("k")
+    mail_lane = await lane_ids_of(odb, "mail") + number
+    stats_lane = await lane_ids_of(odb, "stats") + number
+    with anyio.fail_after(10):  # a hang guard only: time moves by the manual clock
+        async with anyio.create_task_group() as group:
+            mailer = dispatcher(a, {"mail": mail}, owner="mailer", concurrency=1)
+            group.start_soon(partial(mailer.run, stop_when_empty=True))
+            await started.wait()
+            counted = dispatcher(b, {"stats": stats}, owner="counter", concurrency=1)
+            summary = await counted.run(stop_when_empty=True)
+            assert summary == DispatchSummary(claimed=3, completed=3)
+            assert ran == [("mail", "e1"), ("stats", "e1"), ("stats", "e2"), ("stats", "e3")]
+            stored = await lane_docs(odb)
+            assert stored[mail_lane]["owner"] == "mailer"  # running e1 all along
+            assert [e["d"] for e in stored[mail_lane]["in_flight"]] == [
+                (await delivery_of(odb, "e1", "mail") or {}).get("_id")
+            ]
+            assert stored[stats_lane]["owner"] is None  # handed back, drained
+            release.set()
+    assert [r for r in ran if r[0] == "mail"] == [("mail", "e1"), ("mail", "e2"), ("mail", "e3")]
+    assert await deliveries(odb) == []
+
+
+async def test_claimers_of_disjoint_handlers_progress_side_by_side_in_one_lane_number(
+    odb: Any, clock: ManualClock
+) -> None:
+    """Each handler's lanes are its own (issue 14): while A holds mail's lane of k, B claims
+    stats's deliveries of the same key, and each key keeps its order per handler."""
+    outbox = await new_outbox(odb, clock)
+    await outbox.publish([order(1, "k"), order(2, "k")], session=None)
+    mail = await outbox.claim("A", ["mail"], limit=5)
+    stats = await outbox.claim("B", ["stats"], limit=5)
+    assert (pairs(mail), pairs(stats)) == ([("e1", "mail")], [("e1", "stats")])
+    assert mail[0].lane_id == stats[0].lane_id == lane_of("k")
+    stored_lanes = await lane_docs(odb)
+    mail_lane = stored_lanes[await lane_ids_of(odb, "mail") + lane_of("k")]
+    stats_lane = stored_lanes[await lane_ids_of(odb, "stats") + lane_of("k")]
+    assert (mail_lane["owner"], stats_lane["owner"]) == ("A", "B")
+    assert await outbox.claim("B", ["stats"]) == []  # e2 of stats waits behind e1
+    assert await outbox.complete(stats[0])
+    assert pairs(await outbox.claim("B", ["stats"])) == [("e2", "stats")]  # A still runs e1
+    assert await outbox.complete(mail[0])
+    assert pairs(await outbox.claim("A", ["mail"])) == [("e2", "mail")]
+
+
+async def test_every_handler_gets_one_slot_of_256_lanes_and_setup_changes_nothing_after(
+    odb: Any, clock: ManualClock
+) -> None:
+    """The first handler set up has lanes 0-255 (an earlier version's lane ids), the next
+    256-511; a second set-up, and another instance's, write nothing."""
+    await new_outbox(odb, clock)
+    stored = await lane_docs(odb)
+    assert sorted(stored) == list(range(512))
+    assert by_handler(stored) == {"stats": list(range(256)), "mail": list(range(256))}
+    assert (await slots(odb) or {}).get("handlers") == ["stats", "mail"]
+    assert (await slots(odb) or {}).get("adopted") is True
+    before = [await lane_docs(odb), await slots(odb)]
+    await another(odb, clock).setup()
+    assert [await lane_docs(odb), await slots(odb)] == before
+
+
+async def test_set_ups_racing_on_a_new_outbox_give_each_handler_one_slot(
+    odb: Any, clock: ManualClock
+) -> None:
+    """Three processes set the outbox up at once, command by command: one slot a handler, no
+    number skipped, 256 lanes each."""
+    db = instrument(odb, FaultInjector(yield_between=True))
+    outboxes = [another(db, clock) for _ in range(3)]
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as group:
+            for outbox in outboxes:
+                group.start_soon(outbox.setup)
+    assert sorted((await slots(odb) or {}).get("handlers", [])) == ["mail", "stats"]
+    stored = await lane_docs(odb)
+    assert sorted(stored) == list(range(512))
+    assert {h: len(ns) for h, ns in by_handler(stored).items()} == {"mail": 256, "stats": 256}
+
+
+async def test_a_set_up_cut_short_while_writing_lanes_is_finished_by_the_next_one(
+    odb: Any, clock: ManualClock
+) -> None:
+    """The connection breaks as the set-up writes the lanes (the slots given already): the
+    first publish of another instance writes them. Lanes missing from a slot (a seeding
+    stopped half-way) are written by the next set-up."""
+    faults = FaultInjector()
+    faults.fail_before("insert_many", collection=f"{PREFIX}lanes")
+    with pytest.raises(AutoReconnect):
+        await another(instrument(odb, faults), clock).setup()
+    assert (await slots(odb) or {}).get("handlers") == ["stats", "mail"]
+    assert await lane_docs(odb) == {}
+    await another(odb, clock).publish(order(1), session=None)
+    stored = await lane_docs(odb)
+    assert sorted(stored) == list(range(512))
+    assert by_handler(stored) == {"stats": list(range(256)), "mail": list(range(256))}
+
+    await odb[f"{PREFIX}lanes"].delete_many({"_id": {"$gte": 300, "$lt": 400}})
+    await odb[f"{PREFIX}lanes"].update_one({"_id": 299}, {"$set": {"owner": "A"}})
+    await another(odb, clock).setup()
+    after = await lane_docs(odb)
+    assert sorted(after) == list(range(512))
+    assert after[299]["owner"] == "A"  # what was there is left alone
+    assert by_handler(after) == by_handler(stored)
+
+
+async def test_a_claim_naming_a_handler_without_lanes_creates_none(
+    odb: Any, clock: ManualClock
+) -> None:
+    outbox = await new_outbox(odb, clock)
+    before = [await lane_docs(odb), await slots(odb)]
+    assert await outbox.claim("A", ["nobody"]) == []
+    assert await outbox.claim("A", ["nobody", "mail"]) == []
+    assert [await lane_docs(odb), await slots(odb)] == before
+
+
+async def test_a_claim_of_every_handler_finds_the_lanes_another_process_gave_a_handler(
+    odb: Any, clock: ManualClock
+) -> None:
+    """A claims for every handler; another process publishes to a handler nobody had: its
+    first publish gives it lanes 512-767, and A's next claim (its last came up short) reads
+    them and claims its delivery there."""
+    a = await new_outbox(odb, clock)
+    assert await a.claim("A") == []
+    other = another(odb, clock, subscriptions={**SUBSCRIPTIONS, "audit.due": ["audit"]})
+    await other.publish(Event(id="x", type="audit.due"), session=None)
+    assert (await slots(odb) or {}).get("handlers") == ["stats", "mail", "audit"]
+    [claimed] = await a.claim("A")
+    assert (claimed.event.id, claimed.handler) == ("x", "audit")
+    assert (await lane_docs(odb))[512 + lane_of("x")]["owner"] == "A"
+
+
+async def shared_lanes(
+    db: Any, clock: ManualClock, listed: dict[int, list[dict[str, Any]]]
+) -> None:
+    """The lanes collection as an earlier version left it: 256 lanes shared by every handler,
+    lane n listing `listed[n]` under OLD's live lease, and no slots."""
+    collection = db[f"{PREFIX}lanes"]
+    await collection.delete_many({})
+    shared = [
+        {"_id": n, "owner": None, "instance": None, "lease_until": clock.now(), "epoch": 0,
+         "rev": 0, "requeued": 0, "in_flight": [], "lost": []}
+        for n in range(256)
+    ]  # fmt: skip
+    lease_until = clock.now() + timedelta(seconds=LEASE)
+    for n, entries in listed.items():
+        held = {"owner": "OLD", "instance": "old-process", "epoch": 3, "rev": 7}
+        shared[n].update(held, lease_until=lease_until, in_flight=entries)
+    await collection.insert_many(shared)
+
+
+async def test_setup_adopts_the_lanes_an_earlier_version_shared_among_all_handlers(
+    odb: Any, clock: ManualClock
+) -> None:
+    """An earlier version's lane k listed a mail and a stats delivery under a live lease. The
+    first set-up of this version gives slot 0 (lanes 0-255) to stats and moves mail's entry to
+    mail's lane of the same number; both are lost, charged once by the next holder, and run
+    again. A second set-up changes nothing."""
+    outbox = await new_outbox(odb, clock)
+    await outbox.publish(order(1, "k"), session=None)
+    ran_before = await outbox.claim("OLD", limit=5)
+    assert pairs(ran_before) == [("e1", "mail"), ("e1", "stats")]
+    entries = [entry(await delivery_of(odb, "e1", h)) for h in ("mail", "stats")]
+    number = lane_of("k")
+    await shared_lanes(odb, clock, {number: entries})
+
+    upgraded = await new_outbox(odb, clock)
+    stored = await lane_docs(odb)
+    assert sorted(stored) == list(range(512))
+    stats_lane = stored[number]
+    mail_lane = stored[await lane_ids_of(odb, "mail") + number]
+    assert (stats_lane["handler"], stats_lane["n"], stats_lane["owner"]) == ("stats", number, None)
+    assert stats_lane["epoch"] == 4  # the earlier holder's writes are fenced off
+    assert (stats_lane["in_flight"], stats_lane["lost"]) == ([], [entries[1]])
+    assert (mail_lane["handler"], mail_lane["lost"]) == ("mail", [entries[0]])
+    assert (await slots(odb) or {}).get("adopted") is True
+    await new_outbox(odb, clock)  # again: nothing left to adopt
+    assert await lane_docs(odb) == stored
+
+    again = await upgraded.claim("B", limit=5)  # takes both lanes over: each charged once
+    assert [(d.event.id, d.handler, d.attempt) for d in again] == [
+        ("e1", "mail", 2), ("e1", "stats", 2),
+    ]  # fmt: skip
+    assert not await outbox.complete(ran_before[0])  # the earlier claim's settle: refused
+    assert await upgraded.complete_many(again) == [True, True]
+    assert await deliveries(odb) == []
+
+
+async def test_a_claim_that_meets_shared_lanes_adopts_them_before_claiming_from_their_numbers(
+    odb: Any, clock: ManualClock
+) -> None:
+    """A set-up of this version gave mail its lanes, then stopped before adopting the shared
+    ones (lane k lists e1 for mail under OLD's lease). A claim for mail on mail's own lane of
+    k must not hand e1 out at the generation the shared lane lists (the adoption would then
+    charge that live claim and run it twice): it adopts first, then takes mail's lane over,
+    charging e1's lost attempt once."""
+    outbox = await new_outbox(odb, clock)
+    await outbox.publish(order(1, "k"), session=None)
+    [old] = await outbox.claim("OLD", ["mail"])
+    number = lane_of("k")
+    mail_first = await lane_ids_of(odb, "mail")
+    collection = odb[f"{PREFIX}lanes"]
+    listed = entry(await delivery_of(odb, "e1", "mail"))
+    # Lane k of stats (slot 0) back to the shared lane it was; mail's lane of k free, empty.
+    await collection.replace_one(
+        {"_id": number},
+        {"owner": "OLD", "instance": "old-process", "epoch": 3, "rev": 7, "requeued": 0,
+         "lease_until": clock.now() + timedelta(seconds=LEASE), "in_flight": [listed],
+         "lost": []},
+    )  # fmt: skip
+    await collection.update_one(
+        {"_id": mail_first + number},
+        {"$set": {"owner": None, "instance": None, "in_flight": [], "lost": []}},
+    )
+    await collection.update_one({"_id": "slots"}, {"$set": {"adopted": False}})
+
+    fresh = another(odb, clock)
+    [claimed] = await fresh.claim("B", ["mail"])
+    assert (claimed.event.id, claimed.handler, claimed.attempt) == ("e1", "mail", 2)
+    stored = await lane_docs(odb)
+    assert (stored[number]["handler"], stored[number]["n"]) == ("stats", number)
+    assert stored[number]["in_flight"] == stored[number]["lost"] == []
+    assert stored[mail_first + number]["owner"] == "B"
+    doc = await delivery_of(odb, "e1", "mail")
+    assert doc is not None and (doc["attempts"], doc["claims"]) == (1, listed["g"] + 1)
+    assert (await slots(odb) or {}).get("adopted") is True
+    assert not await outbox.complete(old)
+    assert await fresh.complete(claimed)
+
+
+async def test_a_requeue_counts_itself_in_its_handlers_lane(odb: Any, clock: ManualClock) -> None:
+    """A dead mail delivery requeued: mail's lane of its number counts it (twice: before and
+    after it turns pending), stats's lane of that number does not."""
+    outbox = await new_outbox(odb, clock)
+    await outbox.publish(order(1, "k"), session=None)
+    [mail] = await outbox.claim("A", ["mail"])
+    assert await outbox.bury(mail, error="poison")
+    assert await outbox.requeue("e1", "mail")
+    stored = await lane_docs(odb)
+    number = lane_of("k")
+    assert stored[await lane_ids_of(odb, "mail") + number]["requeued"] == 2
+    assert stored[await lane_ids_of(odb, "stats") + number]["requeued"] == 0
+    [again] = await outbox.claim("A", ["mail"])  # A still holds the lane
+    assert (again.event.id, again.handler) == ("e1", "mail")
