@@ -45,6 +45,7 @@ from mongoq.clock import stored_instant
 from mongoq.errors import InvalidInput
 from mongoq.outbox import schema
 from mongoq.outbox.lanes import (
+    NEVER,
     Entry,
     Lane,
     LaneView,
@@ -201,6 +202,8 @@ class Claimer:
         self.view = LaneView()
         # owners whose last claim took all it asked for: their next one trusts a recent view
         self.filled: set[str] = set()
+        # when a claim of this instance last adopted an earlier version's lanes
+        self.adopted_at = NEVER
         # keys with parked deliveries, as far as this instance knows: a settle of one of them
         # makes unparking due for its handler (`unpark_due`)
         self.parked_keys: set[tuple[str, str]] = set()
@@ -272,17 +275,28 @@ class Claimer:
                     view.slots = await read_slots(self.lanes)
                     view.read_at[None] = now
                 ranges = None if handlers is None else view.slots.ranges(handlers)
-                lanes, slots = await read_lanes(self.lanes, ranges, shared=not view.slots.adopted)
+                # Beside its handlers' lanes, those this instance holds of other handlers and
+                # those a failed write left it unsure of: what `_reconcile` and the hand-backs
+                # work from must not stay as this instance last wrote or read it.
+                extra = [] if ranges is None else view.outside(ranges, self.outbox.instance)
+                lanes, slots = await read_lanes(
+                    self.lanes, ranges, extra, shared=not view.slots.adopted
+                )
             except BaseException:
                 view.failed = True
                 raise
             # Read now: the slots, and the lanes of the handlers whose slots were known (a
             # handler given one since is read by the next claim).
             known = slots.handlers if handlers is None else [
-                h for h in handlers if view.slots.first_lane(h) is not None
+                h for h in handlers
+                if view.slots.first_lane(h) is not None or slots.first_lane(h) is None
             ]  # fmt: skip
             view.update(lanes, read_since=since)
-            view.slots = slots
+            view.unsure = set() if ranges is None else {
+                i for i in view.unsure
+                if i not in extra and not any(lo <= i < hi for lo, hi in ranges)
+            }  # fmt: skip
+            view.slots = view.slots.newer(slots)
             view.read_at.update(dict.fromkeys([None, *known], now))
             return view, True
         return view, False
@@ -290,13 +304,20 @@ class Claimer:
     async def _claim(self, owner: str, handlers: list[str] | None, limit: int) -> list[Delivery]:
         now = await self.outbox._now()
         view, read = await self._lane_view(owner, handlers, now)
-        if view.shared() and view.slots.handlers:
+        if (
+            view.shared()
+            and view.slots.handlers
+            and not 0 <= (now - self.adopted_at).total_seconds() < VIEW_TTL
+        ):
             # Lanes of an earlier version are adopted (what they list moved to each handler's
-            # own lanes) before any claim from a handler's lane of their numbers.
-            await adopt_shared_lanes(self.db, self.lanes, view.slots)
+            # own lanes); until then no handler's lane of their numbers is claimed from.
+            self.adopted_at = now
+            await adopt_shared_lanes(self.db, self.lanes, view.slots, now)
             self.invalidate()
             view, read = await self._lane_view(owner, handlers, now)
-        wanted = sorted(handlers if handlers is not None else view.slots.handlers)
+        # The handlers with lanes (a name without is no handler's yet: nothing to claim).
+        wanted = [h for h in dict.fromkeys(handlers or view.slots.handlers)
+                  if view.slots.first_lane(h) is not None]  # fmt: skip
         # What this owner runs is decided over all its lanes (`others`: those of handlers this
         # claim does not serve), its records of what it handed out cover them all: see
         # `_reconcile`. Those of them that run nothing are handed back.
@@ -366,7 +387,7 @@ class Claimer:
             self._take(lane, owner, lease_until, [], lane.lost + lane.in_flight, write)
             for lane in stale
         ]  # fmt: skip
-        result = await self._write_lanes(ops)
+        result = await self._write_lanes(ops, [lane.id for lane in stale])
         expected = {lane.id: lane.epoch + 1 for lane in stale}
         taken = (
             set(expected)
@@ -394,14 +415,20 @@ class Claimer:
         """Lanes as a write of this instance left them (or as read back), into the view."""
         self.view.update(list(lanes), read_since)
 
-    async def _write_lanes(self, ops: list[UpdateOne | UpdateMany]) -> Any:
-        """A bulk write of lanes; one that fails leaves the view wrong somewhere (it may
-        have been applied), so the next claim reads the lanes again."""
+    async def _write_lanes(self, ops: list[UpdateOne | UpdateMany], ids: list[int]) -> Any:
+        """A bulk write of the lanes `ids` (one op each); one that fails or matches fewer
+        leaves the view wrong about some of them (a failed one may have been applied), so the
+        next claim reads the lanes again, those among them (`LaneView.unsure`) whatever
+        handlers it names."""
         try:
-            return await self.lanes.bulk_write(ops, ordered=False)
+            result = await self.lanes.bulk_write(ops, ordered=False)
         except BaseException:
             self.invalidate()
+            self.view.unsure.update(ids)
             raise
+        if result.matched_count != len(ops):
+            self.view.unsure.update(ids)
+        return result
 
     async def _reconcile(
         self, owner: str, held: Iterable[Lane], now: datetime, *, look: bool
@@ -558,6 +585,7 @@ class Claimer:
         instance = self.outbox.instance
         write = uuid.uuid4().hex  # what proves a lane write of this claim, read back
         ops: list[UpdateOne | UpdateMany] = []
+        targets: list[int] = []  # the lane of each op
         expected: dict[int, int] = {}  # lane -> its epoch once written
         after: list[Lane] = []  # the lanes once every write took effect
         for lane in held.values():
@@ -565,12 +593,14 @@ class Claimer:
             if not entries:
                 fence = lane.fence(owner, instance)
                 ops.append(_driver.update_by_id(self.db, fence, schema.lane_handing_back(now, [])))
+                targets.append(lane.id)
                 after.append(lane.handed_back(now))
             elif by_lane[lane.id] or len(entries) != len(lane.in_flight):
                 # New picks are listed only if no requeue in the lane came between.
                 fence = (lane.listing_fence if by_lane[lane.id] else lane.fence)(owner, instance)
                 update = schema.lane_listing(entries, lease_until, write)
                 ops.append(_driver.update_by_id(self.db, fence, update))
+                targets.append(lane.id)
                 expected[lane.id] = lane.epoch
                 after.append(lane.listing(entries, lease_until, write))
         for lane_id, lane_picks in by_lane.items():
@@ -580,11 +610,12 @@ class Claimer:
             lane = free[lane_id]
             entries = [self._entry(p) for p in lane_picks]
             ops.append(self._take(lane, owner, lease_until, entries, [], write))
+            targets.append(lane_id)
             expected[lane_id] = lane.epoch + 1
             after.append(lane.taken(owner, instance, lease_until, entries, [], write))
         written = set(expected)
         if ops:
-            result = await self._write_lanes(ops)
+            result = await self._write_lanes(ops, targets)
             if result.matched_count != len(ops):
                 written = await self._confirm(owner, expected, write)
             else:
@@ -632,6 +663,7 @@ class Claimer:
         ]  # fmt: skip
         self._seen(mine)
         self._seen([lane for lane in read if lane not in mine], read_since=since)
+        self.view.unsure.difference_update(expected)
         return {lane.id for lane in mine}
 
     @staticmethod

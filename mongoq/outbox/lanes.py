@@ -1,43 +1,50 @@
 """Lane documents: who may claim which deliveries.
 
-Collection ``<prefix>lanes`` holds 256 small documents, one per lane (``_id`` 0-255)::
+Collection ``<prefix>lanes`` holds 256 small documents a handler, one per lane number ``n``
+(0-255) of that handler: ``_id`` ``slot * 256 + n``, where the handler's slot is its place in
+the ``slots`` document::
 
-    {_id, owner, instance, lease_until, epoch, rev, requeued, write, in_flight: [entry],
-     lost: [entry]}
+    {_id, handler, n, owner, instance, lease_until, epoch, rev, requeued, write,
+     in_flight: [entry], lost: [entry]}
 
 with ``entry = {"d": delivery _id, "g": claim generation, "h": handler, "k": key}`` (``k`` left
-out for unkeyed deliveries). A worker (``owner``, on one `AsyncOutbox` instance: ``instance``)
-holding a lane under a live lease is the only one that claims from it; ``in_flight`` lists what
-it claimed, each with the delivery's claim generation at the time. An entry is *running* while
-the lane is held and the delivery still exists with that generation: a completion deletes the
-delivery, and a retry, release, burial or lost-lease charge moves its generation on, so none of
-them has to write the lane. Taking a lane over increments ``epoch`` and moves the previous
-owner's ``in_flight`` to ``lost``; `charge_lost` then charges each lost delivery one attempt,
-fenced on the generation it was listed with, so charging twice charges once. ``rev`` moves on
-with every write to the lane: a takeover pins the ``rev`` it read, so it applies only to the
-state it judged free. ``requeued`` counts the `AsyncOutbox.requeue` calls of deliveries in the
-lane (missing: 0): a holder's write listing new picks is fenced on the count it knew before it
-read their keys' heads, so a requeue in between (a dead delivery that may now come first)
-makes it fail and nothing it picked is handed out. ``write`` is the id of the claim that last
-listed or took the lane: a claim whose bulk write matched fewer lanes than it wrote reads them
-back and counts as its own only those carrying its id.
+out for unkeyed deliveries). A delivery of lane number n (`mongoq.outbox.models.lane_of`) is
+claimed through its handler's lane n only. A worker (``owner``, on one `AsyncOutbox`
+instance: ``instance``) holding a lane under a live lease is the only one that claims from it;
+``in_flight`` lists what it claimed, each with the delivery's claim generation at the time. An
+entry is *running* while the lane is held and the delivery still exists with that generation:
+a completion deletes the delivery, and a retry, release, burial or lost-lease charge moves its
+generation on, so none of them has to write the lane. Taking a lane over increments ``epoch``
+and moves the previous owner's ``in_flight`` to ``lost``; `charge_lost` then charges each lost
+delivery one attempt, fenced on the generation it was listed with, so charging twice charges
+once. ``rev`` moves on with every write to the lane: a takeover pins the ``rev`` it read, so it
+applies only to the state it judged free. ``requeued`` counts the `AsyncOutbox.requeue` calls
+of deliveries in the lane (missing: 0): a holder's write listing new picks is fenced on the
+count it knew before it read their keys' heads, so a requeue in between (a dead delivery that
+may now come first) makes it fail and nothing it picked is handed out. ``write`` is the id of
+the claim that last listed or took the lane: a claim whose bulk write matched fewer lanes than
+it wrote reads them back and counts as its own only those carrying its id.
 
-One more document, ``{_id: "requeues", value}``, counts every requeue for processes of earlier
-versions, which read it around their claims.
+Two more documents: ``{_id: "slots", handlers: [slot 0's handler, slot 1's, ...], adopted}``
+numbers the handlers (a handler's slot never changes; `seed_lanes`), and ``{_id: "requeues",
+value}`` counts every requeue for processes of earlier versions, which read it around their
+claims. An earlier version's lanes (``_id`` 0-255 without ``n``) were shared by every handler;
+`adopt_shared_lanes` makes them slot 0's and moves what they list to each handler's own lanes.
 
-An `AsyncOutbox` instance does not read the lanes on every claim: its `LaneView` is read whole
-now and then (256 small documents) and kept current by its own writes. What it holds it knows
-exactly, since every write to a held lane is its own or moves the epoch its writes are fenced
-on; what another instance did since the last read it learns from a write that fails, or from
-the next read.
+An `AsyncOutbox` instance does not read the lanes on every claim: its `LaneView` reads the
+lanes of a claim's handlers now and then (an ``_id`` range a handler) and is kept current by
+its own writes. What it holds it knows exactly, since every write to a held lane is its own or
+moves the epoch its writes are fenced on; what another instance did since the last read it
+learns from a write that fails, or from the next read.
 
-Every write here is a conditional update of one lane by ``_id`` (no secondary index); the
-filters and updates are in `mongoq.outbox.schema`.
+Every write here names its lane's ``_id`` (no secondary index); the filters and updates are in
+`mongoq.outbox.schema`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -60,6 +67,8 @@ __all__ = [
 
 #: Lane documents one read returns in its first batch (256 a handler).
 READ_BATCH = 100_000
+log = logging.getLogger("mongoq.outbox.lanes")
+
 #: A lane nobody ever held: its lease expired long ago.
 NEVER = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -196,6 +205,13 @@ class Slots:
         except ValueError:
             return None
 
+    def newer(self, read: Slots) -> Slots:
+        """These slots, or `read` if it is as new (a late reply of an older read never takes
+        a handler or the adoption back: handlers are only ever added, ``adopted`` only set)."""
+        if len(read.handlers) < len(self.handlers) or (self.adopted and not read.adopted):
+            return replace(read, handlers=self.handlers, adopted=self.adopted or read.adopted)
+        return read
+
     def ranges(self, handlers: Iterable[str]) -> list[tuple[int, int]]:
         """The ``_id`` ranges of the lanes of those of `handlers` that have lanes."""
         firsts = (self.first_lane(h) for h in dict.fromkeys(handlers))
@@ -205,8 +221,9 @@ class Slots:
 @dataclass
 class LaneView:
     """What one `AsyncOutbox` instance knows of the lanes: every lane as last read or as its
-    own writes left it, when it was read, and whether a write of its own failed since (the
-    view is then wrong somewhere and is read again before the next claim).
+    own writes left it, which handler has which lanes, when each handler's were read, and
+    whether a write of its own failed since (the view is then wrong somewhere and is read
+    again before the next claim, with the lanes that write was for).
 
     Claims of several owners on the instance update it concurrently, so a read never
     overwrites a lane updated after the read was sent (`mark` before sending it), by an own
@@ -219,6 +236,9 @@ class LaneView:
     #: handler -> when its lanes were last read (None: the slots)
     read_at: dict[str | None, datetime] = field(default_factory=dict)
     failed: bool = False
+    #: lanes a write of this instance that failed, or matched fewer, may have left otherwise
+    #: than the view has them
+    unsure: set[int] = field(default_factory=set)
     _tick: int = 0
     _stamps: dict[int, int] = field(default_factory=dict)
 
@@ -230,6 +250,13 @@ class LaneView:
             if read_at > now or (now - read_at).total_seconds() >= ttl:
                 return True
         return False
+
+    def outside(self, ranges: Sequence[tuple[int, int]], instance: str) -> list[int]:
+        """The lanes outside `ranges` that a read must include: those the view has as held on
+        `instance` (by any owner) and the `unsure` ones."""
+        ids = set(self.unsure)
+        ids.update(i for i, lane in self.lanes.items() if lane.instance == instance and lane.owner)
+        return sorted(i for i in ids if not any(lo <= i < hi for lo, hi in ranges))
 
     def shared(self) -> bool:
         """Whether this view has lanes of an earlier version, shared among all handlers."""
@@ -246,12 +273,20 @@ class LaneView:
         stale: list[Lane] = []
         others: dict[int, Lane] = {}
         wanted = set(handlers)
+        # The numbers of lanes an earlier version shared that are not adopted yet: no lane of
+        # those numbers is taken (what the shared lane lists is not in the handler's yet).
+        blocked = () if self.slots.adopted else {
+            lane.number for lane in (self.lanes.get(n) for n in range(LANES))
+            if lane is not None and lane.handler is None
+        }  # fmt: skip
         for lane_id, lane in self.lanes.items():  # one pass: this runs on every claim
             if lane.handler not in wanted:
                 if lane.handler is not None and lane.held_by(owner, instance):
                     others[lane_id] = lane
             elif lane.held_by(owner, instance):
                 held[lane_id] = lane
+            elif blocked and lane.number in blocked:
+                continue
             elif lane.owner is None or lane.lease_until <= now:  # free
                 if lane.in_flight or lane.lost:
                     stale.append(lane)
@@ -302,14 +337,14 @@ async def read_slots(collection: Any) -> Slots:
     return Slots.from_document(await collection.find_one(schema.slots_document()))
 
 
-async def seed_lanes(db: Any, collection: Any, handlers: Iterable[str]) -> Slots:
+async def seed_lanes(db: Any, collection: Any, handlers: Iterable[str], now: datetime) -> Slots:
     """Give each of `handlers` a slot and its 256 lanes, where it has none yet, create any
     lane missing from a slot it has, then adopt the lanes an earlier version shared among all
     handlers (`adopt_shared_lanes`); idempotent, safe to race. The first handler ever given a
     slot has slot 0: lanes 0-255, the earlier version's lane ids."""
     slots = await _give_slots(db, collection, handlers)
     if not slots.adopted:
-        slots = await adopt_shared_lanes(db, collection, slots)
+        slots = await adopt_shared_lanes(db, collection, slots, now)
     return slots
 
 
@@ -356,29 +391,31 @@ async def _give_slots(db: Any, collection: Any, handlers: Iterable[str]) -> Slot
     return slots
 
 
-async def adopt_shared_lanes(db: Any, collection: Any, slots: Slots) -> Slots:
+async def adopt_shared_lanes(db: Any, collection: Any, slots: Slots, now: datetime) -> Slots:
     """Lanes 0-255 of an earlier version, shared among all handlers, become slot 0's: what
     each listed moves, by handler, to the ``lost`` of that handler's lane of the same number
-    (first, so that no lane of that number is claimable with it unlisted; charged by the next
-    holder, fenced on generation, so a repeated adoption charges once), and the lane itself
-    becomes slot 0's handler's, unowned, its epoch moved on. Then the slots record that none
-    is left, and claims stop looking for them. A claim that meets one runs this first.
-
-    A dispatcher of the earlier version still running loses what it ran (it runs again): stop
-    those before the first `setup` of this version. Returns the slots."""
+    (first; charged by the next holder, fenced on generation, so a repeated adoption charges
+    once), and the lane itself becomes slot 0's handler's, unowned, its epoch moved on. A
+    shared lane held under a live lease (a dispatcher of the earlier version still running)
+    is left until its lease expires: until then no handler's lane of its number is claimed
+    (`LaneView.split`). Once none is left, the slots record it and claims stop looking.
+    Returns the slots."""
     for _ in range(8):  # an earlier version's write to a shared lane in between: again
         docs = await _driver.find_list(collection, schema.lanes_shared(), batch_size=READ_BATCH)
         shared = [Lane.from_document(doc) for doc in docs]
         if not shared:
             await collection.update_one(schema.slots_document(), schema.slots_adopted())
             return replace(slots, adopted=True)
-        listed = sorted({e.handler for lane in shared for e in lane.in_flight + lane.lost})
+        due = [lane for lane in shared if lane.owner is None or lane.lease_until <= now]
+        if not due:
+            break
+        listed = sorted({e.handler for lane in due for e in lane.in_flight + lane.lost})
         slots = await _give_slots(db, collection, listed)
         if not slots.handlers:
             return slots  # no handler has lanes yet: nothing to adopt them
         first = slots.handlers[0]
         moves: dict[int, list[Entry]] = defaultdict(list)
-        for lane in shared:
+        for lane in due:
             for entry in lane.in_flight + lane.lost:
                 lane_id = slots.first_lane(entry.handler)
                 if entry.handler != first and lane_id is not None:
@@ -388,6 +425,8 @@ async def adopt_shared_lanes(db: Any, collection: Any, slots: Slots) -> Slots:
                 _driver.update_by_id(db, schema.lane_by_id(lane_id), schema.lane_losing(entries))
                 for lane_id, entries in moves.items()
             ], ordered=False)  # fmt: skip
+        # The next round reads what is left: none (recorded), held ones, or a lane whose
+        # adoption an earlier version's write moved on (its rev) meanwhile.
         await collection.bulk_write([
             _driver.update_by_id(
                 db, schema.lane_as_read(lane.id, lane.rev or 0),
@@ -395,21 +434,31 @@ async def adopt_shared_lanes(db: Any, collection: Any, slots: Slots) -> Slots:
                     e for e in lane.in_flight + lane.lost if e.handler == first
                 ]),
             )
-            for lane in shared
+            for lane in due
         ], ordered=False)  # fmt: skip
+    live = [lane.id for lane in shared if lane.owner is not None and lane.lease_until > now]
+    if live:
+        log.warning(
+            "%d outbox lane(s) of an earlier version are held under a live lease: stop its "
+            "dispatchers; the lanes are adopted once their leases expire", len(live),
+            extra={"lanes": live[:16], "collection": getattr(collection, "name", None)},
+        )  # fmt: skip
     return slots
 
 
 async def read_lanes(
-    collection: Any, ranges: Sequence[tuple[int, int]] | None = None, *, shared: bool = True
+    collection: Any,
+    ranges: Sequence[tuple[int, int]] | None = None,
+    ids: Sequence[int] = (),
+    *,
+    shared: bool = True,
 ) -> tuple[list[Lane], Slots]:
-    """The lanes of the ``_id`` `ranges` (None: every lane), with those an earlier version
-    shared if `shared`, and the slots; one round trip, in ``_id`` order (a shared lane is read
-    before any handler's lane of its number: see `adopt_shared_lanes`)."""
-    query = schema.lanes_all() if ranges is None else schema.lanes_read(ranges, shared)
+    """The lanes of the ``_id`` `ranges` and `ids` (None: every lane), with those an earlier
+    version shared if `shared`, and the slots; one round trip."""
+    query = schema.lanes_all() if ranges is None else schema.lanes_read(ranges, ids, shared)
     # A batch larger than there are: a first batch the documents fill exactly leaves the
     # cursor open on a server, and draining it would be a getMore.
-    docs = await _driver.find_list(collection, query, sort=[("_id", 1)], batch_size=READ_BATCH)
+    docs = await _driver.find_list(collection, query, batch_size=READ_BATCH)
     slots = next((Slots.from_document(d) for d in docs if d["_id"] == schema.SLOTS), Slots())
     return [Lane.from_document(doc) for doc in docs if isinstance(doc["_id"], int)], slots
 

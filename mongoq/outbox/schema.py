@@ -15,7 +15,8 @@ Collections (``<prefix>`` defaults to ``mongoq_outbox_``):
   that ended; ``claims`` is the claim generation (moves on whenever a claim of the delivery
   ends), which fences every settle. A completion deletes the document;
 - ``key_sequences``: ``{_id: key, value}``, the per-key sequence counter;
-- ``lanes``: the 256 lane documents and the requeue counter, see `mongoq.outbox.lanes`;
+- ``lanes``: 256 lane documents a handler, the slots and the requeue counter, see
+  `mongoq.outbox.lanes`;
 - ``completed_deliveries`` (with ``completion_history``): one record per completion:
   ``{_id: the delivery's _id, event_id, event_type, handler, key?, sequence?, attempts, owner,
   created_at, completed_at}``.
@@ -41,9 +42,10 @@ Indexes (created by `setup`) and the queries they serve:
   ``(event_id)``: references; ``handler`` ``(handler, _id)``, ``event_type``
   ``(event_type, _id)``: listing.
 
-The lanes have no secondary index: the collection is read whole (256 small documents) by an
-instance's lane view now and then (`mongoq.outbox.lanes`), and every write to a lane names its
-``_id``. Every time is the injected clock's
+The lanes have no secondary index: an instance's lane view reads the ``_id`` ranges of its
+claims' handlers now and then (the whole collection for a claim of every handler;
+`mongoq.outbox.lanes`), and every write to a lane names its ``_id`` (`extend_lease` and
+`relinquish` scan them for the owner's). Every time is the injected clock's
 (`mongoq.clock`), passed in as ``now``.
 """
 
@@ -686,11 +688,15 @@ def lanes_all() -> dict[str, Any]:
     return {}
 
 
-def lanes_read(ranges: Sequence[tuple[int, int]], shared: bool) -> dict[str, Any]:
-    """The lanes of some handlers (their ``_id`` ranges, ``[first, end)``) and the slots; with
-    `shared`, also the lanes an earlier version shared among all handlers: a claim's lane view
-    (``_id``, one range a handler)."""
+def lanes_read(
+    ranges: Sequence[tuple[int, int]], ids: Sequence[int], shared: bool
+) -> dict[str, Any]:
+    """The lanes of some handlers (their ``_id`` ranges, ``[first, end)``), some more lanes
+    (`ids`) and the slots; with `shared`, also the lanes an earlier version shared among all
+    handlers: a claim's lane view (``_id``, one range a handler)."""
     clauses: list[dict[str, Any]] = [*lanes_in(ranges)["$or"], slots_document()]
+    if ids:
+        clauses.append(lanes_by_ids(ids))
     if shared:
         clauses.append(lanes_shared())
     return {"$or": clauses}
@@ -711,7 +717,7 @@ def lanes_in(ranges: Sequence[tuple[int, int]]) -> dict[str, Any]:
 def lane_losing(entries: Sequence[Entry]) -> dict[str, Any]:
     """Adding what a shared lane listed of this lane's handler to its ``lost`` (charged by
     its next holder, fenced on generation): adopting shared lanes (`lane_by_id`)."""
-    return {"$push": {"lost": {"$each": [e.document() for e in entries]}}, "$inc": {"rev": 1}}
+    return {"$addToSet": {"lost": {"$each": [e.document() for e in entries]}}, "$inc": {"rev": 1}}
 
 
 def lane_adopting(handler: str, number: int, lost: Sequence[Entry]) -> dict[str, Any]:
@@ -762,8 +768,8 @@ def lanes_by_ids(ids: Iterable[int]) -> dict[str, Any]:
 
 
 def lanes_held(owner: str, instance: str) -> dict[str, Any]:
-    """The lanes `owner` holds on `instance`: `extend_lease`, `relinquish` (a scan of 256 small
-    documents, by design)."""
+    """The lanes `owner` holds on `instance`: `extend_lease`, `relinquish` (a scan of the lane
+    documents, 256 small ones a handler, by design)."""
     return {"owner": owner, "instance": instance}
 
 

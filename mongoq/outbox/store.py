@@ -136,7 +136,7 @@ class AsyncOutbox:
         subscribed = [h for names in self.subscriptions.values() for h in names]
         delivered = sorted(await self.deliveries.distinct(schema.HANDLER_FIELD))
         known = (await read_slots(self.lanes)).handlers
-        await seed_lanes(self.db, self.lanes, [*known, *subscribed, *delivered])
+        await seed_lanes(self.db, self.lanes, [*known, *subscribed, *delivered], await self._now())
         self._laned.update(subscribed)
         # Deliveries parked by an earlier version get the key unparking now scans by.
         await self.deliveries.update_many(
@@ -201,7 +201,7 @@ class AsyncOutbox:
         wanted = {h for e in events for h in self.subscriptions.get(e.type, ())}
         missing = sorted(wanted - self._laned)
         if missing:
-            await seed_lanes(self.db, self.lanes, missing)
+            await seed_lanes(self.db, self.lanes, missing, await self._now())
             self._laned.update(missing)
 
     # ------------------------------------------------------------------------------- claim

@@ -18,7 +18,7 @@ import pytest
 from pymongo.errors import AutoReconnect
 
 from mongoq.outbox import DeliveryContext, DispatchSummary, Event, lane_of
-from mongoq.testing import FaultInjector, ManualClock, instrument
+from mongoq.testing import CommandCounter, FaultInjector, ManualClock, instrument
 from tests.support.outbox_helpers import (
     LEASE,
     PREFIX,
@@ -200,6 +200,49 @@ async def test_a_claim_of_every_handler_finds_the_lanes_another_process_gave_a_h
     assert (await lane_docs(odb))[512 + lane_of("x")]["owner"] == "A"
 
 
+async def test_an_owner_that_changes_handlers_reads_the_lanes_it_held_of_the_others(
+    odb: Any, clock: ManualClock, counter: CommandCounter
+) -> None:
+    """X claimed for mail, then let its lanes go (`relinquish`). Its claims for stats read
+    mail's lane of k again (this instance had it as held): they neither try to hand it back
+    on every claim (a write that fails, and the claim run twice) nor leave it out."""
+    outbox = await new_outbox(instrument(odb, counter), clock)
+    await outbox.publish([order(n, "k") for n in (1, 2)], session=None)
+    [mail] = await outbox.claim("X", ["mail"])
+    assert await outbox.relinquish("X") == 1
+    assert await outbox.complete(mail)
+    ran: list[tuple[str, str]] = []
+    for _ in range(3):
+        counter.reset()
+        got = await outbox.claim("X", ["stats"], limit=1)
+        ran += pairs(got)
+        assert counter.counts.get(f"{PREFIX}lanes.bulk_write", 0) <= 1  # no second round
+        assert await outbox.complete_many(got) == [True] * len(got)
+    assert ran == [("e1", "stats"), ("e2", "stats")]
+    assert (await lane_docs(odb))[await lane_ids_of(odb, "mail") + lane_of("k")]["owner"] is None
+
+
+async def test_a_lane_write_whose_reply_was_lost_is_read_again_by_a_claim_of_other_handlers(
+    odb: Any, clock: ManualClock
+) -> None:
+    """X's claim for mail wrote mail's lane of k (e1 listed) but its reply was lost. X then
+    claims for stats only and keeps renewing its lanes: its next claim reads that lane, frees
+    e1 (never handed out, nothing charged) and hands the lane back, so Y claims e1."""
+    faults = FaultInjector()
+    outbox = await new_outbox(instrument(odb, faults), clock)
+    await outbox.publish(order(1, "k"), session=None)
+    faults.fail_after("bulk_write", collection=f"{PREFIX}lanes")
+    with pytest.raises(AutoReconnect):
+        await outbox.claim("X", ["mail"])
+    mail_lane = await lane_ids_of(odb, "mail") + lane_of("k")
+    assert (await lane_docs(odb))[mail_lane]["owner"] == "X"
+    assert pairs(await outbox.claim("X", ["stats"])) == [("e1", "stats")]
+    await outbox.extend_lease("X")
+    assert (await lane_docs(odb))[mail_lane]["owner"] is None
+    [again] = await another(odb, clock).claim("Y", ["mail"])
+    assert (again.event.id, again.handler, again.attempt) == ("e1", "mail", 1)
+
+
 async def shared_lanes(
     db: Any, clock: ManualClock, listed: dict[int, list[dict[str, Any]]]
 ) -> None:
@@ -220,12 +263,14 @@ async def shared_lanes(
 
 
 async def test_setup_adopts_the_lanes_an_earlier_version_shared_among_all_handlers(
-    odb: Any, clock: ManualClock
+    odb: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An earlier version's lane k listed a mail and a stats delivery under a live lease. The
-    first set-up of this version gives slot 0 (lanes 0-255) to stats and moves mail's entry to
-    mail's lane of the same number; both are lost, charged once by the next holder, and run
-    again. A second set-up changes nothing."""
+    first set-up of this version gives slot 0 (lanes 0-255) to stats and adopts every other
+    shared lane; lane k waits (its holder may still run them) and no lane of its number is
+    claimed from. Once its lease expired, the next set-up moves mail's entry to mail's lane of
+    the same number; both are lost, charged once by the next holder, and run again. A set-up
+    after that changes nothing."""
     outbox = await new_outbox(odb, clock)
     await outbox.publish(order(1, "k"), session=None)
     ran_before = await outbox.claim("OLD", limit=5)
@@ -235,6 +280,16 @@ async def test_setup_adopts_the_lanes_an_earlier_version_shared_among_all_handle
     await shared_lanes(odb, clock, {number: entries})
 
     upgraded = await new_outbox(odb, clock)
+    assert "held under a live lease" in caplog.text
+    shared = await odb[f"{PREFIX}lanes"].find_one({"_id": number})
+    assert shared is not None and "n" not in shared and shared["owner"] == "OLD"
+    stored = await lane_docs(odb)
+    assert sorted(stored) == [i for i in range(512) if i != number]
+    assert (await slots(odb) or {}).get("adopted") is False
+    assert await upgraded.claim("B", limit=5) == []  # lane k's number is nobody's yet
+
+    clock.advance(LEASE)  # the earlier holder is gone
+    await new_outbox(odb, clock)
     stored = await lane_docs(odb)
     assert sorted(stored) == list(range(512))
     stats_lane = stored[number]
@@ -260,10 +315,11 @@ async def test_a_claim_that_meets_shared_lanes_adopts_them_before_claiming_from_
     odb: Any, clock: ManualClock
 ) -> None:
     """A set-up of this version gave mail its lanes, then stopped before adopting the shared
-    ones (lane k lists e1 for mail under OLD's lease). A claim for mail on mail's own lane of
-    k must not hand e1 out at the generation the shared lane lists (the adoption would then
-    charge that live claim and run it twice): it adopts first, then takes mail's lane over,
-    charging e1's lost attempt once."""
+    ones (lane k lists e1 for mail under OLD's lease). A claim for mail must not hand e1 out
+    from mail's own lane of k at the generation the shared lane lists (the adoption would then
+    charge that live claim and run it twice): while OLD's lease lasts it claims nothing there;
+    once it expired, the claim adopts the lane, then takes mail's lane over, charging e1's
+    lost attempt once."""
     outbox = await new_outbox(odb, clock)
     await outbox.publish(order(1, "k"), session=None)
     [old] = await outbox.claim("OLD", ["mail"])
@@ -285,6 +341,9 @@ async def test_a_claim_that_meets_shared_lanes_adopts_them_before_claiming_from_
     await collection.update_one({"_id": "slots"}, {"$set": {"adopted": False}})
 
     fresh = another(odb, clock)
+    assert await fresh.claim("B", ["mail"]) == []  # OLD may still run e1
+    assert (await lane_docs(odb))[mail_first + number]["owner"] is None
+    clock.advance(LEASE)
     [claimed] = await fresh.claim("B", ["mail"])
     assert (claimed.event.id, claimed.handler, claimed.attempt) == ("e1", "mail", 2)
     stored = await lane_docs(odb)
