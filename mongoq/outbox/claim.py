@@ -262,7 +262,8 @@ class Claimer:
         """The lane view for a claim of `owner` and `handlers`, and whether it was read for it:
         the lanes of those handlers (of every handler for None) and the slots."""
         view = self.view
-        wanted: list[str | None] = [None, *(handlers or view.slots.handlers)]
+        named = handlers if handlers is not None else view.slots.handlers
+        wanted: list[str | None] = [None, *named]
         if view.failed or owner not in self.filled or view.read_due(wanted, now, VIEW_TTL):
             view.failed = False
             since = view.mark()
@@ -275,27 +276,31 @@ class Claimer:
                     view.slots = await read_slots(self.lanes)
                     view.read_at[None] = now
                 ranges = None if handlers is None else view.slots.ranges(handlers)
-                # Beside its handlers' lanes, those this instance holds of other handlers and
-                # those a failed write left it unsure of: what `_reconcile` and the hand-backs
+                # the handlers whose lanes this read covers (a name without a slot is covered:
+                # it has none)
+                sent = [h for h in named if view.slots.first_lane(h) is not None]
+                # Beside its handlers' lanes, those the owner holds of other handlers and those
+                # a failed write left the view unsure of: what `_reconcile` and the hand-backs
                 # work from must not stay as this instance last wrote or read it.
-                extra = [] if ranges is None else view.outside(ranges, self.outbox.instance)
-                lanes, slots = await read_lanes(
-                    self.lanes, ranges, extra, shared=not view.slots.adopted
-                )
+                pending = set(view.unsure)
+                extra = [] if ranges is None else view.outside(ranges, owner, self.outbox.instance)
+                shared = not view.slots.adopted
+                lanes, slots = await read_lanes(self.lanes, ranges, extra, shared=shared)
             except BaseException:
                 view.failed = True
                 raise
             # Read now: the slots, and the lanes of the handlers whose slots were known (a
             # handler given one since is read by the next claim).
             known = slots.handlers if handlers is None else [
-                h for h in handlers
-                if view.slots.first_lane(h) is not None or slots.first_lane(h) is None
+                *sent, *(h for h in named if slots.first_lane(h) is None)
             ]  # fmt: skip
             view.update(lanes, read_since=since)
-            view.unsure = set() if ranges is None else {
-                i for i in view.unsure
-                if i not in extra and not any(lo <= i < hi for lo, hi in ranges)
+            if shared:  # a shared lane this read did not return was adopted (for good)
+                view.drop_adopted({lane.id for lane in lanes})
+            covered = pending if ranges is None else {
+                i for i in pending if i in extra or any(lo <= i < hi for lo, hi in ranges)
             }  # fmt: skip
+            view.unsure -= covered
             view.slots = view.slots.newer(slots)
             view.read_at.update(dict.fromkeys([None, *known], now))
             return view, True
@@ -312,12 +317,12 @@ class Claimer:
             # Lanes of an earlier version are adopted (what they list moved to each handler's
             # own lanes); until then no handler's lane of their numbers is claimed from.
             self.adopted_at = now
-            await adopt_shared_lanes(self.db, self.lanes, view.slots, now)
+            await adopt_shared_lanes(self.db, self.lanes, view.slots, now, quiet=True)
             self.invalidate()
             view, read = await self._lane_view(owner, handlers, now)
         # The handlers with lanes (a name without is no handler's yet: nothing to claim).
-        wanted = [h for h in dict.fromkeys(handlers or view.slots.handlers)
-                  if view.slots.first_lane(h) is not None]  # fmt: skip
+        named = handlers if handlers is not None else view.slots.handlers
+        wanted = [h for h in dict.fromkeys(named) if view.slots.first_lane(h) is not None]
         # What this owner runs is decided over all its lanes (`others`: those of handlers this
         # claim does not serve), its records of what it handed out cover them all: see
         # `_reconcile`. Those of them that run nothing are handed back.
@@ -344,26 +349,32 @@ class Claimer:
         picking = _Picking(limit, running, self._heads)
         page = min(limit * 2 + PARK_THRESHOLD, MAX_BATCH)
         # The lanes of each handler are its own: a delivery is this claim's to take when the
-        # lane of its handler and number is held by this owner or free.
-        mine = {lane.pair: lane for lane in (*held.values(), *free.values())}
-        # Every lane of every handler this owner's or free: one scan in due order of them
-        # all (``ready``); else a merge of the lanes' ranges (``claim``).
-        lane_ids: list[int] | None = sorted({lane.number for lane in mine.values()})
-        if len(mine) == LANES * len(wanted):
-            lane_ids = None
+        # lane of its handler and number (``_id`` its handler's first lane + the number) is
+        # held by this owner or free. Every lane of every handler this owner's or free: one
+        # scan in due order of them all (``ready``); else a merge of the lanes' ranges
+        # (``claim``) of the numbers any of them has held or free.
+        firsts = {h: view.slots.first_lane(h) or 0 for h in wanted}
+        every = len(held) + len(free) == LANES * len(wanted)
+        lane_ids = None if every else sorted({i % LANES for i in (*held, *free)})
         after: tuple[datetime, Any] | None = None
         while not picking.done and wanted and lane_ids != []:
             candidates = await self._scan(lane_ids, wanted, now, after, page)
-            # A delivery in a lane another owner holds for its handler, where this owner
-            # holds the same number for another handler: read, never picked.
-            await picking.take([c for c in candidates if (c["handler"], c["lane_id"]) in mine])
+            if not every:
+                # A delivery in a lane another owner holds for its handler, where this owner
+                # holds the same number for another handler: read, never picked.
+                candidates = [
+                    c for c in candidates
+                    if (i := firsts[c["handler"]] + c["lane_id"]) in held or i in free
+                ]  # fmt: skip
+            await picking.take(candidates)
             if len(candidates) < page:
                 break
             last = candidates[-1]  # the next page after what was read, kept or not
             after = (last["due_at"], last["_id"])
             page = min(page * 2, MAX_BATCH)  # a long blocked stretch: read further per query
         picks, waiting, heads = picking.picks, picking.waiting, picking.heads
-        deliveries = await self._record(owner, now, {**held, **others}, free, running, picks, mine)
+        mine = {**held, **others}
+        deliveries = await self._record(owner, now, mine, free, running, picks, firsts)
         issued = self.issued[owner]
         for delivery in deliveries:
             issued[bson.ObjectId(delivery.id)] = parse_token(delivery)[3]
@@ -566,14 +577,14 @@ class Claimer:
         free: dict[int, Lane],
         running: list[Entry],
         picks: list[dict[str, Any]],
-        lanes: Mapping[tuple[str | None, int], Lane],
+        firsts: Mapping[str, int],
     ) -> list[Delivery]:
         """Read the picks' events, then record the picks on their lanes (taking the free ones),
         and hand back held lanes that yield nothing and run nothing. Returns the deliveries
-        whose lane write took effect. `lanes`: the lane of each (handler, lane number)."""
+        whose lane write took effect. `firsts`: the ``_id`` of each handler's lane 0."""
         events = await self._events_of(picks, now)
         picks = [p for p in picks if p["event_id"] in events]
-        lane_of_pick = {p["_id"]: lanes[(p["handler"], p["lane_id"])].id for p in picks}
+        lane_of_pick = {p["_id"]: firsts[p["handler"]] + p["lane_id"] for p in picks}
         by_lane: dict[int, list[dict[str, Any]]] = defaultdict(list)
         for pick in picks:
             by_lane[lane_of_pick[pick["_id"]]].append(pick)

@@ -136,11 +136,6 @@ class Lane:
             number=int(doc.get("n", int(doc["_id"]) % LANES)),
         )
 
-    @property
-    def pair(self) -> tuple[str | None, int]:
-        """(handler, lane number): which deliveries this lane holds."""
-        return self.handler, self.number
-
     def held_by(self, owner: str, instance: str) -> bool:
         """Held by this owner on this instance; an expired lease nobody took over is still
         honoured (its next write renews it)."""
@@ -251,12 +246,21 @@ class LaneView:
                 return True
         return False
 
-    def outside(self, ranges: Sequence[tuple[int, int]], instance: str) -> list[int]:
-        """The lanes outside `ranges` that a read must include: those the view has as held on
-        `instance` (by any owner) and the `unsure` ones."""
+    def outside(self, ranges: Sequence[tuple[int, int]], owner: str, instance: str) -> list[int]:
+        """The lanes outside `ranges` that a read for `owner` must include: those the view has
+        as held by it on `instance`, and the `unsure` ones."""
         ids = set(self.unsure)
-        ids.update(i for i, lane in self.lanes.items() if lane.instance == instance and lane.owner)
+        ids.update(i for i, lane in self.lanes.items() if lane.held_by(owner, instance))
         return sorted(i for i in ids if not any(lo <= i < hi for lo, hi in ranges))
+
+    def drop_adopted(self, returned: set[int]) -> None:
+        """Forget the shared lanes a read that asked for every one of them did not return:
+        adopted since (a lane that is a handler's stays one), possibly into a handler's lanes
+        this view does not read, where its old copy would block its number for good."""
+        for lane_id in [i for i, lane in self.lanes.items() if lane.handler is None]:
+            if lane_id not in returned:
+                del self.lanes[lane_id]
+                self._stamps.pop(lane_id, None)
 
     def shared(self) -> bool:
         """Whether this view has lanes of an earlier version, shared among all handlers."""
@@ -391,7 +395,9 @@ async def _give_slots(db: Any, collection: Any, handlers: Iterable[str]) -> Slot
     return slots
 
 
-async def adopt_shared_lanes(db: Any, collection: Any, slots: Slots, now: datetime) -> Slots:
+async def adopt_shared_lanes(
+    db: Any, collection: Any, slots: Slots, now: datetime, *, quiet: bool = False
+) -> Slots:
     """Lanes 0-255 of an earlier version, shared among all handlers, become slot 0's: what
     each listed moves, by handler, to the ``lost`` of that handler's lane of the same number
     (first; charged by the next holder, fenced on generation, so a repeated adoption charges
@@ -399,7 +405,8 @@ async def adopt_shared_lanes(db: Any, collection: Any, slots: Slots, now: dateti
     shared lane held under a live lease (a dispatcher of the earlier version still running)
     is left until its lease expires: until then no handler's lane of its number is claimed
     (`LaneView.split`). Once none is left, the slots record it and claims stop looking.
-    Returns the slots."""
+    `quiet`: held lanes are logged at debug level (a claim's retry, once a second), not as a
+    warning (`setup`). Returns the slots."""
     for _ in range(8):  # an earlier version's write to a shared lane in between: again
         docs = await _driver.find_list(collection, schema.lanes_shared(), batch_size=READ_BATCH)
         shared = [Lane.from_document(doc) for doc in docs]
@@ -438,7 +445,8 @@ async def adopt_shared_lanes(db: Any, collection: Any, slots: Slots, now: dateti
         ], ordered=False)  # fmt: skip
     live = [lane.id for lane in shared if lane.owner is not None and lane.lease_until > now]
     if live:
-        log.warning(
+        log.log(
+            logging.DEBUG if quiet else logging.WARNING,
             "%d outbox lane(s) of an earlier version are held under a live lease: stop its "
             "dispatchers; the lanes are adopted once their leases expire", len(live),
             extra={"lanes": live[:16], "collection": getattr(collection, "name", None)},

@@ -18,6 +18,7 @@ import pytest
 from pymongo.errors import AutoReconnect
 
 from mongoq.outbox import DeliveryContext, DispatchSummary, Event, lane_of
+from mongoq.outbox.lanes import lane_document
 from mongoq.testing import CommandCounter, FaultInjector, ManualClock, instrument
 from tests.support.outbox_helpers import (
     LEASE,
@@ -28,6 +29,7 @@ from tests.support.outbox_helpers import (
     delivery_of,
     dispatcher,
     entry,
+    key_in_lane,
     lane_docs,
     lane_ids_of,
     new_outbox,
@@ -355,6 +357,31 @@ async def test_a_claim_that_meets_shared_lanes_adopts_them_before_claiming_from_
     assert (await slots(odb) or {}).get("adopted") is True
     assert not await outbox.complete(old)
     assert await fresh.complete(claimed)
+
+
+async def test_a_claim_of_other_handlers_than_slot_0s_goes_on_beside_a_shared_lane_held_live(
+    odb: Any, clock: ManualClock
+) -> None:
+    """Every lane is still an earlier version's, lane 6 held by OLD under a live lease; mail
+    has its lanes and slot. X's claim for mail adopts the other 255 (they become stats's,
+    which X does not read) and claims mail's e1 in lane number 5 at once: only number 6
+    waits for OLD."""
+    outbox = await new_outbox(odb, clock)
+    key = key_in_lane(5)
+    await outbox.publish(order(1, key), session=None)
+    await shared_lanes(odb, clock, {6: []})
+    collection = odb[f"{PREFIX}lanes"]
+    await collection.insert_one({"_id": "slots", "handlers": ["stats", "mail"], "adopted": False})
+    await collection.insert_many([lane_document(256 + n, "mail") for n in range(256)])
+
+    x = another(odb, clock)
+    [claimed] = await x.claim("X", ["mail"])
+    assert (claimed.event.id, claimed.handler, claimed.lane_id) == ("e1", "mail", 5)
+    stored = await lane_docs(odb)
+    assert (stored[5]["handler"], stored[256 + 5]["owner"]) == ("stats", "X")
+    still = await collection.find_one({"_id": 6})
+    assert still is not None and "n" not in still and still["owner"] == "OLD"
+    assert (await slots(odb) or {}).get("adopted") is False
 
 
 async def test_a_requeue_counts_itself_in_its_handlers_lane(odb: Any, clock: ManualClock) -> None:

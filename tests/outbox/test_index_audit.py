@@ -49,6 +49,11 @@ Publish = Callable[[AsyncOutbox, Sequence[Event]], Awaitable[Any]]
 
 #: Shapes no declared index serves on purpose, by (collection, command, top-level filter fields).
 BY_DESIGN: dict[Shape, str] = {
+    (LANES, "find", ()): (
+        "the lanes collection read whole by design (256 small documents a handler): a claim of "
+        "every handler, statistics and list_deliveries to tell what runs (mongoq.outbox.lanes); "
+        "a claim of some handlers reads their _id ranges"
+    ),
     (DELIVERIES, "distinct", ()): (
         "setup: the handlers with deliveries, a DISTINCT_SCAN of the handler index (the "
         "matcher does not model distinct keys)"

@@ -5,7 +5,8 @@ cannot tell. Each runs on the server lanes only (``MONGOQ_TEST_URI``) and is ski
 - the scan of some lanes (one held by another owner) merges the ``claim`` ranges of at most 200
   lanes (``SORT_MERGE``), and its next page, two ranges a lane, stays within the same limit;
 - what comes before the heads of several keys is one ``$or`` of ``ordering`` ranges;
-- unparking is a distinct scan of ``parked_keys`` (one seek a key), no in-memory sort.
+- unparking is a distinct scan of ``parked_keys`` (one seek a key), no in-memory sort;
+- a claim of some handlers reads their lanes by ``_id`` ranges, never the whole collection.
 """
 
 from __future__ import annotations
@@ -96,3 +97,33 @@ async def test_the_claim_scans_unpark_and_heads_use_their_indexes_on_a_real_serv
             assert "DISTINCT_SCAN" in stages(nodes), stages(nodes)
         seen.add(kind)
     assert {"ready", "ready page", "merge", "ahead", "unpark"} <= seen, seen
+
+
+async def test_a_claim_of_some_handlers_reads_their_lanes_by_id_on_a_real_server(
+    odb: Any, request: pytest.FixtureRequest, clock: ManualClock
+) -> None:
+    """A claim for one handler reads that handler's ``_id`` range of the lanes (and the slots,
+    and the lanes it holds of others) through the ``_id`` index: not a scan of every
+    handler's lanes."""
+    if request.node.callspec.params["odb"] not in SERVERS:
+        pytest.skip("explain needs a real server: set MONGOQ_TEST_URI")
+    recorder = ChainRecorder(odb)
+    counter = CommandCounter()
+    outbox = AsyncOutbox(instrument(recorder, counter), PREFIX, subscriptions=SUBSCRIPTIONS,
+                         clock=clock)  # fmt: skip
+    await outbox.setup()
+    await outbox.publish([Event(f"u{n}", "order.created") for n in range(10)], session=None)
+    assert await outbox.claim("A", ["mail"], limit=1)
+    counter.record = True
+    clock.advance(2)  # the view is read again
+    assert await outbox.claim("A", ["stats"], limit=1)  # and A's lane of mail by _id
+    counter.record = False
+    reads = [
+        op for op in counter.operations
+        if op.collection == f"{PREFIX}lanes" and op.name == "find" and "$or" in (op.filter or {})
+    ]  # fmt: skip
+    assert reads, "no lane view read of some handlers"
+    for op in reads:
+        nodes = await explained(odb, recorder, op)
+        assert "COLLSCAN" not in stages(nodes), (op.filter, stages(nodes))
+        assert indexes(nodes) == {"_id_"}, indexes(nodes)
