@@ -359,14 +359,13 @@ class Claimer:
         after: tuple[datetime, Any] | None = None
         while not picking.done and wanted and lane_ids != []:
             candidates = await self._scan(lane_ids, wanted, now, after, page)
-            if not every:
-                # A delivery in a lane another owner holds for its handler, where this owner
-                # holds the same number for another handler: read, never picked.
-                candidates = [
-                    c for c in candidates
-                    if (i := firsts[c["handler"]] + c["lane_id"]) in held or i in free
-                ]  # fmt: skip
-            await picking.take(candidates)
+            # A delivery in a lane another owner holds for its handler, read because this
+            # owner holds or may take the same number for another handler: never picked (and
+            # the next page starts after the last one read, kept or not).
+            await picking.take(candidates if every else [
+                c for c in candidates
+                if (i := firsts[c["handler"]] + c["lane_id"]) in held or i in free
+            ])  # fmt: skip
             if len(candidates) < page:
                 break
             last = candidates[-1]  # the next page after what was read, kept or not

@@ -34,6 +34,7 @@ from tests.support.outbox_helpers import (
     lane_ids_of,
     new_outbox,
     order,
+    paid,
     pairs,
 )
 
@@ -115,6 +116,26 @@ async def test_claimers_of_disjoint_handlers_progress_side_by_side_in_one_lane_n
     assert pairs(await outbox.claim("B", ["stats"])) == [("e2", "stats")]  # A still runs e1
     assert await outbox.complete(mail[0])
     assert pairs(await outbox.claim("A", ["mail"])) == [("e2", "mail")]
+
+
+async def test_a_page_of_another_owners_deliveries_in_one_lane_number_is_read_past(
+    odb: Any, clock: ManualClock
+) -> None:
+    """A holds stats's lane of number n, 40 stats deliveries due there. X claims for every
+    handler: mail's lane n is free, so X's scan reads lane number n, and its first page is all
+    A's (dropped, never picked); the next page starts after them and finds x1."""
+    outbox = await new_outbox(odb, clock)
+    number = 9
+    ids = [f"u{i}" for i in range(20_000) if lane_of(f"u{i}") == number][:41]
+    await outbox.publish([paid(i) for i in ids], session=None)
+    assert len(await outbox.claim("A", ["stats"], limit=1)) == 1  # A holds stats's lane n
+    clock.advance(1)
+    await outbox.publish(order(1), session=None)
+    [claimed] = await another(odb, clock).claim("X", limit=1)
+    assert claimed.event.id == "e1"
+    stored = await lane_docs(odb)
+    assert stored[await lane_ids_of(odb, "stats") + number]["owner"] == "A"
+    assert stored[await lane_ids_of(odb, claimed.handler) + lane_of("e1")]["owner"] == "X"
 
 
 async def test_every_handler_gets_one_slot_of_256_lanes_and_setup_changes_nothing_after(
