@@ -51,8 +51,6 @@ from mongoq.outbox.lanes import (
     LaneView,
     adopt_shared_lanes,
     charge_lost,
-    read_lanes,
-    read_slots,
 )
 from mongoq.outbox.models import LANES, Delivery, Event
 from mongoq.runtime.loop import error_text
@@ -259,50 +257,12 @@ class Claimer:
     async def _lane_view(
         self, owner: str, handlers: list[str] | None, now: datetime
     ) -> tuple[LaneView, bool]:
-        """The lane view for a claim of `owner` and `handlers`, and whether it was read for it:
-        the lanes of those handlers (of every handler for None) and the slots."""
+        """The lane view for a claim of `owner` and `handlers`, and whether it was read for it
+        (`LaneView.refresh`)."""
         view = self.view
         named = handlers if handlers is not None else view.slots.handlers
-        wanted: list[str | None] = [None, *named]
-        if view.failed or owner not in self.filled or view.read_due(wanted, now, VIEW_TTL):
-            view.failed = False
-            since = view.mark()
-            try:
-                unknown = handlers is not None and any(
-                    view.slots.first_lane(h) is None for h in handlers
-                )
-                if unknown and view.read_due([None], now, VIEW_TTL):
-                    # A handler whose lanes this view does not know: which are they?
-                    view.slots = await read_slots(self.lanes)
-                    view.read_at[None] = now
-                ranges = None if handlers is None else view.slots.ranges(handlers)
-                # the handlers whose lanes this read covers (a name without a slot is covered:
-                # it has none)
-                sent = [h for h in named if view.slots.first_lane(h) is not None]
-                # Beside its handlers' lanes, those the owner holds of other handlers and those
-                # a failed write left the view unsure of: what `_reconcile` and the hand-backs
-                # work from must not stay as this instance last wrote or read it.
-                pending = set(view.unsure)
-                extra = [] if ranges is None else view.outside(ranges, owner, self.outbox.instance)
-                shared = not view.slots.adopted
-                lanes, slots = await read_lanes(self.lanes, ranges, extra, shared=shared)
-            except BaseException:
-                view.failed = True
-                raise
-            # Read now: the slots, and the lanes of the handlers whose slots were known (a
-            # handler given one since is read by the next claim).
-            known = slots.handlers if handlers is None else [
-                *sent, *(h for h in named if slots.first_lane(h) is None)
-            ]  # fmt: skip
-            view.update(lanes, read_since=since)
-            if shared:  # a shared lane this read did not return was adopted (for good)
-                view.drop_adopted({lane.id for lane in lanes})
-            covered = pending if ranges is None else {
-                i for i in pending if i in extra or any(lo <= i < hi for lo, hi in ranges)
-            }  # fmt: skip
-            view.unsure -= covered
-            view.slots = view.slots.newer(slots)
-            view.read_at.update(dict.fromkeys([None, *known], now))
+        if view.failed or owner not in self.filled or view.read_due([None, *named], now, VIEW_TTL):
+            await view.refresh(self.lanes, owner, self.outbox.instance, handlers, now, VIEW_TTL)
             return view, True
         return view, False
 

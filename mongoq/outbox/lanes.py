@@ -298,6 +298,50 @@ class LaneView:
                     free[lane_id] = lane
         return held, free, stale, others
 
+    async def refresh(
+        self, collection: Any, owner: str, instance: str, handlers: Sequence[str] | None,
+        now: datetime, ttl: float,
+    ) -> None:  # fmt: skip
+        """Read the lanes a claim of `owner` (on `instance`) and `handlers` works from: those
+        handlers' lanes (every lane for None) and the slots; beside them, by ``_id``, the lanes
+        the owner holds of other handlers and those a failed write left the view `unsure` of
+        (what its reconcile and hand-backs work from must not stay as it last wrote or read
+        them), and the shared lanes until they are adopted. A handler whose slot the view does
+        not know has the slots read first (at most once `ttl` seconds)."""
+        named = handlers if handlers is not None else self.slots.handlers
+        self.failed = False
+        since = self.mark()
+        try:
+            unknown = handlers is not None and any(
+                self.slots.first_lane(h) is None for h in handlers
+            )
+            if unknown and self.read_due([None], now, ttl):
+                self.slots = await read_slots(collection)
+                self.read_at[None] = now
+            ranges = None if handlers is None else self.slots.ranges(handlers)
+            # the handlers whose lanes this read covers (a name without a slot: it has none)
+            sent = [h for h in named if self.slots.first_lane(h) is not None]
+            pending = set(self.unsure)
+            extra = [] if ranges is None else self.outside(ranges, owner, instance)
+            shared = not self.slots.adopted
+            lanes, slots = await read_lanes(collection, ranges, extra, shared=shared)
+        except BaseException:
+            self.failed = True
+            raise
+        # Read now: the slots, and the lanes of the handlers whose slots were known (a handler
+        # given one since is read by the next claim).
+        known = slots.handlers if handlers is None else [
+            *sent, *(h for h in named if slots.first_lane(h) is None)
+        ]  # fmt: skip
+        self.update(lanes, read_since=since)
+        if shared:  # a shared lane this read did not return was adopted (for good)
+            self.drop_adopted({lane.id for lane in lanes})
+        self.unsure -= pending if ranges is None else {
+            i for i in pending if i in extra or any(lo <= i < hi for lo, hi in ranges)
+        }  # fmt: skip
+        self.slots = self.slots.newer(slots)
+        self.read_at.update(dict.fromkeys([None, *known], now))
+
     def mark(self) -> int:
         """The mark to give `update` with what a read sent now returns: later than every
         update so far and every earlier mark."""

@@ -42,13 +42,11 @@ def indexes(nodes: list[Mapping[str, Any]]) -> set[str]:
     return {str(node["indexName"]) for node in nodes if "indexName" in node}
 
 
-def deliveries_finds(counter: CommandCounter) -> list[Operation]:
-    return [op for op in counter.operations if op.collection == f"{PREFIX}deliveries"]
-
-
-async def test_the_claim_scans_unpark_and_heads_use_their_indexes_on_a_real_server(
+async def explainable(
     odb: Any, request: pytest.FixtureRequest, clock: ManualClock
-) -> None:
+) -> tuple[ChainRecorder, CommandCounter, AsyncOutbox]:
+    """An outbox set up on a real server whose commands are recorded for `explained` (the test
+    is skipped elsewhere)."""
     if request.node.callspec.params["odb"] not in SERVERS:
         pytest.skip("explain needs a real server: set MONGOQ_TEST_URI")
     recorder = ChainRecorder(odb)
@@ -56,6 +54,17 @@ async def test_the_claim_scans_unpark_and_heads_use_their_indexes_on_a_real_serv
     outbox = AsyncOutbox(instrument(recorder, counter), PREFIX, subscriptions=SUBSCRIPTIONS,
                          clock=clock)  # fmt: skip
     await outbox.setup()
+    return recorder, counter, outbox
+
+
+def deliveries_finds(counter: CommandCounter) -> list[Operation]:
+    return [op for op in counter.operations if op.collection == f"{PREFIX}deliveries"]
+
+
+async def test_the_claim_scans_unpark_and_heads_use_their_indexes_on_a_real_server(
+    odb: Any, request: pytest.FixtureRequest, clock: ManualClock
+) -> None:
+    recorder, counter, outbox = await explainable(odb, request, clock)
     # Three keys with 40 waiting each behind their heads, then a backlog over every lane.
     keys = [key_in_lane(lane, "hot") for lane in (5, 6, 7)]
     await outbox.publish(
@@ -105,13 +114,7 @@ async def test_a_claim_of_some_handlers_reads_their_lanes_by_id_on_a_real_server
     """A claim for one handler reads that handler's ``_id`` range of the lanes (and the slots,
     and the lanes it holds of others) through the ``_id`` index: not a scan of every
     handler's lanes."""
-    if request.node.callspec.params["odb"] not in SERVERS:
-        pytest.skip("explain needs a real server: set MONGOQ_TEST_URI")
-    recorder = ChainRecorder(odb)
-    counter = CommandCounter()
-    outbox = AsyncOutbox(instrument(recorder, counter), PREFIX, subscriptions=SUBSCRIPTIONS,
-                         clock=clock)  # fmt: skip
-    await outbox.setup()
+    recorder, counter, outbox = await explainable(odb, request, clock)
     await outbox.publish([Event(f"u{n}", "order.created") for n in range(10)], session=None)
     assert await outbox.claim("A", ["mail"], limit=1)
     counter.record = True
