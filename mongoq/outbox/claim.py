@@ -314,6 +314,8 @@ class Claimer:
         # scan in due order of them all (``ready``); else a merge of the lanes' ranges
         # (``claim``) of the numbers any of them has held or free.
         firsts = {h: view.slots.first_lane(h) or 0 for h in wanted}
+        ours = {i // LANES * LANES for i in (*held, *free)}
+        wanted = [h for h in wanted if firsts[h] in ours]  # the others have nothing to take
         every = len(held) + len(free) == LANES * len(wanted)
         lane_ids = None if every else sorted({i % LANES for i in (*held, *free)})
         after: tuple[datetime, Any] | None = None

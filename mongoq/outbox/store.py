@@ -198,7 +198,7 @@ class AsyncOutbox:
         """Lanes for the handlers `events` go to, before their deliveries exist (outside any
         transaction: lanes are never rolled back): a claim for every handler (None) finds
         the handlers by their lanes. Once per handler and instance; `setup` gave its own."""
-        wanted = {h for e in events for h in self.subscriptions.get(e.type, ())}
+        wanted = {h for e in events for h in self.handlers_for(e.type)}
         missing = sorted(wanted - self._laned)
         if missing:
             await seed_lanes(self.db, self.lanes, missing, await self._now())

@@ -138,6 +138,46 @@ async def test_a_page_of_another_owners_deliveries_in_one_lane_number_is_read_pa
     assert stored[await lane_ids_of(odb, claimed.handler) + lane_of("e1")]["owner"] == "X"
 
 
+async def test_a_claim_does_not_scan_a_handler_whose_every_lane_another_owner_holds(
+    odb: Any, clock: ManualClock, counter: CommandCounter
+) -> None:
+    """A holds all 256 of stats's lanes. X's claims for every handler scan mail's deliveries
+    only: stats's, all in A's lanes, would be read and dropped on every claim."""
+    outbox = await new_outbox(odb, clock)
+    ids: dict[int, str] = {}
+    for i in range(100_000):
+        ids.setdefault(lane_of(f"s{i}"), f"s{i}")
+        if len(ids) == 256:
+            break
+    await outbox.publish([paid(i) for i in ids.values()], session=None)
+    assert len(await outbox.claim("A", ["stats"], limit=256)) == 256
+    await outbox.publish(order(1), session=None)
+    x = another(instrument(odb, counter), clock)
+    counter.record = True
+    [claimed] = await x.claim("X", limit=5)
+    assert (claimed.event.id, claimed.handler) == ("e1", "mail")
+    scans = [
+        op.filter for op in counter.operations
+        if op.collection == f"{PREFIX}deliveries" and op.name == "find" and "lane" in op.filter
+    ]  # fmt: skip
+    assert scans and all(f["handler"] == {"$in": ["mail"]} for f in scans), scans
+    assert (await lane_docs(odb))[await lane_ids_of(odb, "stats") + lane_of("e1")]["owner"] == "A"
+
+
+async def test_a_publish_gives_lanes_to_the_handlers_subscribed_to_every_event_type(
+    odb: Any, clock: ManualClock
+) -> None:
+    """A process subscribing "audit" to every type ("*") publishes without a set-up of its
+    own: its first publish gives audit its lanes, and the delivery is claimed."""
+    await new_outbox(odb, clock)
+    wide = another(odb, clock, subscriptions={**SUBSCRIPTIONS, "*": ["audit"]})
+    await wide.publish(paid("p1"), session=None)
+    assert (await slots(odb) or {}).get("handlers") == ["stats", "mail", "audit"]
+    assert len(await lane_docs(odb)) == 768
+    [claimed] = await another(odb, clock).claim("Y", ["audit"])
+    assert (claimed.event.id, claimed.handler) == ("p1", "audit")
+
+
 async def test_every_handler_gets_one_slot_of_256_lanes_and_setup_changes_nothing_after(
     odb: Any, clock: ManualClock
 ) -> None:
