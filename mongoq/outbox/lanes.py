@@ -213,6 +213,11 @@ class Slots:
         return [(first, first + LANES) for first in firsts if first is not None]
 
 
+def _within(lane_id: int, ranges: Sequence[tuple[int, int]]) -> bool:
+    """Whether `lane_id` is in one of the ``[first, end)`` `ranges`."""
+    return any(lo <= lane_id < hi for lo, hi in ranges)
+
+
 @dataclass
 class LaneView:
     """What one `AsyncOutbox` instance knows of the lanes: every lane as last read or as its
@@ -251,7 +256,7 @@ class LaneView:
         as held by it on `instance`, and the `unsure` ones."""
         ids = set(self.unsure)
         ids.update(i for i, lane in self.lanes.items() if lane.held_by(owner, instance))
-        return sorted(i for i in ids if not any(lo <= i < hi for lo, hi in ranges))
+        return sorted(i for i in ids if not _within(i, ranges))
 
     def drop_adopted(self, returned: set[int]) -> None:
         """Forget the shared lanes a read that asked for every one of them did not return:
@@ -337,7 +342,7 @@ class LaneView:
         if shared:  # a shared lane this read did not return was adopted (for good)
             self.drop_adopted({lane.id for lane in lanes})
         self.unsure -= pending if ranges is None else {
-            i for i in pending if i in extra or any(lo <= i < hi for lo, hi in ranges)
+            i for i in pending if i in extra or _within(i, ranges)
         }  # fmt: skip
         self.slots = self.slots.newer(slots)
         self.read_at.update(dict.fromkeys([None, *known], now))

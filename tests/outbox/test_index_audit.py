@@ -59,10 +59,12 @@ BY_DESIGN: dict[Shape, str] = {
         "matcher does not model distinct keys)"
     ),
     (LANES, "update_many", ("instance", "owner")): (
-        "extend_lease: the lanes have no secondary index by design, a scan of 256 small documents"
+        "extend_lease: the lanes have no secondary index by design, a scan of the lane documents "
+        "(256 small ones a handler)"
     ),
     (LANES, "find", ("instance", "owner")): (
-        "relinquish: the lanes have no secondary index by design, a scan of 256 small documents"
+        "relinquish: the lanes have no secondary index by design, a scan of the lane documents "
+        "(256 small ones a handler)"
     ),
     (DELIVERIES, "update_one", ("event_id", "handler", "requeue_uncounted")): (
         "requeue clearing its mark: served by the unique index event_handler (event_id, "
