@@ -390,21 +390,25 @@ async def read_slots(collection: Any) -> Slots:
     return Slots.from_document(await collection.find_one(schema.slots_document()))
 
 
-async def seed_lanes(db: Any, collection: Any, handlers: Iterable[str], now: datetime) -> Slots:
+async def seed_lanes(
+    db: Any, collection: Any, handlers: Iterable[str], now: datetime, *, every: bool = False
+) -> Slots:
     """Give each of `handlers` a slot and its 256 lanes, where it has none yet, create any
-    lane missing from a slot it has, then adopt the lanes an earlier version shared among all
-    handlers (`adopt_shared_lanes`); idempotent, safe to race. The first handler ever given a
-    slot has slot 0: lanes 0-255, the earlier version's lane ids."""
-    slots = await _give_slots(db, collection, handlers)
+    lane missing from a slot it has (with `every`, from every handler's slot), then adopt the
+    lanes an earlier version shared among all handlers (`adopt_shared_lanes`); idempotent,
+    safe to race. The first handler ever given a slot has slot 0: lanes 0-255, the earlier
+    version's lane ids."""
+    slots = await _give_slots(collection, handlers, every=every)
     if not slots.adopted:
         slots = await adopt_shared_lanes(db, collection, slots, now)
     return slots
 
 
-async def _give_slots(db: Any, collection: Any, handlers: Iterable[str]) -> Slots:
-    """A slot for each of `handlers` without one, and every lane of theirs not there yet."""
-    wanted = list(dict.fromkeys(handlers))
+async def _give_slots(collection: Any, handlers: Iterable[str], *, every: bool = False) -> Slots:
+    """A slot for each of `handlers` without one, and every lane of theirs (with `every`: of
+    every handler with a slot) not there yet."""
     slots = await read_slots(collection)
+    wanted = list(dict.fromkeys([*(slots.handlers if every else ()), *handlers]))
     missing = [h for h in wanted if slots.first_lane(h) is None]
     if missing:
         with contextlib.suppress(DuplicateKeyError):  # two first set-ups at once
@@ -466,7 +470,7 @@ async def adopt_shared_lanes(
         if not due:
             break
         listed = sorted({e.handler for lane in due for e in lane.in_flight + lane.lost})
-        slots = await _give_slots(db, collection, listed)
+        slots = await _give_slots(collection, listed)
         if not slots.handlers:
             return slots  # no handler has lanes yet: nothing to adopt them
         first = slots.handlers[0]

@@ -26,7 +26,7 @@ from mongoq.clock import Clock, ServerClock, stored_instant
 from mongoq.errors import InvalidInput, LeaseLost
 from mongoq.outbox import schema
 from mongoq.outbox.claim import Claimer, parse_token
-from mongoq.outbox.lanes import Lane, read_slots, seed_lanes
+from mongoq.outbox.lanes import Lane, seed_lanes
 from mongoq.outbox.models import (
     Delivery,
     DeliveryInfo,
@@ -135,8 +135,9 @@ class AsyncOutbox:
         # the first handler ever takes lanes 0-255.
         subscribed = [h for names in self.subscriptions.values() for h in names]
         delivered = sorted(await self.deliveries.distinct(schema.HANDLER_FIELD))
-        known = (await read_slots(self.lanes)).handlers
-        await seed_lanes(self.db, self.lanes, [*known, *subscribed, *delivered], await self._now())
+        await seed_lanes(
+            self.db, self.lanes, [*subscribed, *delivered], await self._now(), every=True
+        )
         self._laned.update(subscribed)
         # Deliveries parked by an earlier version get the key unparking now scans by.
         await self.deliveries.update_many(
