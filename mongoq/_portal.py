@@ -480,7 +480,7 @@ class Facade:
                 log.warning("second signal %d, cancelling in-flight work", signum)
             # Not `Portal._schedule`: this thread may hold its lock when the signal comes.
             with contextlib.suppress(RuntimeError):  # the loop already closed
-                loop.call_soon_threadsafe(target._stop_soon if first else target._cancel_running)
+                loop.call_soon_threadsafe(target.stop if first else target._cancel_running)
 
         previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:

@@ -450,7 +450,7 @@ class Yielding:
 
 @dataclass
 class _Rule:
-    when: str  # "before" | "after" | "pause"
+    when: str  # "before" | "after" | "pause" | "reply"
     name: str
     collection: str | None
     times: int
@@ -486,6 +486,8 @@ class FaultInjector:
       that carried a server error, such as a bulk insert's duplicate keys);
     - `pause_before`: the command waits until the test releases it (`Pause.reached` tells when
       it got there), so the test can run other commands in between;
+    - `pause_after`: the command is applied, and its reply waits until the test releases it (a
+      reply held up in the network: the caller learns late what the server did long before);
     - `yield_between=True`: every command first yields to the event loop, so concurrent workers
       interleave command by command instead of running to completion one after another.
     `triggered` lists every operation a rule fired on.
@@ -514,6 +516,14 @@ class FaultInjector:
     ) -> Pause:  # fmt: skip
         pause = Pause()
         self._rules.append(_Rule("pause", name, collection, 1, None, match, pause))
+        return pause
+
+    def pause_after(
+        self, name: str, *, collection: str | None = None,
+        match: Callable[[Operation], bool] | None = None,
+    ) -> Pause:  # fmt: skip
+        pause = Pause()
+        self._rules.append(_Rule("reply", name, collection, 1, None, match, pause))
         return pause
 
     def clear(self) -> None:
@@ -545,6 +555,10 @@ class FaultInjector:
         # there too: its reply can be lost like any other. One that never reached it cannot.
         if error is not None and not isinstance(error, OperationFailure):
             return
+        held = self._take("reply", op)
+        if held is not None and held.pause is not None:
+            held.pause.reached.set()
+            await held.pause._go.wait()
         rule = self._take("after", op)
         if rule is not None:
             raise rule.error or NetworkTimeout(

@@ -261,8 +261,12 @@ class TaskQueue(Facade):
 
         Each task runs inside `leased`: its return value is the task's result (a result that
         cannot be stored fails the task); a `PermanentError` fails it; another exception
-        releases it for retry. Expired leases are reclaimed every ``lease_ttl / 3``, and when
-        nothing is due (at most that often); then the loop sleeps `poll_interval`.
+        releases it for retry. A handler starts only while its lease is known to hold with a
+        third of it left (a lease is dated from before the claim or renewal was sent); with
+        less, the task is renewed first, and one whose lease cannot be shown live is not
+        started: given back without counting an attempt, unless another worker took it over.
+        Expired leases are reclaimed every ``lease_ttl / 3``, and when nothing is due (at
+        most that often); then the loop sleeps `poll_interval`.
         `stop_when_empty` returns as soon as nothing is due *now*: tasks waiting out a retry
         backoff or a delay are left for a later run. `stop_when_drained` returns only when no
         task is left pending or processing at all, sleeping (on the queue's clock) until the
@@ -440,7 +444,9 @@ class TaskQueue(Facade):
 
     def stop(self) -> None:
         """Ask every `run` loop of this instance to stop gracefully: they claim nothing more,
-        let in-flight work finish, and return.
+        let in-flight work finish, and return. The stop holds until a `run` returns: a `run`
+        that starts meanwhile (one called just before, whose loop was not running yet, or one
+        called after a stop with none running) returns at once, having claimed nothing.
         """
         self._call("stop")
 
@@ -752,7 +758,9 @@ class GroupTransport(Facade):
 
     def stop(self) -> None:
         """Ask every `run` loop of this instance to stop gracefully: they claim nothing more,
-        let in-flight work finish, and return.
+        let in-flight work finish, and return. The stop holds until a `run` returns: a `run`
+        that starts meanwhile (one called just before, whose loop was not running yet, or one
+        called after a stop with none running) returns at once, having claimed nothing.
         """
         self._call("stop")
 
@@ -1024,7 +1032,11 @@ class OutboxDispatcher(Facade):
         return cast("bool", self._get("stopping"))
 
     def stop(self) -> None:
-        """Graceful stop: claim nothing more, let running handlers finish, hand lanes back."""
+        """Graceful stop: claim nothing more, let running handlers finish, hand lanes back.
+        The stop holds until `run` returns: a `run` that starts meanwhile (one called just
+        before, whose loop was not running yet, or one called after a stop with none
+        running) returns at once, having claimed nothing.
+        """
         self._call("stop")
 
     def run_once(self) -> DispatchSummary:

@@ -305,6 +305,30 @@ async def test_pause_before_holds_a_command_until_released(db: Any) -> None:
     assert await logged(db) == ["overtaking", "held"]
 
 
+async def test_pause_after_applies_a_command_and_holds_its_reply_until_released(db: Any) -> None:
+    faults = FaultInjector()
+    wrapped = instrument(db, faults)
+    pause = faults.pause_after(
+        "update_one", match=lambda op: op.args[1]["$push"]["entries"] == "held"
+    )
+    replied = anyio.Event()
+
+    async def send() -> None:
+        await log(wrapped, "held")
+        replied.set()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(send)
+        await pause.reached.wait()
+        assert await logged(db) == ["held"]  # applied on the server...
+        assert not replied.is_set()  # ...while its caller still waits for the answer
+        await log(wrapped, "after")
+        pause.release()
+
+    assert replied.is_set()
+    assert await logged(db) == ["held", "after"]
+
+
 async def test_cleared_faults_fire_no_more(db: Any) -> None:
     faults = FaultInjector()
     wrapped = instrument(db, faults)

@@ -33,6 +33,7 @@ from mongoq.errors import InvalidInput, LeaseLost, PermanentError
 from mongoq.outbox.models import Delivery, DispatchSummary, Event, check_handler
 from mongoq.outbox.store import AsyncOutbox
 from mongoq.runtime import changes, wakeups
+from mongoq.runtime import lease as leases
 from mongoq.runtime.events import Tally
 from mongoq.runtime.handler import call_handler
 from mongoq.runtime.loop import (
@@ -146,7 +147,10 @@ class OutboxDispatcher:
         return self._stopping
 
     def stop(self) -> None:
-        """Graceful stop: claim nothing more, let running handlers finish, hand lanes back."""
+        """Graceful stop: claim nothing more, let running handlers finish, hand lanes back.
+        The stop holds until `run` returns: a `run` that starts meanwhile (one called just
+        before, whose loop was not running yet, or one called after a stop with none
+        running) returns at once, having claimed nothing."""
         self._stopping = True
         self._wake()
 
@@ -163,16 +167,21 @@ class OutboxDispatcher:
         """Claim one batch (up to `concurrency`), run it to the end, settle it; returns what
         this call did. Lanes stay held for the next call (see `stop`/`run`)."""
         before = DispatchSummary(**vars(self.summary))
-        batch = await self._claim(self.concurrency)
-        if batch:
-            async with anyio.create_task_group() as group:
-                group.start_soon(self._renew_while_running)
-                async with anyio.create_task_group() as handlers:
-                    for delivery in batch:
-                        self._active += 1
-                        handlers.start_soon(self._run_one, delivery)
-                group.cancel_scope.cancel()
-            await self._flush()
+        batch, lease_end = await self._claim(self.concurrency)
+        try:
+            if batch:
+                async with anyio.create_task_group() as group:
+                    group.start_soon(self._renew_while_running)
+                    async with anyio.create_task_group() as handlers:
+                        for delivery in batch:
+                            self._active += 1
+                            handlers.start_soon(self._run_one, delivery, lease_end)
+                    group.cancel_scope.cancel()
+        finally:
+            # Also when cancelled: what finished is completed, not left to run again. Bounded,
+            # so a dead server cannot hold the caller longer than the lease would have lasted.
+            with anyio.move_on_after(self.outbox.lease, shield=True):
+                await self._flush()
         return DispatchSummary(
             **{name: value - getattr(before, name) for name, value in vars(self.summary).items()}
         )
@@ -209,10 +218,6 @@ class OutboxDispatcher:
             self._stopping = False  # a later run() starts afresh; a stop() before it holds
         return self.summary
 
-    def _stop_soon(self) -> None:
-        """`stop()`: sticky until `run` returns, so a stop before the loop starts counts."""
-        self.stop()
-
     def _cancel_running(self) -> None:
         """Hard stop: cancel the running handlers (their deliveries are released) and return
         from `run` (`mongoq_sync`'s second signal)."""
@@ -241,10 +246,10 @@ class OutboxDispatcher:
             await anyio.lowlevel.checkpoint_if_cancelled()  # the claim's shield would hide it
             free = self.concurrency - self._active
             ended, wakes = self._ended, self._wakes
-            batch = await self._claim(free) if free > 0 else []
+            batch, lease_end = await self._claim(free) if free > 0 else ([], None)
             for delivery in batch:
                 self._active += 1
-                handlers.start_soon(self._run_one, delivery)
+                handlers.start_soon(self._run_one, delivery, lease_end)
             if batch or self._ended != ended or (free > 0 and self._wakes != wakes):
                 # Claimed, or a handler ended or a publish came while the claim ran (its
                 # wake-up found no nap, and the claim may have read the state from before
@@ -283,7 +288,10 @@ class OutboxDispatcher:
             finally:
                 self._nap = None
 
-    async def _claim(self, limit: int) -> list[Delivery]:
+    async def _claim(self, limit: int) -> tuple[list[Delivery], datetime | None]:
+        """Up to `limit` deliveries, and when the lease of their lanes ends: the claim writes
+        each lane it hands a delivery from with a lease dated no earlier than it was sent."""
+        sent = self.outbox.clock.now()
         try:
             # Shielded: a claim applied on the server but cancelled before its reply is read
             # would keep its lanes, unseen, for a whole lease.
@@ -291,9 +299,9 @@ class OutboxDispatcher:
                 batch = await self.outbox.claim(self.owner, list(self.handlers), limit=limit)
         except _driver.DRIVER_ERRORS as exc:
             log.warning("claim failed (%s); retrying after %.1fs", exc, self.poll_interval)
-            return []
+            return [], None
         self._tally("claimed", len(batch))
-        return batch
+        return batch, leases.renewed_until(sent, self.outbox.lease)
 
     async def _renew_while_running(self) -> None:
         interval = self.outbox.lease / 3
@@ -317,11 +325,19 @@ class OutboxDispatcher:
 
     # ---------------------------------------------------------------------------- delivery
 
-    async def _run_one(self, delivery: Delivery) -> None:
+    async def _run_one(self, delivery: Delivery, lease_end: datetime | None) -> None:
         guard = anyio.CancelScope()
         self._guards.add(guard)
         try:
-            await self._dispatch(delivery, guard)
+            now = self.outbox.clock.now()
+            if lease_end is not None and leases.startable(lease_end, now, self.outbox.lease):
+                await self._dispatch(delivery, guard)
+            else:
+                # The claim answered too late to show its lanes' lease live: another worker
+                # may have taken the lane over. Handed back, fenced on the claim's generation.
+                log.info("delivery %s: the claim answered too late; not started", delivery.id,
+                         extra={"mongoq_delivery": delivery.id})  # fmt: skip
+                await self._settle(delivery, "released", self.outbox.release(delivery))
         finally:
             self._guards.discard(guard)
             self._active -= 1

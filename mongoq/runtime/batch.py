@@ -12,8 +12,11 @@ Invariants the slot keeps for every primitive:
 - an item a renewal found lost is never started, and never settled, by this slot; if its
   handler is running, it is cancelled (its work could not be recorded);
 - a handler past its time limit is cancelled and settled as a failure (`HandlerTimeout`);
-- before a handler starts, its lease is known to hold (confirmed by the last full renewal, or
-  renewed for that item alone);
+- before a handler starts, its lease is known to hold with a third of it left
+  (`mongoq.runtime.lease`): by the claim or the last full renewal, each dated from before its
+  request, or by a renewal of that item alone; an item whose lease cannot be shown live is
+  not started and is given back at the end, fenced (a no-op once another worker claimed it);
+- a renewal's driver error renews nothing, and reaches neither the handler nor the loop;
 - every item ends counted exactly once: done, failed/retried, released, lost or unknown.
 """
 
@@ -32,6 +35,7 @@ import anyio.lowlevel
 from mongoq import _driver
 from mongoq.clock import Clock
 from mongoq.errors import LeaseLost
+from mongoq.runtime import lease as leases
 from mongoq.runtime.handler import call_handler
 from mongoq.runtime.keepalive import KeepAlive
 
@@ -104,6 +108,7 @@ class _Batch(Generic[Item]):
         if not self.unsettled:
             return None
         renewing = list(self.unsettled)
+        sent = self.clock.now()  # the database dates the renewal no earlier
         held = await self.holder.renew(renewing)
         gone = [
             item
@@ -115,18 +120,26 @@ class _Batch(Generic[Item]):
             if self.running is not None and self.running[0] is item:
                 self.running[1].cancel()  # and stop its handler: its work cannot count
         await self._count_lost(gone)
-        if all(held):
-            self.confirmed = self.clock.now() + timedelta(seconds=self.lease)
+        if any(held):  # every item still unsettled was among the renewed
+            self.confirmed = leases.renewed_until(sent, self.lease)
         return any(held)
 
     async def still_held(self, item: Item) -> bool:
+        """Whether `item` may start now: still this slot's, its lease live with the margin left
+        (renewed for it alone when the batch's lease is too short). An item found lost is
+        counted here; one that cannot be shown live stays unsettled, to be given back."""
         if item not in self.unsettled:
             return False
-        if self.clock.now() < self.confirmed or await self.holder.renew_one(item):
-            return True
-        self.unsettled.remove(item)
-        await self._count_lost([item])
-        return False
+        liveness = await leases.confirm(
+            self.confirmed, clock=self.clock, lease=self.lease,
+            renew=partial(self.holder.renew_one, item), name=self.describe(item),
+        )  # fmt: skip
+        if item not in self.unsettled:  # a renewal of the whole batch found it lost meanwhile
+            return False
+        if liveness is leases.Liveness.LOST:
+            self.unsettled.remove(item)
+            await self._count_lost([item])
+        return liveness is leases.Liveness.LIVE
 
     async def _count_lost(self, items: Sequence[Item]) -> None:
         """Count items no longer held (already out of `unsettled`): ``lost``, or what the

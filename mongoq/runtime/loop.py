@@ -407,11 +407,15 @@ class WorkerHost:
             await loop.run(handle_signals=handle_signals)
         finally:
             self._loops.discard(loop)
-            self._stop_pending = False
+            if not self._loops:
+                self._stop_pending = False
 
     def stop(self) -> None:
         """Ask every `run` loop of this instance to stop gracefully: they claim nothing more,
-        let in-flight work finish, and return."""
+        let in-flight work finish, and return. The stop holds until a `run` returns: a `run`
+        that starts meanwhile (one called just before, whose loop was not running yet, or one
+        called after a stop with none running) returns at once, having claimed nothing."""
+        self._stop_pending = True
         for loop in list(self._loops):
             loop.stop()
 
@@ -419,9 +423,3 @@ class WorkerHost:
         """Hard-stop every `run` loop of this instance (`mongoq_sync`'s second signal)."""
         for loop in list(self._loops):
             loop.cancel()
-
-    def _stop_soon(self) -> None:
-        """`stop()`, also for a `run` about to start (`mongoq_sync`'s first signal may come
-        before the loop is registered): that run stops as soon as it starts."""
-        self._stop_pending = True
-        self.stop()

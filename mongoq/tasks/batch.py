@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from mongoq import _driver
 from mongoq.errors import InvalidInput, PermanentError
 from mongoq.runtime.loop import WORKER_STOPPED
 from mongoq.tasks.models import Task, check_result
@@ -33,6 +34,8 @@ class TaskBatch:
         return item.lease_until or self.queue.clock.now()
 
     async def renew(self, items: Sequence[Task]) -> list[bool]:
+        if len(items) == 1:  # one command, never a read
+            return [await self.queue.heartbeat(items[0])]
         return await self.queue.heartbeat_many(items)
 
     async def renew_one(self, item: Task) -> bool:
@@ -62,6 +65,18 @@ class TaskBatch:
     async def give_back(self, item: Task) -> str:
         held = await self.queue.release_not_an_attempt(item, delay=0)
         return "released" if held else "lost"
+
+    async def not_started(self, item: Task, *, lost: bool) -> str:
+        """The outcome of a task whose handler never started because its lease could not be
+        shown live: `lost` (a renewal found it taken over, or cancelled), else given back,
+        fenced (``lost`` if another worker claimed it meanwhile); ``unknown`` when the
+        database does not answer."""
+        try:
+            if lost:
+                return (await self.lost_outcomes([item]))[0]
+            return await self.give_back(item)
+        except _driver.DRIVER_ERRORS:
+            return "unknown"
 
     async def _retry(self, item: Task, error: Exception | str) -> str:
         # On its last attempt the release fails the task: count it so.

@@ -33,6 +33,7 @@ from mongoq._validation import (
 from mongoq.clock import Clock, ServerClock, stored_instant
 from mongoq.errors import InvalidInput, LeaseLost, PermanentError
 from mongoq.runtime import changes, wakeups
+from mongoq.runtime import lease as leases
 from mongoq.runtime.batch import run_batch
 from mongoq.runtime.candidates import take_candidates
 from mongoq.runtime.events import Tally, report_start_delay
@@ -643,8 +644,12 @@ class AsyncTaskQueue(TaskOperators, TaskSchedules, WorkerHost):
 
         Each task runs inside `leased`: its return value is the task's result (a result that
         cannot be stored fails the task); a `PermanentError` fails it; another exception
-        releases it for retry. Expired leases are reclaimed every ``lease_ttl / 3``, and when
-        nothing is due (at most that often); then the loop sleeps `poll_interval`.
+        releases it for retry. A handler starts only while its lease is known to hold with a
+        third of it left (a lease is dated from before the claim or renewal was sent); with
+        less, the task is renewed first, and one whose lease cannot be shown live is not
+        started: given back without counting an attempt, unless another worker took it over.
+        Expired leases are reclaimed every ``lease_ttl / 3``, and when nothing is due (at
+        most that often); then the loop sleeps `poll_interval`.
         `stop_when_empty` returns as soon as nothing is due *now*: tasks waiting out a retry
         backoff or a delay are left for a later run. `stop_when_drained` returns only when no
         task is left pending or processing at all, sleeping (on the queue's clock) until the
@@ -687,7 +692,16 @@ class AsyncTaskQueue(TaskOperators, TaskSchedules, WorkerHost):
                 tally("claimed")
             return task
 
+        holder = TaskBatch(self, handler)
+
         async def process(task: Task) -> None:
+            liveness = await leases.confirm(
+                task.lease_until or self.clock.now(), clock=self.clock, lease=self.lease_ttl,
+                renew=partial(self.heartbeat, task), name=f"task {task.id!r}",
+            )  # fmt: skip
+            if liveness is not leases.Liveness.LIVE:
+                tally(await holder.not_started(task, lost=liveness is leases.Liveness.LOST))
+                return
             lease = self.leased(task)
             try:
                 async with lease:
@@ -716,7 +730,7 @@ class AsyncTaskQueue(TaskOperators, TaskSchedules, WorkerHost):
         steps: tuple[Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]] = (
             (claim, process)
             if batch_size == 1
-            else self._batch_steps(handler, tally, worker, batch_size, limit)
+            else self._batch_steps(holder, tally, worker, batch_size, limit)
         )
         loop: WorkerLoop[Any] = WorkerLoop(
             claim=steps[0],
@@ -748,7 +762,7 @@ class AsyncTaskQueue(TaskOperators, TaskSchedules, WorkerHost):
 
     def _batch_steps(
         self,
-        handler: Callable[[Task], Awaitable[Any]],
+        holder: TaskBatch,
         tally: Tally,
         worker: str,
         batch_size: int,
@@ -760,8 +774,6 @@ class AsyncTaskQueue(TaskOperators, TaskSchedules, WorkerHost):
             tasks = await self.claim_many(batch_size, worker)
             tally("claimed", len(tasks))
             return tasks or None
-
-        holder = TaskBatch(self, handler)
 
         async def process(tasks: list[Task]) -> None:
             await run_batch(

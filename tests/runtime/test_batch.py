@@ -10,6 +10,7 @@ and a settle under way when the batch is cancelled still applies.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -22,6 +23,7 @@ from pymongo.errors import AutoReconnect
 
 from mongoq.runtime.batch import run_batch
 from mongoq.testing import ManualClock, settle
+from tests.support.helpers import wait_for
 
 LEASE = 30.0
 
@@ -281,3 +283,110 @@ async def test_a_completion_refused_is_counted_once_even_when_telling_what_it_be
     holder.broken_tell = True
     await run(holder)
     assert holder.counts == Counter(completed=2, lost=1)
+
+
+# ------------------------------------------------- renewals that fail, race or answer late
+
+
+async def test_a_renewal_before_a_start_that_raises_a_driver_error_is_retried_not_escaped(
+    clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The batch's renewals fail and a's handler runs until a third of the claim's lease is
+    left: b's own renewal raises `AutoReconnect` once (an unknown outcome, which renews
+    nothing), so b waits and renews again, then starts. Nothing escapes the batch, nothing is
+    logged as an error, every item is counted once."""
+    holder = FakeHolder(clock)
+    holder.gate["a"] = anyio.Event()
+    failures = {"renew_one": 1}
+
+    async def renew(items: Sequence[str]) -> list[bool]:
+        holder.calls.append(("renew", list(items)))
+        raise AutoReconnect("injected: the keep-alive's renewal")
+
+    async def renew_one(item: str) -> bool:
+        holder.calls.append(("renew_one", item))
+        if failures["renew_one"]:
+            failures["renew_one"] -= 1
+            raise AutoReconnect("injected: the renewal before the start")
+        return True
+
+    holder.renew = renew  # type: ignore[method-assign]
+    holder.renew_one = renew_one  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING), anyio.fail_after(10):
+        async with running(holder):
+            clock.advance(LEASE * 2 / 3)  # a third of the claim's lease left
+            holder.gate["a"].set()
+            await wait_for(lambda: ("renew_one", "b") in holder.calls, "b's renewal")
+            assert ("handle", "b") not in holder.calls  # not started on an unknown outcome
+            clock.advance(4)  # past the retry, a ninth of the lease later
+    assert holder.calls.count(("renew_one", "b")) == 2
+    assert ("handle", "b") in holder.calls and ("handle", "c") in holder.calls
+    assert holder.counts == Counter(completed=3)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_an_item_the_keep_alive_finds_lost_while_its_own_renewal_is_out_counts_once(
+    clock: ManualClock,
+) -> None:
+    """b's renewal before its start is on its way when the keep-alive's renewal of the batch
+    finds b lost (and counts it). When b's own renewal then says lost too, the slot neither
+    fails on its bookkeeping nor counts b again."""
+    holder = FakeHolder(clock)
+    holder.gate["a"] = anyio.Event()
+    answer = anyio.Event()
+    broken = [True]
+
+    async def renew(items: Sequence[str]) -> list[bool]:
+        holder.calls.append(("renew", list(items)))
+        if broken[0]:
+            raise AutoReconnect("injected")
+        return [item not in holder.lost for item in items]
+
+    async def renew_one(item: str) -> bool:
+        holder.calls.append(("renew_one", item))
+        holder.lost.add(item)
+        broken[0] = False
+        await answer.wait()
+        return False
+
+    holder.renew = renew  # type: ignore[method-assign]
+    holder.renew_one = renew_one  # type: ignore[method-assign]
+    with anyio.fail_after(10):
+        async with running(holder):
+            clock.advance(LEASE * 2 / 3)
+            holder.gate["a"].set()
+            await wait_for(lambda: ("renew_one", "b") in holder.calls, "b's renewal")
+            clock.advance(4)  # the keep-alive retries, and finds b lost
+            await wait_for(lambda: holder.counts["lost"] == 1, "b counted lost")
+            answer.set()
+    assert ("handle", "b") not in holder.calls
+    assert holder.counts == Counter(completed=2, lost=1)
+
+
+async def test_a_renewal_answered_late_dates_the_lease_from_when_it_was_sent(
+    clock: ManualClock,
+) -> None:
+    """The keep-alive's renewal is sent at a third of the lease and answered a full lease
+    later. The lease it gave runs from when it was sent, so it has ended by then: b is
+    renewed on its own before it starts (the slot does not take the reply's time for the
+    renewal's)."""
+    holder = FakeHolder(clock)
+    holder.gate["a"] = anyio.Event()
+    answer = anyio.Event()
+
+    async def renew(items: Sequence[str]) -> list[bool]:
+        holder.calls.append(("renew", list(items)))
+        await answer.wait()
+        return [True] * len(items)
+
+    holder.renew = renew  # type: ignore[method-assign]
+    with anyio.fail_after(10):
+        async with running(holder):
+            clock.advance(LEASE / 3)
+            await wait_for(lambda: ("renew", ["a", "b", "c"]) in holder.calls, "the renewal")
+            clock.advance(LEASE)  # the renewal's lease ran from then to here
+            answer.set()
+            await settle()
+            holder.gate["a"].set()
+    assert ("renew_one", "b") in holder.calls
+    assert holder.counts == Counter(completed=3)
