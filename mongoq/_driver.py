@@ -467,12 +467,17 @@ async def server_local_time(db: Any) -> datetime | None:
 
 # ---------------------------------------------------------------------------- change streams
 
-#: The server's "change streams need a replica set" (a standalone server).
-_NO_CHANGE_STREAMS = frozenset({40573})
+#: The definite refusals of ``$changeStream``: this deployment has no change streams, and
+#: asking again will not change that. A standalone server says 40573 ("only supported on replica
+#: sets"); MongoDB-compatible services without streams say CommandNotSupported (115) or
+#: NotImplemented (238) (codes from the server's src/mongo/base/error_codes.yml). Any other
+#: failure (a network error, a step-down, CappedPositionLost 136, ...) may pass: it is retried.
+NO_CHANGE_STREAMS_CODES = frozenset({40573, 115, 238})
 
 
 class NoChangeStreams(Exception):
-    """The backend has no change streams (the embedded backend, a standalone server)."""
+    """The backend has no change streams (the embedded backend, a standalone server, a
+    compatible service without them)."""
 
 
 async def open_change_stream(collection: Any, pipeline: Sequence[Mapping[str, Any]]) -> Any:
@@ -488,15 +493,15 @@ async def open_change_stream(collection: Any, pipeline: Sequence[Mapping[str, An
         if inspect.isawaitable(stream):
             stream = await stream
     except OperationFailure as error:
-        if error.code in _NO_CHANGE_STREAMS:
+        if error.code in NO_CHANGE_STREAMS_CODES:
             raise NoChangeStreams(str(error)) from error
         raise
     return stream
 
 
 def no_change_streams(error: BaseException) -> bool:
-    """Whether `error` is the server's refusal of change streams (a standalone server)."""
-    return isinstance(error, OperationFailure) and error.code in _NO_CHANGE_STREAMS
+    """Whether `error` is a definite refusal of change streams (`NO_CHANGE_STREAMS_CODES`)."""
+    return isinstance(error, OperationFailure) and error.code in NO_CHANGE_STREAMS_CODES
 
 
 async def close_change_stream(stream: Any) -> None:

@@ -6,6 +6,10 @@
 - `interleaving_database(seed)`: the same, but every command yields to the event loop before
   and after it runs (a seeded number of times, optionally after a short real delay), as over a
   network: concurrent workers interleave at command boundaries, as they do on a server.
+- `latency_database(seed)`: the same again, with a real, seeded round trip around every
+  command (a delay before it applies and another before its reply returns, as over a
+  network): code that waits for "nothing left to run" instead of a condition fails here as it
+  would against a server.
 - `instrument(db, *hooks)`: a database wrapper through which every collection command passes; the
   hooks see each command before and after it runs. Three hooks ship here:
   `FaultInjector` (fail a chosen command before it applies, or after it applied as if the reply
@@ -51,6 +55,7 @@ __all__ = [
     "Yielding",
     "instrument",
     "interleaving_database",
+    "latency_database",
     "memory_database",
     "settle",
 ]
@@ -142,6 +147,14 @@ class ManualClock:
         """The earliest deadline of a sleeping task, if any."""
         return self._sleepers[0][0] if self._sleepers else None
 
+    def sleeping_until(self, deadline: datetime) -> int:
+        """How many tasks sleep until exactly `deadline`: a test waits for the one it expects
+        (``clock.sleeping_until(clock.now() + timedelta(seconds=60)) == 1``) instead of for
+        "nothing left to run", which a command's round trip would end too early."""
+        deadline = to_millis(deadline)
+        with self._lock:
+            return sum(1 for entry in self._sleepers if to_millis(entry[0]) == deadline)
+
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
@@ -155,7 +168,10 @@ async def settle(rounds: int = 50, *, limit: int = 100_000) -> None:
 
     Yields to the event loop until nothing else is ready to run for `rounds` yields in a row
     (at most `limit` yields): commands that yield between each other (`interleaving_database`)
-    then settle as fully as commands that never yield."""
+    then settle as fully as commands that never yield. It does not wait for I/O: a coroutine
+    waiting for a server's reply (or for `latency_database`'s round trip) is not ready to run,
+    so this returns in the middle of it. Where a test waits for something to happen, wait for
+    that condition instead (a document's state, an event, a counter), with a bound."""
     loop = asyncio.get_running_loop()
     # asyncio keeps the callbacks ready to run in `_ready`; another loop implementation may
     # not, and then a fixed number of yields is the best there is.
@@ -184,6 +200,19 @@ def interleaving_database(
     """
     return instrument(
         memory_database(name), Yielding(seed=seed, max_yields=max_yields, max_delay=max_delay)
+    )
+
+
+def latency_database(
+    name: str = "mongoq", *, seed: int = 0, min_delay: float = 0.0002, max_delay: float = 0.002
+) -> InstrumentedDatabase:
+    """A fresh embedded database whose every command takes a real, seeded round trip: a delay
+    of `min_delay` to `max_delay` seconds before it applies and another before its reply
+    returns (see `Yielding`). A coroutine waiting for a reply is parked on a timer, not ready
+    to run, exactly as one waiting on a socket is; `settle()` returns in the middle of it."""
+    return instrument(
+        memory_database(name),
+        Yielding(seed=seed, max_yields=3, min_delay=min_delay, max_delay=max_delay),
     )
 
 
@@ -421,20 +450,23 @@ class Yielding:
     The embedded backend runs each command synchronously, so concurrent coroutines never
     overlap between commands; over a network every command is a suspension point. Before and
     after each command this yields between 1 and `max_yields` times (seeded, so a failing order
-    repeats), and with `max_delay` > 0 also sleeps a random real delay up to that many seconds
-    (for benchmarks: tests keep it 0 and stay deterministic).
+    repeats), and with `max_delay` > 0 also sleeps a random real delay of `min_delay` to
+    `max_delay` seconds (`latency_database`, benchmarks).
     """
 
-    def __init__(self, *, seed: int = 0, max_yields: int = 3, max_delay: float = 0.0) -> None:
-        if max_yields < 1 or max_delay < 0:
-            raise ValueError("max_yields must be at least 1 and max_delay at least 0")
+    def __init__(
+        self, *, seed: int = 0, max_yields: int = 3, min_delay: float = 0.0, max_delay: float = 0.0
+    ) -> None:
+        if max_yields < 1 or min_delay < 0 or max_delay < min_delay:
+            raise ValueError("max_yields must be at least 1, and 0 <= min_delay <= max_delay")
         self._random = random.Random(seed)
         self.max_yields = max_yields
+        self.min_delay = min_delay
         self.max_delay = max_delay
 
     async def _yield(self) -> None:
         if self.max_delay:
-            await anyio.sleep(self._random.uniform(0, self.max_delay))
+            await anyio.sleep(self._random.uniform(self.min_delay, self.max_delay))
         for _ in range(self._random.randint(1, self.max_yields)):
             await anyio.lowlevel.checkpoint()
 

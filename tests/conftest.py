@@ -9,7 +9,9 @@ avoids what mongomock gets wrong (see `mongoq._driver`).
 
 from __future__ import annotations
 
+import inspect
 import os
+import random
 import uuid
 import zlib
 from collections.abc import AsyncIterator
@@ -19,7 +21,7 @@ import pytest
 
 import mongoq
 from mongoq import _driver
-from mongoq.testing import ManualClock, interleaving_database, memory_database
+from mongoq.testing import ManualClock, interleaving_database, latency_database, memory_database
 from tests.support.txengine import transactional_database
 
 TEST_URI = os.environ.get("MONGOQ_TEST_URI")
@@ -32,21 +34,67 @@ TEST_DRIVERS = [
 #: at once on another, so a misconfigured job cannot pass by skipping what it should run.
 TOPOLOGY_EXPECT = os.environ.get("MONGOQ_TEST_TOPOLOGY_EXPECT")
 NO_TRANSACTIONS_SKIP = "this server has no transactions (standalone); the replica-set jobs run it"
+NO_CHANGE_STREAMS_SKIP = (
+    "this server has no change streams (standalone: 40573); the replica-set jobs run it"
+)
 
 
 # Without a server the lanes are not generated at all (one skip line per test would bury the
 # report); the header and tests/test_real_server_lane.py say so instead.
 # "interleaved" is the embedded backend with every command yielding to the event loop, as over a
-# network (`mongoq.testing.interleaving_database`): the second embedded lane.
-EMBEDDED = ["memory", "interleaved"]
+# network (`mongoq.testing.interleaving_database`): the second embedded lane. "latency" adds a
+# real, seeded round trip of 0.2-2 ms before and after every command
+# (`mongoq.testing.latency_database`): a test that waits for "nothing ready to run" instead of
+# a condition fails there as against a server. It runs every test that waits for something
+# (`_waits`) and a seeded sample of the rest (`LATENCY_SAMPLE`), which changes with each run
+# (`MONGOQ_TEST_SEED` repeats one; the report header names it).
+EMBEDDED = ["memory", "interleaved", "latency"]
+LATENCY_SAMPLE = 0.1
+RUN_SEED = int(os.environ.get("MONGOQ_TEST_SEED") or random.randrange(1 << 30))
 SERVERS = [d for d in ("pymongo", "motor") if d in TEST_DRIVERS] if TEST_URI else []
 BACKENDS = [*EMBEDDED, *SERVERS]
 
 
 def pytest_report_header() -> str:
+    lanes = f"memory, interleaved, latency (a sample; MONGOQ_TEST_SEED={RUN_SEED})"
     if TEST_URI:
-        return "mongoq backends: memory, interleaved, and pymongo and motor on MONGOQ_TEST_URI"
-    return f"mongoq backends: memory and interleaved only ({REAL_SERVER_SKIP})"
+        return f"mongoq backends: {lanes}, and pymongo and motor on MONGOQ_TEST_URI"
+    return f"mongoq backends: {lanes} only ({REAL_SERVER_SKIP})"
+
+
+#: What a test that waits for something to happen calls: it runs on the latency lane always.
+_WAITING = ("settle(", "wait_for(", "in_background(", "create_task_group(", ".run(", "wait(")
+#: What a test that forces the order of every command calls: real delays change nothing there
+#: (each command waits for its turn), so the latency lane samples it like the rest.
+_ORDERED = ("every_order(", "race(", "Interleaving(", "all_interleavings(")
+
+
+def _waits(item: pytest.Item) -> bool:
+    function = getattr(item, "function", None)
+    try:
+        source = inspect.getsource(function) if function is not None else ""
+    except (OSError, TypeError):
+        return True
+    return any(call in source for call in _WAITING) and not any(
+        call in source for call in _ORDERED
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep the latency lane's instances of the tests that wait, and a seeded sample of the
+    others (by test id and `RUN_SEED`)."""
+    kept, dropped = [], []
+    for item in items:
+        params = getattr(item, "callspec", None)
+        lane = params.params.get("db", params.params.get("odb")) if params else None
+        if lane == "latency" and not _waits(item):
+            sample = random.Random(f"{RUN_SEED}:{item.nodeid}").random() < LATENCY_SAMPLE
+            (kept if sample else dropped).append(item)
+        else:
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 @pytest.fixture(params=BACKENDS)
@@ -63,6 +111,9 @@ async def _database(kind: str, test_id: str) -> AsyncIterator[Any]:
     if kind == "interleaved":
         # Seeded by the test's id: a failing interleaving repeats on every run.
         yield interleaving_database(seed=zlib.crc32(test_id.encode()))
+        return
+    if kind == "latency":
+        yield latency_database(seed=zlib.crc32(test_id.encode()))
         return
     if kind == "tx":
         yield transactional_database()
@@ -101,3 +152,14 @@ async def txdb(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
 @pytest.fixture
 def clock() -> ManualClock:
     return ManualClock()
+
+
+async def skip_without_change_streams(db: Any) -> None:
+    """Skip the calling test where `db` has no change streams: the embedded lanes, and a
+    standalone server, which refuses ``$changeStream`` (40573), so that a test waiting for an
+    event would wait out its time limit. A replica set or a sharded cluster has them."""
+    found = await _driver.topology(db)
+    if found is _driver.Topology.EMBEDDED:
+        pytest.skip("change streams need a real replica set: set MONGOQ_TEST_URI")
+    if found is _driver.Topology.STANDALONE:
+        pytest.skip(NO_CHANGE_STREAMS_SKIP)

@@ -5,11 +5,15 @@ These run the tools the test extra installs, so the README's single test command
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
@@ -44,3 +48,68 @@ def test_demo_runs_and_its_invariants_hold() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "[FAILED]" not in result.stdout
     assert result.stdout.count("[ok]") >= 7
+
+
+#: A test hung in a call through the blocking facade (the call waits in the portal's thread),
+#: and a test after it.
+HUNG_SUITE = """
+import anyio
+import mongoq_sync
+
+
+def test_hangs_in_the_portal():
+    with mongoq_sync.connect() as database:
+        database.call(anyio.sleep_forever)
+
+
+def test_after_it():
+    pass
+"""
+
+
+def hung_suite(config: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """`HUNG_SUITE` under the test configuration in `config`, its time limit cut to 2 s (the
+    method and the rest as configured); at most 120 s in all."""
+    (tmp_path / "test_hung.py").write_text(HUNG_SUITE)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(config),
+         "--rootdir", str(tmp_path), "-o", "timeout=2", str(tmp_path / "test_hung.py")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def test_a_test_hung_in_the_blocking_facade_fails_at_its_time_limit_and_the_run_goes_on(
+    tmp_path: Path,
+) -> None:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert any(
+        r.startswith("pytest-timeout") for r in config["project"]["optional-dependencies"]["test"]
+    )
+    assert 60 <= config["tool"]["pytest"]["ini_options"]["timeout"] <= 600
+    result = hung_suite(ROOT / "pyproject.toml", tmp_path)
+    assert "1 failed, 1 passed" in result.stdout, result.stdout + result.stderr
+    assert "Timeout" in result.stdout, result.stdout
+
+
+def _load_tool(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_ci_constraints_pin_each_test_requirement_within_its_range() -> None:
+    """The workflows install with .github/constraints.txt (tools/constraints.py writes it): a
+    requirement of the test extra added or narrowed in pyproject.toml without the constraints
+    regenerated would make the workflows' install fail."""
+    tool = _load_tool("constraints")
+    pinned = dict(
+        line.split("==", 1)
+        for line in tool.OUTPUT.read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    for requirement in tool._project_requirements():
+        name = canonicalize_name(requirement.name)
+        assert name in pinned, f"{name} is not in {tool.OUTPUT.name}: run tools/constraints.py"
+        assert requirement.specifier.contains(pinned[name], prereleases=True), (name, pinned[name])

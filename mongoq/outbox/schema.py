@@ -31,8 +31,8 @@ Indexes (created by `setup`) and the queries they serve:
   every lane is the claimer's or free (one range, due order across all lanes);
 - deliveries ``ordering`` ``(handler, key, sequence)`` partial on pending keyed deliveries: what
   comes before the candidate heads of keys (one range a key, all keys in one query);
-- deliveries ``parked_keys`` ``(parked_key, sequence)`` partial ``lane: "parked"``: unparking
-  (a distinct scan), the parked count and listing;
+- deliveries ``parked_keys`` ``(lane, parked_key, sequence)`` partial ``lane: "parked"``:
+  unparking (a distinct scan, on 6.0 too: ``lane`` is a key), the parked count and listing;
 - deliveries ``due`` ``(due_at)`` partial on pending: `stats` (oldest due);
 - deliveries ``status`` ``(status, _id)``, ``handler`` ``(handler, _id)``, ``event_type``
   ``(event_type, _id)``: counts and listings (``_id`` is an ObjectId: creation order);
@@ -391,8 +391,14 @@ PARKED_INDEX = "parked_keys"
 #: ``$group`` on it is a DISTINCT_SCAN (one index seek a key) on a server; a group on two
 #: fields walks every parked entry. NUL is in neither a handler nor a key, and sorts first:
 #: the field's order is the (handler, key) order.
+#: ``lane`` leads although the partial filter holds it at one value. Every query of the index
+#: names ``lane: "parked"`` (or it would not imply the filter); MongoDB 6.0 tests a predicate
+#: on no key on each fetched document (7.0 drops one the filter implies), and a scan whose
+#: fetch filters is never made a distinct scan. On the first key the equality is a one-point
+#: bound on every version, behind which the distinct scan seeks from one ``parked_key`` to the
+#: next.
 PARKED_DELIVERIES = IndexSpec(
-    PARKED_INDEX, (("parked_key", 1), ("sequence", 1)), partial={"lane": PARKED}
+    PARKED_INDEX, (("lane", 1), ("parked_key", 1), ("sequence", 1)), partial={"lane": PARKED}
 )
 #: The index unparking used before ``parked_key`` (1.x): no longer created; `setup` leaves an
 #: existing one alone, for processes of earlier versions still running. Drop it after.
@@ -416,7 +422,7 @@ def delivery_parked_keys(
     """The first `limit` parked (handler, key) pairs after `after` (within the span of
     `handlers`' names), each with its lowest parked delivery (``d``: _id, ``s``: sequence,
     ``t``: due_at, ``h``: handler, ``k``: key): unparking's aggregation, a distinct scan of
-    ``parked_keys`` (hinted).
+    ``parked_keys`` (hinted): one point of its first key (``lane``), one range of the second.
 
     One range of ``parked_key``: handlers named between the lowest and the highest of
     `handlers` are in it too (unparking their keys is harmless: it only moves a head nothing

@@ -4,10 +4,11 @@
 the writes that may make work claimable (`TASKS_DUE`, `GROUPS_READY`, `DELIVERIES_READY`), and
 calls the loop's wake-up for each event: the loop claims at once instead of at its next poll.
 Polling stays on beside it, so nothing depends on the stream: where there is none (the
-embedded backend, a standalone server) `watch` says so once and returns; a stream that fails
-later is opened again after `retry` seconds of the loop's clock, and what it missed meanwhile
-the polls find. Events carry only their ids (``$project``): a wake-up needs no document.
-Owns no collections.
+embedded backend, a standalone server, a compatible service that refuses ``$changeStream`` for
+good: `_driver.NO_CHANGE_STREAMS_CODES`) `watch` says so once and returns, and the loop polls
+only; a stream that fails otherwise is opened again after `retry` seconds of the loop's clock
+(doubled while it keeps failing), and what it missed meanwhile the polls find. Events carry
+only their ids (``$project``): a wake-up needs no document. Owns no collections.
 """
 
 from __future__ import annotations
@@ -33,6 +34,22 @@ _ONLY_IDS = {"$project": {"_id": 1, "operationType": 1}}
 MAX_RETRY = 300.0
 #: Seconds closing a stream may take (shielded from the loop's cancellation).
 CLOSE_WITHIN = 5.0
+
+# What a server emits, and so what the filters below can and cannot hear of:
+# - An update event lists only the fields whose values changed
+#   (``updateDescription.updatedFields``), and an update that changes nothing emits no event at
+#   all. Setting ``status: "pending"`` on a task already pending, ``token: None`` on a lock
+#   already free or ``lane: "ready"`` on a delivery already ready matches nothing here, even
+#   when the same write makes the work due sooner (a put moving a pending task's run time
+#   forward, say). Nothing is lost: every run loop and every wait polls beside its stream, and
+#   its next poll finds such work.
+# - ``replace`` is an operation type of its own, with the whole new document and no
+#   ``updateDescription``. TASKS_DUE accepts it (a replacement by another program may make a
+#   task due). TASKS_ENDED does not: no mongoq code path replaces a task document (every task
+#   write in mongoq/tasks is an update, an upsert or a delete; tests/runtime/test_changes.py
+#   drives the whole task API and finds no replacement), and a task ended by someone else's
+#   replacement is seen by the wait's next poll. Groups and deliveries are never replaced
+#   either (a group's dead letters are, but no stream watches them).
 
 #: A task inserted, or made pending (a put of a new revision, a retry, a requeue, a reclaim).
 TASKS_DUE: list[dict[str, Any]] = [

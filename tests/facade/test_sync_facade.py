@@ -9,6 +9,7 @@ own thread, Ctrl-C, fork).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import inspect
 import os
@@ -54,11 +55,32 @@ async def sync_db(db: Any) -> AsyncIterator[mongoq_sync.Database]:
     await anyio.to_thread.run_sync(database.close)
 
 
+@contextlib.contextmanager
+def blocking_database(uri: str | None) -> Iterator[mongoq_sync.Database]:
+    """A blocking database of its own on `uri` (None: the embedded backend), dropped when the
+    test is done: on a server, a database per test would otherwise pile up (as `_database` in
+    tests/conftest.py drops the async lanes' databases)."""
+    name = f"mongoq_sync_test_{uuid.uuid4().hex[:10]}"
+    with mongoq_sync.connect(uri, name) as database:
+        try:
+            yield database
+        finally:  # inside the portal, where the client lives, before it closes
+            database.call(lambda: database.async_database.client.drop_database(name))
+
+
 @pytest.fixture
 def blocking_db() -> Iterator[mongoq_sync.Database]:
     """A blocking database for tests that are plain (blocking) functions themselves."""
-    with mongoq_sync.connect(TEST_URI, f"mongoq_sync_test_{uuid.uuid4().hex[:10]}") as database:
+    with blocking_database(TEST_URI) as database:
         yield database
+
+
+def test_a_blocking_database_is_dropped_when_the_test_is_done() -> None:
+    with blocking_database(None) as database:  # the embedded backend: its data outlives it
+        raw = database.async_database
+        database.call(lambda: raw["c"].insert_one({"_id": 1}))
+        assert raw.name in database.call(raw.client.list_database_names)
+    assert raw.name not in asyncio.run(raw.client.list_database_names())
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.__name__ for s in SCENARIOS])

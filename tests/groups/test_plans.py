@@ -20,9 +20,69 @@ from tests.support.group_helpers import PREFIX
 from tests.support.test_index_audit import ChainRecorder, _explain_command, plan_mappings
 
 
-def lookup_stages(explain: Any) -> Iterator[Mapping[str, Any]]:
-    """The ``$lookup`` stages of an aggregation's explain output, with their statistics."""
+def lookup_stages(explain: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+    """The ``$lookup`` stages of the pipeline an aggregation's explain output says ran, with
+    their statistics (not the ``$lookup`` of the command it echoes back)."""
     return (node for node in plan_mappings(explain) if "$lookup" in node)
+
+
+#: What a server answers to ``explain`` of claim_many's read (``executionStats``), as MongoDB 6.0
+#: to 8.0 shape it, abridged: the pipeline as run under ``stages`` (the ``$cursor`` with its
+#: ``queryPlanner.winningPlan``, then the ``$lookup`` with its statistics), and the explained
+#: command echoed back under ``command``, its pipeline and ``$lookup`` included.
+RECORDED_EXPLAIN: dict[str, Any] = {
+    "explainVersion": "1",
+    "stages": [
+        {
+            "$cursor": {
+                "queryPlanner": {
+                    "namespace": "mongoq_test.g_locks",
+                    "winningPlan": {
+                        "stage": "FETCH",
+                        "inputStage": {"stage": "IXSCAN", "indexName": "claim"},
+                    },
+                    "rejectedPlans": [
+                        {"stage": "FETCH", "inputStage": {"stage": "IXSCAN", "indexName": "x"}}
+                    ],
+                },
+                "executionStats": {"nReturned": 20, "totalDocsExamined": 20},
+            },
+            "nReturned": 20,
+        },
+        {
+            "$lookup": {
+                "from": "g_messages", "as": "head", "localField": "_id",
+                "foreignField": "group_id", "let": {},
+                "pipeline": [{"$sort": {"_id": 1}}, {"$limit": 1}],
+            },
+            "totalDocsExamined": 20, "totalKeysExamined": 20, "collectionScans": 0,
+            "indexesUsed": ["group_head"], "nReturned": 20,
+        },
+    ],
+    "serverInfo": {"host": "localhost", "port": 27017, "version": "7.0.40"},
+    "command": {
+        "aggregate": "g_locks",
+        "pipeline": [
+            {"$match": {"priority": {"$in": [0]}}},
+            {"$sort": {"priority": -1, "available_at": 1}},
+            {"$limit": 20},
+            {
+                "$lookup": {
+                    "from": "g_messages", "localField": "_id", "foreignField": "group_id",
+                    "pipeline": [{"$sort": {"_id": 1}}, {"$limit": 1}], "as": "head",
+                }
+            },
+        ],
+        "cursor": {},
+        "$db": "mongoq_test",
+    },
+    "ok": 1.0,
+}  # fmt: skip
+
+
+def test_the_plan_is_read_from_the_stages_a_server_ran_never_from_the_echoed_command() -> None:
+    (lookup,) = list(lookup_stages(RECORDED_EXPLAIN))
+    assert lookup["indexesUsed"] == ["group_head"] and lookup["collectionScans"] == 0
 
 
 async def test_claim_many_reads_each_head_from_the_group_head_index_on_a_real_server(

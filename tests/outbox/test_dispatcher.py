@@ -27,8 +27,8 @@ from mongoq.outbox import (
     OutboxDispatcher,
     lane_of,
 )
-from mongoq.testing import FaultInjector, ManualClock, instrument, settle
-from tests.support.helpers import rejects, utc
+from mongoq.testing import FaultInjector, ManualClock, instrument
+from tests.support.helpers import rejects, until, utc, wait_for
 from tests.support.outbox_helpers import (
     LEASE,
     ONLY_H,
@@ -300,11 +300,11 @@ async def test_requeued_dead_letter_waits_while_a_later_delivery_of_its_key_runs
     worker = dispatcher(outbox, {"h": handle})
     async with anyio.create_task_group() as group:
         group.start_soon(partial(worker.run, stop_when_empty=True))
-        await settle()
-        assert ran == ["e1", "e2"]  # e1 buried, e2 running
+        await wait_for(lambda: ran == ["e1", "e2"], "e1 buried and e2 running")
         assert await outbox.requeue("e1", "h") is True
         clock.advance(5)  # the claim loop polls again: e1 must not start beside e2
-        await settle()
+        next_poll = clock.now() + timedelta(seconds=worker.poll_interval)
+        await wait_for(lambda: clock.sleeping_until(next_poll) == 1, "the poll's claim to end")
         assert ran == ["e1", "e2"]
         gate.set()
     assert ran == ["e1", "e2", "e1"]
@@ -432,14 +432,18 @@ async def test_a_long_handler_keeps_its_lanes_renewed_and_its_key_to_itself(
     worker = dispatcher(outbox, {"h": handle})
     async with anyio.create_task_group() as group:
         group.start_soon(partial(worker.run, stop_when_empty=True))
-        await settle()
-        assert ran == ["e1"]
+        await wait_for(lambda: ran == ["e1"], "e1 to start")
         epoch = (await lanes(odb))[lane_id]["epoch"]
         previous = utc((await lanes(odb))[lane_id]["lease_until"])
         for _ in range(9):  # three whole leases
             clock.advance(LEASE / 3)
-            await settle()
-            lane = (await lanes(odb))[lane_id]
+            renewed = clock.now() + timedelta(seconds=LEASE)
+            every = await until(
+                partial(lanes, odb),
+                lambda docs, at=renewed: utc(docs[lane_id]["lease_until"]) == at,
+                "the renewal",
+            )
+            lane = every[lane_id]
             assert (lane["owner"], lane["epoch"]) == ("w", epoch)
             assert utc(lane["lease_until"]) == clock.now() + timedelta(seconds=LEASE)
             assert utc(lane["lease_until"]) > previous

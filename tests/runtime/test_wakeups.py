@@ -1,9 +1,9 @@
 """Wake-ups (issue 15): an idle worker polls once an interval whatever its concurrency, and a
 put or publish in the same process starts its handler at once, the clock never moved.
 
-Each test runs a worker with a long poll interval on `ManualClock`, acts, lets every task run
-until it blocks (`settle`), and asserts what ran and what is stored; the commands are counted
-where the claim cost is the point.
+Each test runs a worker with a long poll interval on `ManualClock`, acts, waits for what should
+follow (a handler's start, a claim sent), never for "nothing left to run", and asserts what ran
+and what is stored; the commands are counted where the claim cost is the point.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from mongoq.runtime import wakeups
 from mongoq.testing import CommandCounter, ManualClock, Operation, instrument, settle
 from tests.support.group_helpers import PREFIX as GROUPS
 from tests.support.group_helpers import group_messages, new_transport
-from tests.support.helpers import QUEUE, counted_queue, new_queue, read
+from tests.support.helpers import QUEUE, counted_queue, new_queue, read, wait_for
 from tests.support.outbox_helpers import ONLY_H, deliveries, dispatcher, new_outbox
 
 SLOTS = 8
@@ -29,6 +29,18 @@ POLL = 60.0
 
 def claims(counter: CommandCounter) -> int:
     return counter.counts[f"{QUEUE}.find_one_and_update"]
+
+
+def queue_loop(queue: Any) -> Any:
+    (loop,) = queue._loops
+    return loop
+
+
+def idle(queue: Any, slots: int) -> bool:
+    """Every slot of `queue`'s one run is idle: one polls (napping on the clock), the others
+    wait for it; no claim is on its way."""
+    (loop,) = queue._loops
+    return len(loop._naps) == 1 and len(loop._waiting) == slots - 1
 
 
 async def test_an_idle_worker_of_eight_slots_sends_one_claim_an_interval(
@@ -41,12 +53,12 @@ async def test_an_idle_worker_of_eight_slots_sends_one_claim_an_interval(
 
     async with anyio.create_task_group() as group:
         group.start_soon(partial(queue.run, handler, concurrency=SLOTS, poll_interval=1))
-        await settle()
+        await wait_for(lambda: idle(queue, SLOTS), "every slot idle")
         assert claims(counter) == SLOTS  # each slot looked once at the start
         counter.reset()
         for _ in range(5):
             clock.advance(1)
-            await settle()
+            await wait_for(lambda: idle(queue, SLOTS), "the poll to end")
         polled = claims(counter)
         queue.stop()
     assert polled == 5
@@ -64,13 +76,13 @@ async def test_a_put_in_the_same_process_starts_the_handler_at_once(
 
     async with anyio.create_task_group() as group:
         group.start_soon(partial(worker.run, handler, concurrency=SLOTS, poll_interval=POLL))
-        await settle()
+        await wait_for(lambda: idle(worker, SLOTS), "every slot idle")
         await producer.put("t1", {"n": 1})
-        await settle()
-        assert ran == ["t1"]
+        await wait_for(lambda: ran == ["t1"], "t1 to start")
+        await wait_for(lambda: idle(worker, SLOTS), "every slot idle again")
         await producer.put("later", delay=5)  # not due: nobody claims it before its time
         await settle()
-        assert ran == ["t1"]
+        assert ran == ["t1"] and idle(worker, SLOTS)  # no slot even woke
         worker.stop()
     assert (await read(db, "t1") or {}).get("status") == "done"
     assert (await read(db, "later") or {}).get("status") == "pending"
@@ -91,12 +103,11 @@ async def test_a_burst_wakes_one_slot_after_another_until_every_slot_runs(
 
     async with anyio.create_task_group() as group:
         group.start_soon(partial(worker.run, handler, concurrency=SLOTS, poll_interval=POLL))
-        await settle()
+        await wait_for(lambda: idle(worker, SLOTS), "every slot idle")
         await worker.put_many(NewTask(f"t{n}") for n in range(SLOTS))
-        await settle()
-        assert running == {f"t{n}" for n in range(SLOTS)}
+        every = {f"t{n}" for n in range(SLOTS)}
+        await wait_for(lambda: running == every, "every slot to run a task")
         release.set()
-        await settle()
         worker.stop()
     for n in range(SLOTS):
         assert (await read(db, f"t{n}") or {}).get("status") == "done"
@@ -132,12 +143,12 @@ async def test_a_wake_up_that_comes_while_the_claim_runs_is_not_lost(
 
     async with anyio.create_task_group() as group:
         group.start_soon(partial(worker.run, handler, concurrency=1, poll_interval=POLL))
-        await settle()
+        await wait_for(lambda: idle(worker, 1), "the slot to nap")
         hook.armed = True
         clock.advance(POLL)  # the poll's claim: it finds nothing, then t1 is put
-        await settle()
+        # Claimed again at once, not a whole interval later: the clock does not move.
+        await wait_for(lambda: ran == ["t1"], "t1 to start")
         assert not hook.armed
-        assert ran == ["t1"]  # claimed again at once, not a whole interval later
         worker.stop()
 
 
@@ -153,12 +164,11 @@ async def test_a_wake_up_from_another_thread_reaches_the_worker_through_its_loop
 
     async with anyio.create_task_group() as group:
         group.start_soon(partial(worker.run, handler, poll_interval=POLL))
-        await settle()
+        await wait_for(lambda: idle(worker, 1), "the slot to nap")
         # t1 due now (by hand: the clock does not move, nothing polls before +60 s)
         await db[QUEUE].update_one({"_id": "t1"}, {"$set": {"lease_until": clock.now()}})
         await anyio.to_thread.run_sync(wakeups.notify, wakeups.key_of("tasks", db, QUEUE))
-        await settle()
-        assert ran == ["t1"]
+        await wait_for(lambda: ran == ["t1"], "t1 to start")
         worker.stop()
 
 
@@ -174,10 +184,9 @@ async def test_a_publish_in_the_same_process_wakes_the_group_workers(
 
     async with anyio.create_task_group() as group:
         group.start_soon(partial(worker.run, handler, concurrency=SLOTS, poll_interval=POLL))
-        await settle()
+        await wait_for(lambda: idle(worker, SLOTS), "every slot idle")
         await producer.publish("g", "g0")
-        await settle()
-        assert ran == ["g0"]
+        await wait_for(lambda: ran == ["g0"], "g0 to start")
         worker.stop()
     assert await group_messages(db) == {}
 
@@ -195,10 +204,9 @@ async def test_a_plain_publish_in_the_same_process_wakes_the_outbox_dispatcher(
     running = dispatcher(outbox, {"h": handle}, poll_interval=POLL)
     async with anyio.create_task_group() as group:
         group.start_soon(running.run)
-        await settle()
+        await wait_for(lambda: running._nap is not None, "the dispatcher to nap")
         await producer.publish(Event("e1", "t"), session=None)
-        await settle()
-        assert ran == ["e1"]
+        await wait_for(lambda: ran == ["e1"], "e1 to start")
         running.stop()
     assert await deliveries(db) == []
 
@@ -228,16 +236,14 @@ async def test_the_poller_that_claims_something_hands_polling_to_another_slot(
     with anyio.fail_after(30):  # a hang fails the test instead of the suite
         async with anyio.create_task_group() as group:
             group.start_soon(partial(queue.run, handler, concurrency=2, poll_interval=poll))
-            await settle()
+            await wait_for(lambda: idle(queue, 2), "both slots idle")
             await queue.put("t1")
-            await settle()
-            assert running == ["t1"]
+            await wait_for(lambda: running == ["t1"], "t1 to start")
+            await wait_for(lambda: len(queue_loop(queue)._naps) == 1, "the other slot to poll")
             await make_due_elsewhere(db, clock, "t2")
             clock.advance(poll)
-            await settle()
-            assert running == ["t1", "t2"]  # while t1 still runs
+            await wait_for(lambda: running == ["t1", "t2"], "t2 to start while t1 runs")
             release.set()
-            await settle()
             queue.stop()
 
 
@@ -259,17 +265,15 @@ async def test_a_slot_that_claims_while_the_poller_naps_cuts_the_nap_short(
     with anyio.fail_after(30):
         async with anyio.create_task_group() as group:
             group.start_soon(partial(queue.run, handler, concurrency=2, poll_interval=POLL))
-            await settle()
+            await wait_for(lambda: idle(queue, 2), "both slots idle")
             await queue.put("t0")
-            await settle()
-            assert running == ["t0"]
+            await wait_for(lambda: running == ["t0"], "t0 to start")
+            await wait_for(lambda: len(queue_loop(queue)._naps) == 1, "the other slot to nap")
             await make_due_elsewhere(db, clock, "t1", "t2")
             release["t0"].set()
-            await settle()
-            assert sorted(running) == ["t0", "t1", "t2"]
+            await wait_for(lambda: sorted(running) == ["t0", "t1", "t2"], "t1 and t2 to start")
             for event in release.values():
                 event.set()
-            await settle()
             queue.stop()
 
 
@@ -289,9 +293,9 @@ async def test_a_wake_up_during_a_drained_run_is_not_lost(db: Any, clock: Manual
             group.start_soon(
                 partial(worker.run, handler, poll_interval=POLL, stop_when_drained=True)
             )
-            await settle()
+            # t1 came while the claim ran: claimed at once, the clock never moved.
+            await wait_for(lambda: ran == ["t1"], "t1 to start")
             assert not hook.armed
-            assert ran == ["t1"]  # t1 came while the claim ran: claimed at once
             worker.stop()
 
 
@@ -325,9 +329,8 @@ async def test_a_publish_during_the_dispatchers_claim_is_not_lost(
     with anyio.fail_after(30):
         async with anyio.create_task_group() as group:
             group.start_soon(running.run)
-            await settle()
+            await wait_for(lambda: ran == ["e1"], "e1 to start")
             assert not hook.armed
-            assert ran == ["e1"]
             running.stop()
 
 
@@ -343,7 +346,7 @@ async def test_a_run_leaves_no_listener_behind_and_a_delayed_put_wakes_nobody(
     with anyio.fail_after(30):
         async with anyio.create_task_group() as group:
             group.start_soon(partial(queue.run, handler, concurrency=SLOTS, poll_interval=POLL))
-            await settle()
+            await wait_for(lambda: idle(queue, SLOTS), "every slot idle")
             assert key in wakeups._listeners
             counter.reset()
             await queue.put("later", delay=5)  # not due: no claim follows

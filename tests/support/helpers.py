@@ -158,17 +158,50 @@ def encoded(doc: dict[str, Any] | None) -> bytes:
     return bson.encode(doc)
 
 
-async def wait_for(predicate: Callable[[], bool], what: str, rounds: int = 200_000) -> None:
-    """Let other tasks run until `predicate()` holds (no wall-clock wait: only event-loop turns).
+async def wait_for(predicate: Callable[[], bool], what: str, within: float = 20.0) -> None:
+    """Let other tasks run until `predicate()` holds, for at most `within` seconds of real time
+    (the bound of a command's round trip, never of the primitive's clock).
 
-    On the embedded backend one `settle()` is enough; against a real server, commands complete
-    on I/O, so this keeps yielding until they have.
+    On the embedded backend one `settle()` is usually enough; where commands take real time (the
+    latency lane, a server), a coroutine waiting for its reply is not ready to run, so this
+    also sleeps a moment between checks, letting its reply arrive.
     """
     await settle()
-    for _ in range(rounds):
-        if predicate():
-            return
-        await settle(1)
+    with anyio.move_on_after(within):
+        while not predicate():
+            await settle(5)
+            if not predicate():
+                await anyio.sleep(0.0005)
+        return
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def napping(host: Any) -> bool:
+    """Every slot of `host`'s run loops (a task queue's, a group transport's) naps on the clock
+    or waits for another slot's poll, and none processes anything: only the clock can move
+    them now."""
+    loops = list(host._loops)
+    return bool(loops) and all(
+        loop.in_flight == 0 and len(loop._naps) + len(loop._waiting) == loop._concurrency
+        for loop in loops
+    )
+
+
+async def until(
+    read: Callable[[], Awaitable[Any]],
+    check: Callable[[Any], bool],
+    what: str,
+    within: float = 20.0,
+) -> Any:
+    """Read (`read()`, e.g. a document) until `check` holds for what it returns, for at most
+    `timeout` seconds of real time; returns the last reading."""
+    await settle()
+    with anyio.move_on_after(within):
+        while True:
+            value = await read()
+            if check(value):
+                return value
+            await anyio.sleep(0.001)
     raise AssertionError(f"timed out waiting for {what}")
 
 
@@ -339,11 +372,12 @@ async def in_background(
     advance: float,
     started: Callable[[], Any] = lambda: True,
     then: Callable[[], Awaitable[None]] | None = None,
-    again: bool = False,
+    quiet: Callable[[], bool] | None = None,
 ) -> Any:
     """Await `run` in the background: once `started()` holds, await `then()`, move the clock
-    `advance` seconds (each time everything is blocked, with `again`), and return what `run`
-    returns (failing if it does not within a hundred rounds)."""
+    `advance` seconds and return what `run` returns. With `quiet` (a condition saying the run
+    waits on the clock and on nothing else, e.g. every slot napping), the clock moves again
+    each time it holds, until the run returns (at most a thousand times)."""
     results: list[Any] = []
 
     async def go() -> None:
@@ -351,21 +385,14 @@ async def in_background(
 
     async with anyio.create_task_group() as group:
         group.start_soon(go)
-        for _ in range(100):
-            await settle()
-            if started() or results:
-                break
-        assert started() or results, "the handler never started"
+        await wait_for(lambda: bool(started()) or bool(results), "the handler to start")
         if then is not None:
             await then()
         clock.advance(advance)
-        for _ in range(100):
-            await settle()
+        for _ in range(1000 if quiet is not None else 0):
+            await wait_for(lambda: bool(results) or quiet(), "the run to wait on the clock")
             if results:
                 break
-            if again:
-                clock.advance(advance)
-        else:
-            group.cancel_scope.cancel()
-    assert results, "run did not return"
+            clock.advance(advance)
+        await wait_for(lambda: bool(results), "the run to return")
     return results[0]

@@ -18,7 +18,7 @@ import anyio.to_thread
 import mongoq_sync
 from mongoq import AsyncGroupTransport, AsyncTaskQueue, NewMessage, NewTask, PermanentError
 from mongoq.testing import ManualClock, settle
-from tests.support.helpers import indexed, read_all
+from tests.support.helpers import indexed, read_all, wait_for
 
 LEASE = 30.0
 
@@ -172,9 +172,9 @@ async def task_lease_heartbeats_while_the_block_runs(env: Env) -> None:
     task = await queue.claim("w")
     first_end = (await env.documents("tasks"))["a"]["lease_until"]
     async with queue.leased(task) as lease:
-        for _ in range(4):  # 44 s: longer than the lease
+        for beat in range(1, 5):  # 44 s: longer than the lease
             env.clock.advance(LEASE / 3 + 1)
-            await env.settle()
+            await wait_for(lambda n=beat: lease.heartbeats >= n, f"heartbeat {beat}")
         assert (await env.documents("tasks"))["a"]["lease_until"] > first_end
         assert await queue.claim("other") is None
         assert not lease.lost

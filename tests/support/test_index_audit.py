@@ -969,22 +969,109 @@ def _explain_command(op: Operation, recorder: ChainRecorder) -> dict[str, Any]:
     raise AssertionError(f"no explain for {op.collection}.{op.name}")
 
 
-def plan_mappings(plan: Any) -> Iterator[Mapping[str, Any]]:
-    """Every mapping inside an explain output, outermost first (its stages, their inputs)."""
+#: What a plan holds that is not the plan run: the candidates the planner turned down (also
+#: a shard's, under a mongos) and their trial runs.
+_NOT_RUN = frozenset({"rejectedPlans", "allPlansExecution"})
+
+
+def plan_mappings(explain: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+    """Every mapping of the plan a server runs, outermost first (its stages, their inputs):
+    each ``queryPlanner.winningPlan`` (at the top, in an aggregation's ``$cursor`` stage, in a
+    sharded aggregation's shards; a mongos lists each shard's under its own), and the other
+    stages of an aggregation's pipeline as run, with their statistics (``$lookup``...).
+
+    Never the rest of the reply: a server echoes the explained command under ``command``,
+    pipeline included (its ``$lookup`` would count twice), and lists the plans it rejected."""
+    for part in _plan_parts(explain):
+        yield from _mappings(part)
+
+
+def _plan_parts(explain: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+    planner = explain.get("queryPlanner")
+    if isinstance(planner, Mapping) and isinstance(planner.get("winningPlan"), Mapping):
+        yield planner["winningPlan"]
+    for stage in explain.get("stages") or ():
+        cursor = stage.get("$cursor")
+        if isinstance(cursor, Mapping):
+            yield from _plan_parts(cursor)
+        else:
+            yield stage
+    shards = explain.get("shards")
+    if isinstance(shards, Mapping):
+        for shard in shards.values():
+            if isinstance(shard, Mapping):
+                yield from _plan_parts(shard)
+
+
+def _mappings(plan: Any) -> Iterator[Mapping[str, Any]]:
     if isinstance(plan, Mapping):
         yield plan
-        for value in plan.values():
-            yield from plan_mappings(value)
+        for key, value in plan.items():
+            if key not in _NOT_RUN:
+                yield from _mappings(value)
     elif isinstance(plan, list):
         for value in plan:
-            yield from plan_mappings(value)
+            yield from _mappings(value)
 
 
-def _stages(plan: Any) -> Iterator[str]:
-    """The names of the stages of an explain output (``COLLSCAN``, ``IXSCAN``...)."""
-    for node in plan_mappings(plan):
+def _stages(explain: Mapping[str, Any]) -> Iterator[str]:
+    """The names of the stages of the plan an explain output says runs (``COLLSCAN``...)."""
+    for node in plan_mappings(explain):
         if isinstance(node.get("stage"), str):
             yield node["stage"]
+
+
+#: A server's ``explain`` of a find (``queryPlanner``), abridged: the plan it chose, the plans it
+#: rejected (another index, sorted in memory), and the command echoed back.
+RECORDED_FIND_EXPLAIN: dict[str, Any] = {
+    "explainVersion": "1",
+    "queryPlanner": {
+        "namespace": "mongoq_test.tasks",
+        "winningPlan": {
+            "stage": "LIMIT",
+            "inputStage": {
+                "stage": "FETCH", "inputStage": {"stage": "IXSCAN", "indexName": "claim"}
+            },
+        },
+        "rejectedPlans": [
+            {
+                "stage": "SORT",
+                "inputStage": {
+                    "stage": "FETCH", "inputStage": {"stage": "IXSCAN", "indexName": "by_status"}
+                },
+            },
+        ],
+    },
+    "command": {"find": "tasks", "filter": {"status": "pending"}, "limit": 1, "$db": "x"},
+    "serverInfo": {"host": "localhost", "port": 27017, "version": "8.0.32"},
+    "ok": 1.0,
+}  # fmt: skip
+#: The same through a mongos: each shard's plans under the winning plan's ``shards``.
+RECORDED_SHARDED_EXPLAIN: dict[str, Any] = {
+    "queryPlanner": {
+        "mongosPlannerVersion": 1,
+        "winningPlan": {
+            "stage": "SINGLE_SHARD",
+            "shards": [
+                {
+                    "shardName": "s0",
+                    "winningPlan": RECORDED_FIND_EXPLAIN["queryPlanner"]["winningPlan"],
+                    "rejectedPlans": RECORDED_FIND_EXPLAIN["queryPlanner"]["rejectedPlans"],
+                }
+            ],
+        },
+    },
+    "command": RECORDED_FIND_EXPLAIN["command"],
+    "ok": 1.0,
+}
+
+
+@pytest.mark.parametrize("reply", [RECORDED_FIND_EXPLAIN, RECORDED_SHARDED_EXPLAIN],
+                         ids=["replica-set", "sharded"])  # fmt: skip
+def test_only_the_winning_plan_is_read_from_an_explain(reply: dict[str, Any]) -> None:
+    assert "SORT" not in set(_stages(reply))  # only a rejected plan sorts in memory
+    assert {node.get("indexName") for node in plan_mappings(reply)} - {None} == {"claim"}
+    assert not any("find" in node or "$db" in node for node in plan_mappings(reply))  # command
 
 
 def explain_recorders(
@@ -992,7 +1079,7 @@ def explain_recorders(
 ) -> tuple[ChainRecorder, CommandCounter]:
     """What `collection_scans` needs recorded: the recorder and the counter to wrap `db` in.
     Skips the test on the embedded lanes, which have no explain."""
-    if request.node.callspec.params["db"] in ("memory", "interleaved"):
+    if request.node.callspec.params["db"] in ("memory", "interleaved", "latency"):
         pytest.skip("explain needs a real server: set MONGOQ_TEST_URI")
     return ChainRecorder(db), CommandCounter()
 

@@ -10,8 +10,8 @@ import anyio
 import pytest
 
 from mongoq import InvalidInput, LeaseLost, NewTask, Task
-from mongoq.testing import ManualClock, settle
-from tests.support.helpers import LEASE_TTL, claim_one, new_queue, read
+from mongoq.testing import ManualClock
+from tests.support.helpers import LEASE_TTL, claim_one, new_queue, read, wait_for
 
 
 async def test_a_pending_task_cancelled_is_never_claimed_and_a_second_cancel_changes_nothing(
@@ -70,13 +70,11 @@ async def test_a_running_task_cancelled_stops_its_handler_at_the_next_renewal(
             results.append(await queue.run(handler, poll_interval=60))
 
         group.start_soon(run)
-        await settle()
-        assert seen == ["started"]
+        await wait_for(lambda: seen == ["started"], "the handler to start")
         assert await queue.cancel("t1") is True
         assert (await read(db, "t1") or {})["status"] == "cancelled"  # at once
         clock.advance(LEASE_TTL / 3)  # the heartbeat: the task is no longer held
-        await settle()
-        assert seen == ["started", "cancelled"]
+        await wait_for(lambda: seen == ["started", "cancelled"], "the handler to be cancelled")
         queue.stop()
     (summary,) = results
     assert (summary.cancelled, summary.lost, summary.retried, summary.completed) == (1, 0, 0, 0)
@@ -110,7 +108,7 @@ async def test_a_leased_block_learns_of_the_cancel_from_its_renewal(
         async with queue.leased(task) as lease:
             assert await queue.cancel("t1")
             clock.advance(LEASE_TTL / 3)
-            await settle()
+            await wait_for(lambda: lease.lost, "the renewal to find the task gone")
             assert (lease.lost, lease.cancelled) == (True, True)
     assert lease.outcome == "cancelled"
     assert (await read(db, "t1") or {})["status"] == "cancelled"
@@ -163,11 +161,10 @@ async def test_a_task_cancelled_in_a_batch_is_stopped_and_counted_cancelled(
                 )
 
             group.start_soon(run)
-            await settle()
-            assert seen == ["t0"]
+            await wait_for(lambda: seen == ["t0"], "t0 to start")
             assert await queue.cancel("t0")
             clock.advance(LEASE_TTL / 3)  # the batch's renewal
-            await settle()
+            await wait_for(lambda: seen == ["t0", "t1", "t2"], "t1 and t2 to run")
             queue.stop()
     (summary,) = results
     assert (summary.cancelled, summary.lost, summary.completed) == (1, 0, 2), summary

@@ -18,7 +18,7 @@ import pytest
 from mongoq import AsyncTaskQueue, InvalidInput, Task
 from mongoq.tasks.models import tick_task_id
 from mongoq.testing import FaultInjector, ManualClock, instrument, settle
-from tests.support.helpers import QUEUE, new_queue, read_all
+from tests.support.helpers import QUEUE, napping, new_queue, read_all, wait_for
 
 SCHEDULES = f"{QUEUE}_schedules"
 #: A Monday, 10:00 UTC, on a whole minute: ticks fall on round instants.
@@ -57,10 +57,15 @@ async def test_three_workers_put_exactly_one_task_a_tick_and_run_each_once(
     async with anyio.create_task_group() as group:
         for queue in queues:
             group.start_soon(partial(queue.run, handler, poll_interval=1))
-        await settle()
+
+        def quiet() -> bool:
+            return all(napping(queue) for queue in queues)
+
+        await wait_for(quiet, "every worker to nap")
         for _ in range(10 * 60):  # ten minutes, a second at a time
             clock.advance(1)
-            await settle()
+            await wait_for(quiet, "every worker to nap again")
+        await wait_for(lambda: len(ran) >= 10, "the last tick's task to run")
         for queue in queues:
             queue.stop()
     expected = [tick_task_id("report", at(minute)) for minute in range(1, 11)]
@@ -222,10 +227,11 @@ async def test_a_schedule_that_cannot_tick_here_is_said_and_the_others_tick_on(
     with caplog.at_level(logging.ERROR, logger="mongoq.tasks"), anyio.fail_after(30):
         async with anyio.create_task_group() as group:
             group.start_soon(partial(queue.run, handler, poll_interval=1))
-            await settle()
+            await wait_for(lambda: napping(queue), "the worker to nap")
             for _ in range(130):
                 clock.advance(1)
-                await settle()
+                await wait_for(lambda: napping(queue), "the worker to nap again")
+            await wait_for(lambda: len(ran) >= 2, "both ticks' tasks to run")
             queue.stop()
     assert ran == [tick_task_id("good", at(1)), tick_task_id("good", at(2))]
     assert any("'bad' cannot tick here" in r.getMessage() for r in caplog.records)

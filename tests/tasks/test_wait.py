@@ -4,6 +4,7 @@ on the queue's clock. Each test counts the reads, so that a tight poll would sho
 
 from __future__ import annotations
 
+from datetime import timedelta
 from functools import partial
 from typing import Any
 
@@ -12,12 +13,19 @@ import pytest
 
 from mongoq import InvalidInput, NewTask, PermanentError, Task
 from mongoq.runtime import changes
-from mongoq.testing import ManualClock, settle
-from tests.support.helpers import QUEUE, claim_one, counted_queue, new_queue
+from mongoq.testing import ManualClock
+from tests.support.helpers import QUEUE, claim_one, counted_queue, new_queue, wait_for
 
 
 def reads(counter: Any) -> int:
     return int(counter.counts[f"{QUEUE}.find_one"])
+
+
+async def asleep(clock: ManualClock, seconds: float, what: str = "the wait to sleep") -> None:
+    """Until a task sleeps `seconds` from now on the clock (the wait, after its read): never
+    "nothing left to run", which a command's round trip ends too early."""
+    deadline = clock.now() + timedelta(seconds=seconds)
+    await wait_for(lambda: clock.sleeping_until(deadline) == 1, what)
 
 
 async def test_wait_returns_the_task_a_worker_of_this_process_completes_at_once(
@@ -36,13 +44,13 @@ async def test_wait_returns_the_task_a_worker_of_this_process_completes_at_once(
         group.start_soon(partial(queue.run, handler, poll_interval=60))
 
         async def waiter() -> None:
-            waited.append(await queue.wait("t1", timeout=3600, poll_interval=60))
+            waited.append(await queue.wait("t1", timeout=3600, poll_interval=90))
 
         group.start_soon(waiter)
-        await settle()
+        await asleep(clock, 90)
         assert waited == [] and reads(counter) == 1  # one read, then it waits
         release.set()
-        await settle()
+        await wait_for(lambda: bool(waited), "the wait to return")
         assert [(t.id, t.status, t.result) for t in waited] == [("t1", "done", {"sum": 3})]
         assert reads(counter) == 2  # told, read once more: no poll in between
         queue.stop()
@@ -61,14 +69,14 @@ async def test_wait_returns_a_failed_cancelled_or_removed_task(
             waited.append(await queue.wait("t1", poll_interval=60))
 
         group.start_soon(waiter)
-        await settle()
+        await asleep(clock, 60)
         if ending == "failed":
             assert await queue.fail(await claim_one(queue, expect="t1"), PermanentError("bad"))
         elif ending == "cancelled":
             assert await queue.cancel("t1")
         else:
             assert await queue.remove("t1")
-        await settle()
+        await wait_for(lambda: bool(waited), "the wait to return")
         assert [t.status for t in waited] == [ending]
 
 
@@ -84,14 +92,14 @@ async def test_wait_sees_another_process_finish_the_task_at_its_next_poll(
             waited.append(await queue.wait("t1", poll_interval=5))
 
         group.start_soon(waiter)
-        await settle()
+        await asleep(clock, 5)
         # Another process completes it: nothing in this process is told.
         await db[QUEUE].update_one({"_id": "t1"}, {"$set": {"status": "done", "result": 7}})
         clock.advance(4.999)
-        await settle()
+        await asleep(clock, 0.001, "the wait to sleep on")
         assert waited == [] and reads(counter) == 1
         clock.advance(0.001)
-        await settle()
+        await wait_for(lambda: bool(waited), "the wait to return")
         assert [(t.status, t.result) for t in waited] == [("done", 7)]
         assert reads(counter) == 2
 
@@ -111,13 +119,13 @@ async def test_wait_raises_timeout_error_when_the_task_does_not_finish_in_time(
                 errors.append(error)
 
         group.start_soon(waiter)
-        await settle()
-        for step in (4, 4, 1.999):
+        await asleep(clock, 4)
+        for step, rest in ((4, 4), (4, 2), (1.999, 0.001)):
             clock.advance(step)
-            await settle()
+            await asleep(clock, rest, "the wait to sleep again")  # read once more, then sleep
         assert errors == []
         clock.advance(0.001)
-        await settle()
+        await wait_for(lambda: bool(errors), "the wait to time out")
         assert len(errors) == 1 and "did not finish within 10" in str(errors[0])
     assert reads(counter) == 4  # at 0, 4, 8 and 10 s: polls, never a tight loop
     stored = await db[QUEUE].find_one({"_id": "t1"})
@@ -158,18 +166,18 @@ async def test_waits_share_one_change_stream_and_hand_it_over(db: Any, clock: Ma
                 waited.append(str((await queue.wait(task_id, poll_interval=3600)).id))
 
             group.start_soon(waiter)
-        await settle()
+        await wait_for(lambda: clock.sleeping_until(clock.now() + timedelta(hours=1)) == 2,
+                       "both waits to sleep")  # fmt: skip
         assert len(watch.streams) == 1
         assert watch.pipelines[0] == changes.TASKS_ENDED
         # Another process completes t1 (nothing told here), then the stream says so.
         await db[QUEUE].update_one({"_id": "t1"}, {"$set": {"status": "done"}})
         await watch.streams[0].send.send({"_id": {"t": 1}, "documentKey": {"_id": "t1"}})
-        await settle()
-        assert waited == ["t1"]
-        assert len(watch.streams) == 2 and watch.streams[0].closed  # handed over
+        await wait_for(lambda: waited == ["t1"], "t1's wait to return")
+        await wait_for(lambda: len(watch.streams) == 2, "the stream to be handed over")
+        assert watch.streams[0].closed
         await db[QUEUE].update_one({"_id": "t2"}, {"$set": {"status": "failed"}})
         await watch.streams[1].send.send({"_id": {"t": 2}, "documentKey": {"_id": "t2"}})
-        await settle()
-        assert waited == ["t1", "t2"]
+        await wait_for(lambda: waited == ["t1", "t2"], "t2's wait to return")
     assert watch.streams[1].closed
     assert reads(counter) == 4  # a read each at the start and at its end: no poll
