@@ -46,10 +46,13 @@ NO_CHANGE_STREAMS_SKIP = (
 # real, seeded round trip of 0.2-2 ms before and after every command
 # (`mongoq.testing.latency_database`): a test that waits for "nothing ready to run" instead of
 # a condition fails there as against a server. It runs every test that waits for something
-# (`_waits`) and a seeded sample of the rest (`LATENCY_SAMPLE`), which changes with each run
-# (`MONGOQ_TEST_SEED` repeats one; the report header names it).
+# (`_WAITING`) and a seeded sample of the rest (`LATENCY_SAMPLE`), which changes with each run
+# (`MONGOQ_TEST_SEED` repeats one; the report header names it); `MONGOQ_TEST_LATENCY_MS`
+# changes its longest delay.
 EMBEDDED = ["memory", "interleaved", "latency"]
 LATENCY_SAMPLE = 0.1
+#: The latency lane's longest delay, before and after a command, in milliseconds.
+LATENCY_MS = float(os.environ.get("MONGOQ_TEST_LATENCY_MS") or 2)
 RUN_SEED = int(os.environ.get("MONGOQ_TEST_SEED") or random.randrange(1 << 30))
 SERVERS = [d for d in ("pymongo", "motor") if d in TEST_DRIVERS] if TEST_URI else []
 BACKENDS = [*EMBEDDED, *SERVERS]
@@ -64,34 +67,41 @@ def pytest_report_header() -> str:
 
 #: What a test that waits for something to happen calls: it runs on the latency lane always.
 _WAITING = ("settle(", "wait_for(", "in_background(", "create_task_group(", ".run(", "wait(")
-#: What a test that forces the order of every command calls: real delays change nothing there
-#: (each command waits for its turn), so the latency lane samples it like the rest.
-_ORDERED = ("every_order(", "race(", "Interleaving(", "all_interleavings(")
+#: What a test that forces the order of every command calls (`Interleaving`): the interleaved
+#: and latency lanes only change when commands run, which the forced order decides there, so
+#: such a test runs on the plain lane (and on a server) only.
+_ORDERED = ("every_order(", "race(", "Interleaving(", "all_interleavings(", "lane_orders(")
 
 
-def _waits(item: pytest.Item) -> bool:
+def _source(item: pytest.Item) -> str | None:
     function = getattr(item, "function", None)
     try:
-        source = inspect.getsource(function) if function is not None else ""
+        return inspect.getsource(function) if function is not None else ""
     except (OSError, TypeError):
+        return None
+
+
+def _lane_wanted(item: pytest.Item, lane: str) -> bool:
+    """Whether `item`'s instance on embedded `lane` runs (see `_WAITING`, `_ORDERED`)."""
+    source = _source(item)
+    if source is None or lane not in ("interleaved", "latency"):
         return True
-    return any(call in source for call in _WAITING) and not any(
-        call in source for call in _ORDERED
-    )
+    if any(call in source for call in _ORDERED):
+        return False
+    if lane == "interleaved" or any(call in source for call in _WAITING):
+        return True
+    return random.Random(f"{RUN_SEED}:{item.nodeid}").random() < LATENCY_SAMPLE
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Keep the latency lane's instances of the tests that wait, and a seeded sample of the
-    others (by test id and `RUN_SEED`)."""
+    others (by test id and `RUN_SEED`); run the tests that force every command's order on the
+    plain lane only."""
     kept, dropped = [], []
     for item in items:
         params = getattr(item, "callspec", None)
         lane = params.params.get("db", params.params.get("odb")) if params else None
-        if lane == "latency" and not _waits(item):
-            sample = random.Random(f"{RUN_SEED}:{item.nodeid}").random() < LATENCY_SAMPLE
-            (kept if sample else dropped).append(item)
-        else:
-            kept.append(item)
+        (kept if lane is None or _lane_wanted(item, lane) else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
@@ -113,7 +123,11 @@ async def _database(kind: str, test_id: str) -> AsyncIterator[Any]:
         yield interleaving_database(seed=zlib.crc32(test_id.encode()))
         return
     if kind == "latency":
-        yield latency_database(seed=zlib.crc32(test_id.encode()))
+        yield latency_database(
+            seed=zlib.crc32(test_id.encode()),
+            min_delay=min(0.0002, LATENCY_MS / 1000),
+            max_delay=LATENCY_MS / 1000,
+        )
         return
     if kind == "tx":
         yield transactional_database()

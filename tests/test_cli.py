@@ -11,6 +11,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -27,6 +28,7 @@ from mongoq.groups import AsyncGroupTransport
 from mongoq.outbox import AsyncOutbox, Event
 from mongoq.tasks import AsyncTaskQueue
 from mongoq.testing import ManualClock
+from tests.conftest import TEST_URI
 
 Mongoq = Callable[..., Awaitable[tuple[int, str, str]]]
 TRACEBACK = "Traceback (most recent call last):\n  File 'x.py', line 1\nValueError: bad payload"
@@ -40,14 +42,28 @@ def no_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def opened(db: Any, monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
-    """The CLI's connections, each answered with the test's database."""
+    """The CLI's connections, each answered with the test's database. On a server, `cli.main`
+    runs its own event loop in a worker thread, where a client of the test's loop cannot be
+    used: it gets a client of its own on the same database, which the CLI then closes. The
+    test's own client outlives every command."""
     calls: list[tuple[Any, ...]] = []
+    test_thread = threading.current_thread()
+    backend = _driver.backend_of(db)
+    close = _driver.close
 
     def connect(uri: str | None = None, database: str = "mongoq", **options: Any) -> Any:
         calls.append((uri, database, options))
-        return db
+        if backend is _driver.Backend.MEMORY or threading.current_thread() is test_thread:
+            return db
+        assert TEST_URI is not None
+        return mongoq.connect(TEST_URI, db.name, driver=backend.value)
+
+    async def close_but_the_tests(database: Any) -> None:
+        if database is not db:
+            await close(database)
 
     monkeypatch.setattr(_driver, "connect", connect)
+    monkeypatch.setattr(_driver, "close", close_but_the_tests)
     return calls
 
 

@@ -17,6 +17,7 @@ from mongoq import AsyncGroupTransport, AsyncTaskQueue, GroupLease, NewTask, Tas
 from mongoq.outbox import AsyncOutbox, DeliveryContext, Event
 from mongoq.runtime import wakeups
 from mongoq.testing import CommandCounter, ManualClock, Operation, instrument, settle
+from tests.runtime.test_changes import FakeWatch
 from tests.support.group_helpers import PREFIX as GROUPS
 from tests.support.group_helpers import group_messages, new_transport
 from tests.support.helpers import QUEUE, counted_queue, new_queue, read, wait_for
@@ -68,6 +69,7 @@ async def test_a_put_in_the_same_process_starts_the_handler_at_once(
     db: Any, clock: ManualClock
 ) -> None:
     worker = await new_queue(db, clock)
+    worker.collection.watch = FakeWatch()  # on a replica set a stream would wake it too
     producer = AsyncTaskQueue(db, QUEUE, clock=clock)  # another object on the same queue
     ran: list[str] = []
 
@@ -338,6 +340,7 @@ async def test_a_run_leaves_no_listener_behind_and_a_delayed_put_wakes_nobody(
     db: Any, clock: ManualClock
 ) -> None:
     queue, counter = await counted_queue(db, clock)
+    queue.collection.watch = FakeWatch()  # on a replica set a stream would wake it too
     key = wakeups.key_of("tasks", db, QUEUE)
 
     async def handler(task: Task) -> None:

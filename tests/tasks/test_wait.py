@@ -83,7 +83,10 @@ async def test_wait_returns_a_failed_cancelled_or_removed_task(
 async def test_wait_sees_another_process_finish_the_task_at_its_next_poll(
     db: Any, clock: ManualClock
 ) -> None:
+    from tests.runtime.test_changes import FakeWatch
+
     queue, counter = await counted_queue(db, clock)
+    queue.collection.watch = FakeWatch()  # a stream that tells nothing: only the poll can
     await queue.put("t1")
     waited: list[Task] = []
     async with anyio.create_task_group() as group:
