@@ -417,8 +417,12 @@ class OutboxDispatcher:
         try:
             done = await call
         except _driver.DRIVER_ERRORS as exc:
-            # Its next claim frees it (see AsyncOutbox._reconcile): it runs again.
-            log.warning("settling delivery %s failed (%s); it will run again", delivery.id, exc)
+            # Applied or not, nobody can tell; if not, the owner's next claim frees it (see
+            # `Claimer._reconcile`) and it runs again.
+            log.warning("settling delivery %s failed (%s); it will run again unless the settle "
+                        "applied", delivery.id, exc)  # fmt: skip
+            if not quiet:
+                self._tally("unknown")
             return
         if quiet:
             return
@@ -439,6 +443,7 @@ class OutboxDispatcher:
                 kept = newest.get(delivery.id)
                 if kept is None or delivery.generation > kept.generation:
                     newest[delivery.id] = delivery
+            self._tally("lost", len(batch) - len(newest))  # their claims ended: counted once
             batch = list(newest.values())
             with anyio.CancelScope(shield=True):
                 try:
@@ -447,6 +452,7 @@ class OutboxDispatcher:
                     # Applied or not: what was not deleted is freed by the next claim.
                     log.warning("completing %d deliveries failed (%s); the ones not completed "
                                 "will run again", len(batch), exc)  # fmt: skip
+                    self._tally("unknown", len(batch))
                     return
             self._tally("completed", sum(done))
             self._tally("lost", len(done) - sum(done))

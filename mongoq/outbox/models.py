@@ -233,7 +233,9 @@ class PurgeResult:
 @dataclass
 class DispatchSummary:
     """What an `OutboxDispatcher` did: deliveries claimed, completed, rescheduled for retry,
-    buried as dead letters, released unrun on stop, and found lost to another worker."""
+    buried as dead letters, released unrun on stop, found lost to another worker, and settled
+    with no answer (`unknown`: the settle may have applied; if not, the delivery runs again).
+    Every delivery claimed ends in exactly one of the others."""
 
     claimed: int = 0
     completed: int = 0
@@ -241,3 +243,4 @@ class DispatchSummary:
     buried: int = 0
     released: int = 0
     lost: int = 0
+    unknown: int = 0

@@ -125,3 +125,26 @@ async def test_a_stop_before_run_makes_it_return_at_once_and_the_next_run_starts
     with anyio.fail_after(10):
         second = await d.run(stop_when_empty=True)
     assert (second.completed, ran, await deliveries(odb)) == (1, ["e1"], [])
+
+
+async def test_a_settle_without_an_answer_is_counted_unknown_once(
+    odb: Any, clock: ManualClock
+) -> None:
+    """e1's completion is applied and its reply lost; e2's reschedule fails before it applies.
+    Each delivery claimed is counted once: e1 and e2 ``unknown`` (neither the dispatcher nor
+    anyone else can tell what became of them), and the database says what did."""
+    faults = FaultInjector()
+    outbox = await new_outbox(instrument(odb, faults), clock, subscriptions=ONLY_H)
+    await outbox.publish([event(1), event(2)], session=None)
+
+    async def handler(received: Event, context: DeliveryContext) -> None:
+        if received.id == "e2":
+            raise RuntimeError("e2 fails")
+
+    faults.fail_after("delete_many")  # the completion of e1 applies; its reply is lost
+    faults.fail_before("update_one", collection=f"{PREFIX}deliveries")  # e2's reschedule
+    d = dispatcher(outbox, {"h": handler}, concurrency=2)
+    summary = await d.run_once()
+
+    assert summary == DispatchSummary(claimed=2, unknown=2)
+    assert [doc["event_id"] for doc in await deliveries(odb)] == ["e2"]  # e1 completed
