@@ -686,49 +686,9 @@ class AsyncTaskQueue(TaskOperators, TaskSchedules, WorkerHost):
         summary = RunSummary()
         tally = Tally(summary, "tasks", self.name)
 
-        async def claim() -> Task | None:
-            task = await self.claim(worker)
-            if task is not None:
-                tally("claimed")
-            return task
-
         holder = TaskBatch(self, handler)
-
-        async def process(task: Task) -> None:
-            liveness = await leases.confirm(
-                task.lease_until or self.clock.now(), clock=self.clock, lease=self.lease_ttl,
-                renew=partial(self.heartbeat, task), name=f"task {task.id!r}",
-            )  # fmt: skip
-            if liveness is not leases.Liveness.LIVE:
-                tally(await holder.not_started(task, lost=liveness is leases.Liveness.LOST))
-                return
-            lease = self.leased(task)
-            try:
-                async with lease:
-                    result = await call_handler(
-                        partial(handler, task), clock=self.clock, limit=limit,
-                        guard=lease._guard(), timed=tally.handler_time,
-                    )  # fmt: skip
-                    # Finished: a hard stop from here on still records it (as a batch does),
-                    # bounded like a batch's final settle.
-                    with anyio.move_on_after(self.lease_ttl, shield=True) as bound:
-                        try:
-                            await lease.complete(result)
-                        except InvalidInput as exc:  # a result that cannot be stored: a bug
-                            await lease.fail(exc)
-                    if bound.cancelled_caught:  # no answer: the lease expires, result untold
-                        lease._abandon()
-            except LeaseLost:
-                pass
-            except _driver.DRIVER_ERRORS:
-                log.warning("settling %r failed; its lease will expire", task.id, exc_info=True)
-            except Exception:
-                pass  # settled (and logged) by the lease's exit
-            finally:  # a cancellation (a second signal) is counted too
-                tally(lease.outcome or "unknown")
-
         steps: tuple[Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]] = (
-            (claim, process)
+            self._single_steps(holder, tally, worker, limit)
             if batch_size == 1
             else self._batch_steps(holder, tally, worker, batch_size, limit)
         )
@@ -759,6 +719,53 @@ class AsyncTaskQueue(TaskOperators, TaskSchedules, WorkerHost):
             projection={"lease_until": 1}, hint=schema.STATUS_LEASE.name,
         )  # fmt: skip
         return stored_instant(docs[0]["lease_until"]) if docs else None
+
+    def _single_steps(
+        self, holder: TaskBatch, tally: Tally, worker: str, limit: float | None
+    ) -> tuple[Callable[[], Awaitable[Task | None]], Callable[[Task], Awaitable[None]]]:
+        """The claim and process steps of `run` one task at a time: the handler runs inside
+        `leased`, started only under a lease known to be live (`mongoq.runtime.lease`)."""
+
+        async def claim() -> Task | None:
+            task = await self.claim(worker)
+            if task is not None:
+                tally("claimed")
+            return task
+
+        async def process(task: Task) -> None:
+            liveness = await leases.confirm(
+                task.lease_until or self.clock.now(), clock=self.clock, lease=self.lease_ttl,
+                renew=partial(self.heartbeat, task), name=f"task {task.id!r}",
+            )  # fmt: skip
+            if liveness is not leases.Liveness.LIVE:
+                tally(await holder.not_started(task, lost=liveness is leases.Liveness.LOST))
+                return
+            lease = self.leased(task)
+            try:
+                async with lease:
+                    result = await call_handler(
+                        partial(holder.handler, task), clock=self.clock, limit=limit,
+                        guard=lease._guard(), timed=tally.handler_time,
+                    )  # fmt: skip
+                    # Finished: a hard stop from here on still records it (as a batch does),
+                    # bounded like a batch's final settle.
+                    with anyio.move_on_after(self.lease_ttl, shield=True) as bound:
+                        try:
+                            await lease.complete(result)
+                        except InvalidInput as exc:  # a result that cannot be stored: a bug
+                            await lease.fail(exc)
+                    if bound.cancelled_caught:  # no answer: the lease expires, result untold
+                        lease._abandon()
+            except LeaseLost:
+                pass
+            except _driver.DRIVER_ERRORS:
+                log.warning("settling %r failed; its lease will expire", task.id, exc_info=True)
+            except Exception:
+                pass  # settled (and logged) by the lease's exit
+            finally:  # a cancellation (a second signal) is counted too
+                tally(lease.outcome or "unknown")
+
+        return claim, process
 
     def _batch_steps(
         self,
