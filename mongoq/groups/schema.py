@@ -383,8 +383,9 @@ def lock_parking(until: datetime) -> Update:
 
 
 def lock_extending(until: datetime) -> Update:
-    """extend / extend_many (on `lock_held` / `locks_held`): leased until `until`."""
-    return {"$set": {"available_at": until, "parked": False}}
+    """extend / extend_many (on `lock_held` / `locks_held`): leased until `until`, never less
+    (two renewals of one holder in flight may apply in either order)."""
+    return {"$max": {"available_at": until}, "$set": {"parked": False}}
 
 
 def lock_drained(group_id: GroupId, token: str, version: int | None, last_seq: int) -> Filter:
@@ -422,8 +423,9 @@ def head_nacking(parked_until: datetime | None, error: str | None) -> Update:
 
 
 def head_extending(until: datetime) -> Update:
-    """extend / extend_many (on `message_held` / `messages_held`): the stamp's new end."""
-    return {"$set": {"stamp_until": until}}
+    """extend / extend_many (on `message_held` / `messages_held`): the stamp's new end, never
+    earlier than it was."""
+    return {"$max": {"stamp_until": until}}
 
 
 def head_unstamping() -> Update:

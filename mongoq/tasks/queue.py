@@ -155,7 +155,8 @@ class TaskLease:
             "a new revision); the block's outcome was not recorded"
         )
         if self.lost:
-            self.outcome = "cancelled" if self.cancelled else "lost"
+            if self.outcome != "unknown":  # a settle without an answer may have applied
+                self.outcome = "cancelled" if self.cancelled else "lost"
             if exc is None:
                 raise lost
             return

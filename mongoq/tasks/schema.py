@@ -445,7 +445,12 @@ def task_requeuing(now: datetime) -> dict[str, Any]:
 
 def task_extending(now: datetime, lease_ttl: float) -> dict[str, Any]:
     """A renewed lease, `lease_ttl` from `now`: `heartbeat`, `heartbeat_many`."""
-    return {"$set": {"lease_until": now + timedelta(seconds=lease_ttl), "updated_at": now}}
+    # `$max`: two renewals of one holder in flight at once (a batch's and one item's) may
+    # apply in either order; the older one must not move the lease back.
+    return {
+        "$max": {"lease_until": now + timedelta(seconds=lease_ttl)},
+        "$set": {"updated_at": now},
+    }
 
 
 def task_completing(result: Any, now: datetime) -> dict[str, Any]:

@@ -1335,22 +1335,22 @@ async def test_run_with_batches_nacks_failures_and_dead_letters_permanent_errors
 
 def is_extend_many(op: Operation) -> bool:
     """The batch renewal's first command: the locks still held, extended."""
-    update = op.args[1].get("$set", {})
+    update = op.args[1]
     return (
         op.collection.endswith("_locks")
         and op.name == "update_many"
-        and set(update) == {"available_at", "parked"}  # not a release (which clears the token)
-        and update["parked"] is False
+        and set(update.get("$max", {})) == {"available_at"}  # not a release (no `$max`)
+        and update.get("$set") == {"parked": False}
     )
 
 
 def is_single_extend(op: Operation) -> bool:
     """`extend`'s lock update (a re-check before a head starts, or a one-lease renewal)."""
-    update = op.args[1].get("$set", {}) if op.name == "update_one" else {}
+    update = op.args[1] if op.name == "update_one" else {}
     return (
         op.collection.endswith("_locks")
-        and set(update) == {"available_at", "parked"}
-        and update["parked"] is False
+        and set(update.get("$max", {})) == {"available_at"}
+        and update.get("$set") == {"parked": False}
     )
 
 
@@ -1359,8 +1359,8 @@ def is_restamp(op: Operation) -> bool:
     update = op.args[1] if op.name == "update_many" else {}
     return (
         op.collection.endswith("_messages")
-        and set(update) == {"$set"}
-        and set(update["$set"]) == {"stamp_until"}
+        and set(update) == {"$max"}
+        and set(update["$max"]) == {"stamp_until"}
     )
 
 

@@ -817,3 +817,31 @@ async def test_an_ack_after_a_dead_lettering_that_stopped_after_the_mark_changes
     assert await transport.claim("B") is None  # finishes the burial, finds g empty
     assert list(await dead(db)) == [1]
     assert await group_messages(db) == {}
+
+
+async def test_two_extends_in_flight_that_apply_out_of_order_never_move_the_lease_back(
+    db: Any, transport: AsyncGroupTransport, faults: FaultInjector, clock: ManualClock
+) -> None:
+    """An extend sent at T waits before it applies; one sent at T+5 applies first. When the
+    first applies after it, the lock and the head's stamp stay at T+5 plus the visibility."""
+    await transport.publish("g", "g0")
+    lease = await claim_one(transport)
+    held = faults.pause_before("update_one", collection="mq_locks")
+    answers: list[bool] = []
+    async with anyio.create_task_group() as group:
+
+        async def first() -> None:
+            answers.append(await transport.extend(lease))
+
+        group.start_soon(first)
+        await wait_for(held.reached.is_set, "the first extend to be on its way")
+        clock.advance(5)
+        assert await transport.extend(lease)
+        held.release()
+        await wait_for(lambda: bool(answers), "the first extend's answer")
+
+    assert answers == [True]
+    stored = await lock(db, "g")
+    head = (await messages(db))[lease.seq]
+    assert stored is not None and stored["available_at"] == later(clock, VISIBILITY)
+    assert head["stamp_until"] == later(clock, VISIBILITY)

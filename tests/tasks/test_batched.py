@@ -878,18 +878,19 @@ async def test_a_heartbeat_many_whose_reply_was_lost_extended_the_leases(
 
 
 def is_heartbeat_many(op: Operation) -> bool:
-    """heartbeat_many's extension: only the lease's end and updated_at change."""
-    update = op.args[1].get("$set", {}) if op.name == "update_many" else {}
-    return set(update) == {"lease_until", "updated_at"}
+    """heartbeat_many's extension: only the lease's end (never back) and updated_at change."""
+    return op.name == "update_many" and _extends(op.args[1])
+
+
+def _extends(update: Any) -> bool:
+    return set(update.get("$max", {})) == {"lease_until"} and set(update.get("$set", {})) == {
+        "updated_at"
+    }
 
 
 def is_heartbeat(op: Operation) -> bool:
     """A single heartbeat: fenced on the lease (not the revision), extends it."""
-    return (
-        op.name == "update_one"
-        and "revision" not in op.filter
-        and set(op.args[1].get("$set", {})) == {"lease_until", "updated_at"}
-    )
+    return op.name == "update_one" and "revision" not in op.filter and _extends(op.args[1])
 
 
 def is_reclaim(op: Operation) -> bool:

@@ -6,15 +6,28 @@ start the task. The database and the handlers' start log are asserted, not only 
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import anyio
 
 from mongoq import AsyncTaskQueue
-from mongoq.testing import FaultInjector, ManualClock, Operation, instrument
-from tests.support.helpers import QUEUE, read, wait_for
+from mongoq.testing import CommandCounter, FaultInjector, ManualClock, Operation, instrument
+from tests.support.helpers import QUEUE, read, utc, wait_for
 
 LEASE = 30.0
+
+
+def heartbeats_sent(counter: CommandCounter) -> int:
+    """Heartbeats sent so far (updates that move the lease's end, and nothing but its time)."""
+    updates = [op.args[1] for op in counter.operations if op.name == "update_one"]
+    return sum(
+        1
+        for update in updates
+        if isinstance(update, dict)
+        and "lease_until" in {**update.get("$set", {}), **update.get("$max", {})}
+        and "status" not in update.get("$set", {})
+    )
 
 
 def heartbeat_of_two(op: Operation) -> bool:
@@ -148,3 +161,75 @@ async def test_a_claim_answered_late_but_before_its_lease_ended_renews_before_it
     doc = await read(db, "t1")
     assert doc is not None and (doc["status"], doc["result"]) == ("done", "ok")
     assert (summary[0].claimed, summary[0].completed) == (1, 1)
+
+
+async def test_two_renewals_in_flight_that_apply_out_of_order_never_move_the_lease_back(
+    db: Any, clock: ManualClock
+) -> None:
+    """A renewal sent at T waits before it applies; one sent at T+5 applies first (lease to
+    T+35). When the first applies after it, the lease stays at T+35: a batch's renewal and one
+    item's can be in flight at once, and the holder starts handlers on the later one."""
+    faults = FaultInjector()
+    queue = AsyncTaskQueue(instrument(db, faults), QUEUE, clock=clock, lease_ttl=LEASE)
+    await queue.ensure_indexes()
+    await queue.put("t1")
+    task = await queue.claim("A")
+    assert task is not None
+    held = faults.pause_before("update_one")
+    answers: list[bool] = []
+    async with anyio.create_task_group() as group:
+
+        async def first() -> None:
+            answers.append(await queue.heartbeat(task))
+
+        group.start_soon(first)
+        await wait_for(held.reached.is_set, "the first renewal to be on its way")
+        clock.advance(5)
+        assert await queue.heartbeat(task)
+        later = clock.now() + timedelta(seconds=LEASE)
+        held.release()
+        await wait_for(lambda: bool(answers), "the first renewal's answer")
+
+    assert answers == [True]
+    doc = await read(db, "t1")
+    assert doc is not None and utc(doc["lease_until"]) == later
+
+
+async def test_a_completion_without_an_answer_stays_unknown_when_a_renewal_found_it_gone(
+    db: Any, clock: ManualClock
+) -> None:
+    """The completion applies; before its reply (then lost) arrives, the heartbeat finds the
+    task no longer held (it is done). The run counts it ``unknown``, not ``lost``: it may well
+    be done, as it is."""
+    faults, counter = FaultInjector(), CommandCounter()
+    counter.record = True
+    queue = AsyncTaskQueue(instrument(db, counter, faults), QUEUE, clock=clock, lease_ttl=LEASE)
+    await queue.ensure_indexes()
+    await queue.put("t1")
+
+    def completion(op: Operation) -> bool:
+        update = op.args[1] if op.name == "update_one" else None
+        return isinstance(update, dict) and update.get("$set", {}).get("status") == "done"
+
+    held = faults.pause_after("update_one", match=completion)
+    faults.fail_after("update_one", match=completion)
+
+    async def handler(task: Any) -> str:
+        return "ok"
+
+    summary: list[Any] = []
+    async with anyio.create_task_group() as group:
+
+        async def run() -> None:
+            summary.append(await queue.run(handler, worker_id="A", stop_when_empty=True))
+
+        group.start_soon(run)
+        await wait_for(held.reached.is_set, "the completion to be applied")
+        clock.advance(LEASE / 3)  # the heartbeat: the task is done, no longer held
+        await wait_for(lambda: heartbeats_sent(counter) >= 1, "the heartbeat")
+        held.release()
+        await wait_for(lambda: bool(summary), "the run to return")
+
+    doc = await read(db, "t1")
+    assert doc is not None and (doc["status"], doc["result"]) == ("done", "ok")
+    assert (summary[0].claimed, summary[0].unknown, summary[0].lost) == (1, 1, 0)
