@@ -87,7 +87,7 @@ async def main() -> None:
     print(await dispatcher.run(stop_when_empty=True))
     print("mail sent:", sent)
     print("revenue:", await db.revenue.find({}, sort=[("_id", 1)]).to_list(None))
-    print(await outbox.statistics())
+    print(await outbox.stats())
     await mongoq.close(db)
 
 

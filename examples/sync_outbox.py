@@ -37,7 +37,7 @@ def main() -> None:
         for dead in outbox.list_deliveries(status="dead"):
             print("dead:", dead.event_id, (dead.last_error or "").splitlines()[-1])
         outbox.requeue("o-2:paid", "ship")  # after fixing the data, an operator requeues it
-        print(outbox.statistics())
+        print(outbox.stats())
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Literal, Protocol, cast
 
 from mongoq import _driver
+from mongoq._version import __version__ as __version__
 from mongoq.clock import Clock, ServerClock, SystemClock
 from mongoq.errors import (
     HandlerTimeout,
@@ -98,8 +99,6 @@ __all__ = [
     "connect",
     "supports_transactions",
 ]
-
-__version__ = "0.1.0"
 
 
 class Database(Protocol):

@@ -26,7 +26,7 @@ metrics, run the demo.
 
 Global options, before or after the command: ``--uri`` (``MONGOQ_URI``; else the embedded
 backend), ``--database`` (``MONGOQ_DATABASE``, mongoq), ``--timeout`` (``MONGOQ_TIMEOUT``, 5 s),
-``--json``, ``--log-level``; ``--version``. See `EPILOG` for the exit codes and the aliases.
+``--json``, ``--log-level``; ``--version``. See `EPILOG` for the exit codes.
 Printing is this module's job; the library itself only logs. Owns no collections.
 """
 
@@ -54,6 +54,7 @@ from mongoq import __version__, _driver, registry
 from mongoq._text import format_age as _age
 from mongoq._text import one_line, parse_age
 from mongoq._text import plain as _plain
+from mongoq.clock import ManualClock
 from mongoq.demo import (
     DEMO_DATABASE,
     DemoConfig,
@@ -69,7 +70,6 @@ from mongoq.outbox import AsyncOutbox
 from mongoq.tasks import AsyncTaskQueue
 from mongoq.tasks.models import STATUSES
 from mongoq.tasks.schema import PURGEABLE
-from mongoq.testing import ManualClock
 
 __all__ = ["main", "redact", "run", "scrub"]
 
@@ -81,10 +81,11 @@ DEMO_ROUND_PAUSE = 0.5
 DEMO_DROP_WAIT = 10.0
 #: The widest a free-text cell (an error) is printed in a table.
 CELL_WIDTH = 60
-EPILOG = """\
-global options go before or after the command; AGE is seconds or 30s, 15m, 12h, 7d
-exit codes: 0 done, 1 nothing to requeue/redrive/cancel (or no such task), 2 error, 130 interrupted
-deprecated (one release): mongoq stats|reclaim QUEUE, mongoq requeue QUEUE TASK_ID"""
+EPILOG = (
+    "global options go before or after the command; AGE is seconds or 30s, 15m, 12h, 7d\n"
+    "exit codes: 0 done, 1 nothing to requeue/redrive/cancel (or no such task), 2 error, "
+    "130 interrupted"
+)
 
 
 class UsageError(Exception):
@@ -401,7 +402,7 @@ async def _outbox_purge(args: argparse.Namespace, db: Any) -> Out:
     return Out(result, [text])
 
 
-# ------------------------------------------------------------------ metrics, demo, aliases
+# ------------------------------------------------------------------------- metrics, demo
 
 
 async def _serve_until_stopped(url: str) -> None:
@@ -566,20 +567,6 @@ async def _demo_with_dashboard(args: argparse.Namespace, config: DemoConfig) -> 
     return 0 if report is not None and report.ok else 1
 
 
-def _deprecated(name: str) -> Any:
-    """The handler of the old ``mongoq NAME``: a notice, then ``mongoq tasks NAME``."""
-    new = {"stats": _tasks_stats, "reclaim": _tasks_reclaim, "requeue": _tasks_requeue}[name]
-
-    async def alias(args: argparse.Namespace, db: Any) -> Out:
-        print(f"mongoq: warning: 'mongoq {name}' is deprecated and goes in the next release; "
-              f"use 'mongoq tasks {name}'", file=sys.stderr)  # fmt: skip
-        if name == "requeue":
-            args.task_ids, args.int_ids, args.all_failed = [args.task_id], args.int_id, False
-        return await new(args, db)
-
-    return alias
-
-
 # ---------------------------------------------------------------------------- parsing
 
 
@@ -703,8 +690,7 @@ def _serving(sub: Any) -> None:
 
 
 def _add_others(commands: Any) -> None:
-    """`list`, `metrics`, `demo` (the last two do not connect here) and the deprecated
-    aliases."""
+    """`list`, `metrics`, `demo` and `dashboard` (the last three do not connect here)."""
     _command(commands, "list", _list, "the task queues, group transports and outboxes set up")
     text = "export the stats of the named primitives to Prometheus, until Ctrl-C"
     sub = _command(commands, "metrics", _metrics, text)
@@ -744,11 +730,6 @@ def _add_others(commands: Any) -> None:
     )
     sub.add_argument("--sample-interval", type=_duration, default=10.0, metavar="SECONDS",
                      help="how often the throughput chart samples (default: 10)")  # fmt: skip
-    for name in ("stats", "reclaim", "requeue"):
-        target = ["queue", "task_id"] if name == "requeue" else ["queue"]
-        sub = _command(commands, name, _deprecated(name), f"deprecated: tasks {name}", *target)
-        if name == "requeue":
-            sub.add_argument("--int-id", action="store_true")
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -26,10 +26,9 @@ from typing import Any
 import anyio
 
 from mongoq import _driver, registry
-from mongoq.clock import to_millis
+from mongoq.clock import ManualClock, to_millis
 from mongoq.errors import PermanentError
 from mongoq.tasks import AsyncTaskQueue, NewTask, Task
-from mongoq.testing import ManualClock
 
 __all__ = ["DEMO_DATABASE", "DemoConfig", "DemoReport", "demo_queue_name", "drop_demo", "run_demo"]
 

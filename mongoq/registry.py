@@ -22,6 +22,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from mongoq import _driver
+from mongoq._version import __version__
 from mongoq.clock import stored_instant
 
 log = logging.getLogger("mongoq.registry")
@@ -60,8 +61,6 @@ async def register(
     A write the server refuses (a role without access to the registry) is logged, never
     raised: the registry serves operators' tools, and a worker's start-up must not depend on
     it."""
-    from mongoq import __version__  # the package's, read at call time (no import cycle)
-
     try:
         await _write(db, primitive, name, now, __version__, options or {})
     except _driver.DRIVER_ERRORS as exc:

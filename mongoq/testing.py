@@ -1,7 +1,8 @@
 """Tools for testing code built on mongoq (ours and yours).
 
-- `ManualClock`: time that moves only when the test says so; workers' sleeps (poll intervals,
-  heartbeats) wake when the clock is advanced past their deadline.
+- `ManualClock` (defined in `mongoq.clock`, re-exported here): time that moves only when the
+  test says so; workers' sleeps (poll intervals, heartbeats) wake when the clock is advanced
+  past their deadline.
 - `memory_database()`: a fresh embedded in-memory database (mongomock-motor).
 - `interleaving_database(seed)`: the same, but every command yields to the event loop before
   and after it runs (a seeded number of times, optionally after a short real delay), as over a
@@ -25,14 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import heapq
-import itertools
 import random
-import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 import anyio
@@ -40,7 +37,7 @@ import anyio.lowlevel
 from pymongo.errors import AutoReconnect, NetworkTimeout, OperationFailure
 
 from mongoq import _driver
-from mongoq.clock import to_millis
+from mongoq.clock import ManualClock
 
 __all__ = [
     "CommandCounter",
@@ -59,108 +56,6 @@ __all__ = [
     "memory_database",
     "settle",
 ]
-
-
-# --------------------------------------------------------------------------------------- clock
-
-
-class ManualClock:
-    """A `Clock` that moves only through `advance()` / `set()`.
-
-    It starts at the current wall-clock time (milliseconds), never at 0: orderings such as
-    "never-claimed sorts before just-acked" depend on realistic instants.
-    """
-
-    def __init__(self, start: datetime | None = None) -> None:
-        self._now = to_millis(start if start is not None else datetime.now(UTC))
-        self._sleepers: list[tuple[datetime, int, anyio.Event, asyncio.AbstractEventLoop]] = []
-        self._counter = itertools.count()
-        self._lock = threading.Lock()
-
-    def now(self) -> datetime:
-        return self._now
-
-    async def refresh(self) -> None:
-        return None
-
-    async def sleep(self, seconds: float) -> None:
-        await self._sleep(lambda now: now + timedelta(seconds=seconds))
-
-    async def sleep_until(self, deadline: datetime) -> None:
-        """Wait until the clock reads `deadline`: absolute, so an advance from another thread
-        between reading the clock and calling this cannot postpone the wake-up."""
-        deadline = to_millis(deadline)
-        await self._sleep(lambda now: deadline)
-
-    async def _sleep(self, deadline_from: Callable[[datetime], datetime]) -> None:
-        wake = anyio.Event()
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            deadline = deadline_from(self._now)
-            if deadline <= self._now:
-                entry = None
-            else:
-                entry = (deadline, next(self._counter), wake, loop)
-                heapq.heappush(self._sleepers, entry)
-        if entry is None:
-            await anyio.lowlevel.checkpoint()
-            return
-        try:
-            await wake.wait()
-        finally:
-            with self._lock:
-                if entry in self._sleepers:
-                    self._sleepers.remove(entry)
-                    heapq.heapify(self._sleepers)
-
-    def advance(self, seconds: float) -> None:
-        """Move time forward and wake every sleeper whose deadline has come."""
-        if seconds < 0:
-            raise ValueError("a clock does not go backwards")
-        self.set(self._now + timedelta(seconds=seconds))
-
-    def set(self, instant: datetime) -> None:
-        """Move time to `instant` (never backwards) and wake the sleepers that are due.
-
-        Safe from any thread: a sleeper in another thread's event loop (the `mongoq_sync`
-        portal) is woken through that loop."""
-        instant = to_millis(instant)
-        with self._lock:
-            if instant < self._now:
-                raise ValueError("a clock does not go backwards")
-            self._now = instant
-            due = []
-            while self._sleepers and self._sleepers[0][0] <= self._now:
-                due.append(heapq.heappop(self._sleepers))
-        for _, _, wake, loop in due:
-            if _running_loop() is loop:
-                wake.set()
-            else:
-                loop.call_soon_threadsafe(wake.set)
-
-    @property
-    def sleepers(self) -> int:
-        """How many tasks are waiting in `sleep()`."""
-        return len(self._sleepers)
-
-    def next_wakeup(self) -> datetime | None:
-        """The earliest deadline of a sleeping task, if any."""
-        return self._sleepers[0][0] if self._sleepers else None
-
-    def sleeping_until(self, deadline: datetime) -> int:
-        """How many tasks sleep until exactly `deadline`: a test waits for the one it expects
-        (``clock.sleeping_until(clock.now() + timedelta(seconds=60)) == 1``) instead of for
-        "nothing left to run", which a command's round trip would end too early."""
-        deadline = to_millis(deadline)
-        with self._lock:
-            return sum(1 for entry in self._sleepers if to_millis(entry[0]) == deadline)
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 async def settle(rounds: int = 50, *, limit: int = 100_000) -> None:

@@ -953,12 +953,6 @@ class Outbox(Facade):
         """
         return cast("int | None", self._call("count_finished", since, until))
 
-    def statistics(self) -> OutboxStatistics:
-        """An alias of `stats`, the name this call had before the three primitives shared one
-        vocabulary; the same result, the same commands.
-        """
-        return cast("OutboxStatistics", self._call("statistics"))
-
     def purge(
         self, *, dead_before: datetime | None = None, completed_before: datetime | None = None
     ) -> PurgeResult:

@@ -301,24 +301,6 @@ async def test_tasks_reclaim_fails_or_requeues_expired_leases(db: Any, mongoq_cm
     assert await status_of(queue, "b") == "pending"
 
 
-async def test_the_old_commands_still_work_and_name_the_new_ones(
-    db: Any, mongoq_cmd: Mongoq
-) -> None:
-    queue = await seed_tasks(db)
-    code, out, err = await mongoq_cmd("stats", "jobs", "--uri", "memory://")
-    assert code == 0 and "failed          2" in out
-    assert err == (
-        "mongoq: warning: 'mongoq stats' is deprecated and goes in the next release; use "
-        "'mongoq tasks stats'\n"
-    )
-    code, out, err = await mongoq_cmd("requeue", "jobs", "bad-2", "--uri", "memory://")
-    assert (code, out) == (0, "requeued 1 failed task(s)\n") and "'mongoq tasks requeue'" in err
-    assert await status_of(queue, "bad-2") == "pending"
-    code, out, err = await mongoq_cmd("reclaim", "jobs")
-    assert (code, out) == (0, "expired leases: 0 task(s) failed, 0 requeued\n")
-    assert "'mongoq tasks reclaim'" in err
-
-
 # ----------------------------------------------------------------------------- groups
 
 

@@ -1,10 +1,12 @@
-"""Project-level checks: the examples run, and the code is ruff- and mypy-clean.
+"""Project-level checks: the examples run, the code is ruff- and mypy-clean, and the library
+does not import its test tools or its blocking facade.
 
 These run the tools the test extra installs, so the README's single test command covers them.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import subprocess
 import sys
@@ -23,6 +25,44 @@ def run(*command: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
     )
+
+
+#: What the library's own modules must not import: the test tools (which import the library,
+#: not the other way round) and the blocking facade generated from it.
+FORBIDDEN_IN_LIBRARY = ("mongoq.testing", "mongoq_sync")
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module `path` (a file under mongoq/) imports, at any depth, relative imports
+    resolved; ``from package import name`` also counts as importing ``package.name``."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    package = parts[:-1]  # a module's package; for __init__, the package itself
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_the_library_imports_neither_its_test_tools_nor_its_blocking_facade() -> None:
+    """Production code never imports `mongoq.testing` (only `mongoq/testing.py` is it) nor
+    `mongoq_sync`: a tool tests and the demo both need lives in its own module (as
+    `ManualClock` in `mongoq.clock`)."""
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(
+            name
+            for name in _imported_modules(path)
+            if any(name == bad or name.startswith(f"{bad}.") for bad in FORBIDDEN_IN_LIBRARY)
+        )
+        for path in sorted((ROOT / "mongoq").rglob("*.py"))
+        if path != ROOT / "mongoq" / "testing.py"
+    }
+    assert {path: names for path, names in offenders.items() if names} == {}
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[path.name for path in EXAMPLES])

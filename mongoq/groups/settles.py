@@ -19,8 +19,7 @@ from mongoq._validation import check_batch, check_seconds
 from mongoq.clock import Clock
 from mongoq.groups import schema
 from mongoq.groups.models import GroupId, GroupLease, check_lease
-from mongoq.runtime.loop import error_text
-from mongoq.runtime.report import Attempt, log_attempt_end
+from mongoq.runtime.report import Attempt, error_text, log_attempt_end
 
 __all__ = ["GroupSettles"]
 

@@ -53,7 +53,7 @@ from mongoq.outbox.lanes import (
     charge_lost,
 )
 from mongoq.outbox.models import LANES, Delivery, Event
-from mongoq.runtime.loop import error_text
+from mongoq.runtime.report import error_text
 
 if TYPE_CHECKING:
     from mongoq.outbox.store import AsyncOutbox

@@ -40,8 +40,7 @@ from mongoq.outbox.operators import Operators
 from mongoq.outbox.publish import Publisher
 from mongoq.runtime import wakeups
 from mongoq.runtime.events import report_start_delay
-from mongoq.runtime.loop import error_text
-from mongoq.runtime.report import Attempt, log_attempt_end
+from mongoq.runtime.report import Attempt, error_text, log_attempt_end
 
 __all__ = ["AsyncOutbox"]
 
@@ -553,11 +552,6 @@ class AsyncOutbox:
         ones leaves alone (two indexed counts; the dashboard's chart). None without
         `completion_history`: a completion then leaves no record to count."""
         return await self._operators.count_finished(since, until)
-
-    async def statistics(self) -> OutboxStatistics:
-        """An alias of `stats`, the name this call had before the three primitives shared one
-        vocabulary; the same result, the same commands."""
-        return await self.stats()
 
     async def purge(
         self, *, dead_before: datetime | None = None, completed_before: datetime | None = None

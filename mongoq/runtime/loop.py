@@ -23,7 +23,6 @@ import os
 import signal
 import socket
 import threading
-import traceback
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
@@ -44,7 +43,6 @@ __all__ = [
     "WorkerHost",
     "WorkerLoop",
     "default_worker_id",
-    "error_text",
     "mongoq_errors_unwrapped",
     "note_embedded",
     "require_main_thread",
@@ -55,8 +53,6 @@ log = logging.getLogger("mongoq.worker")
 
 Item = TypeVar("Item")
 
-#: How much of an error's text is stored: the end, where the exception's own line is.
-ERROR_LIMIT = 2000
 #: The error recorded for an item whose handler was cancelled: the worker stopped under it
 #: (a cancelled `run`, a second signal), not a failure of the item's own.
 WORKER_STOPPED = "worker stopped: the handler was cancelled before it finished"
@@ -65,17 +61,6 @@ WORKER_STOPPED = "worker stopped: the handler was cancelled before it finished"
 def default_worker_id() -> str:
     """``hostname:pid:uuid8``, as in the seed."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-
-
-def error_text(error: BaseException | str | None) -> str | None:
-    """The text stored for an error: its traceback (or the string), last 2,000 characters."""
-    if error is None:
-        return None
-    if isinstance(error, BaseException):
-        text = "".join(traceback.format_exception(error)).rstrip()
-    else:
-        text = str(error)
-    return text[-ERROR_LIMIT:]
 
 
 class Stoppable(Protocol):

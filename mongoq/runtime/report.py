@@ -1,6 +1,7 @@
-"""How every primitive logs the end of an attempt that did not succeed: one record per event,
-the same words and the same structured fields whichever primitive wrote it. Owns no
-collections.
+"""How every primitive reports the end of an attempt that did not succeed: the error's text it
+stores on the item (`error_text`, the traceback's last `ERROR_LIMIT` characters) and the log
+record, one per event, with the same words and the same structured fields whichever primitive
+wrote it. Owns no collections.
 
 Levels: a failure that will be retried is INFO (the retry is the system working); a failure
 that gives the item up (a task failed, a message dead-lettered, a delivery buried) is WARNING,
@@ -18,14 +19,28 @@ item's stored error has the traceback).
 from __future__ import annotations
 
 import logging
+import traceback
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-__all__ = ["GIVEN_UP", "Attempt", "error_line", "log_attempt_end"]
+__all__ = ["ERROR_LIMIT", "GIVEN_UP", "Attempt", "error_line", "error_text", "log_attempt_end"]
 
 #: Outcomes after which the item is not retried by itself.
 GIVEN_UP = frozenset({"failed", "dead", "buried"})
+#: How much of an error's text is stored: the end, where the exception's own line is.
+ERROR_LIMIT = 2000
+
+
+def error_text(error: BaseException | str | None) -> str | None:
+    """The text stored for an error: its traceback (or the string), last 2,000 characters."""
+    if error is None:
+        return None
+    if isinstance(error, BaseException):
+        text = "".join(traceback.format_exception(error)).rstrip()
+    else:
+        text = str(error)
+    return text[-ERROR_LIMIT:]
 
 
 def error_line(error: BaseException | str | None) -> str:

@@ -39,8 +39,8 @@ from mongoq.runtime.candidates import take_candidates
 from mongoq.runtime.events import Tally, report_start_delay
 from mongoq.runtime.handler import call_handler
 from mongoq.runtime.keepalive import KeepAlive
-from mongoq.runtime.loop import WORKER_STOPPED, WorkerHost, WorkerLoop, error_text
-from mongoq.runtime.report import Attempt, log_attempt_end
+from mongoq.runtime.loop import WORKER_STOPPED, WorkerHost, WorkerLoop
+from mongoq.runtime.report import Attempt, error_text, log_attempt_end
 from mongoq.tasks import schema
 from mongoq.tasks.batch import TaskBatch
 from mongoq.tasks.models import (

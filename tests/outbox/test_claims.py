@@ -18,7 +18,7 @@ import pytest
 
 from mongoq import _driver
 from mongoq.outbox import AsyncOutbox, Delivery, Event, lane_of
-from mongoq.runtime.loop import error_text
+from mongoq.runtime.report import error_text
 from mongoq.testing import CommandCounter, ManualClock, instrument
 from tests.support.helpers import rejects, utc
 from tests.support.outbox_helpers import (

@@ -312,7 +312,7 @@ async def exercise_outbox(
         assert await outbox.list_deliveries(status=status)
     assert await outbox.list_deliveries(handler="stats")
     assert await outbox.list_deliveries(event_type="order.paid")
-    stats = await outbox.statistics()
+    stats = await outbox.stats()
     assert (stats.parked, stats.running, stats.dead) == (77, 2, 3)
     # What a drained dispatcher waits for: the first pending delivery of its handlers.
     assert await outbox._next_due(["mail", "stats"]) is not None

@@ -1,4 +1,4 @@
-"""AsyncOutbox's operator calls: `statistics`, `list_deliveries`, `requeue`, `purge`, and the
+"""AsyncOutbox's operator calls: `stats`, `list_deliveries`, `requeue`, `purge`, and the
 completion history behind ``completion_history=True``.
 
 Each test builds the states it lists (pending, running, dead, completed) through the public
@@ -56,33 +56,33 @@ async def count(db: Any, **query: Any) -> int:
     return int(await db[f"{PREFIX}deliveries"].count_documents(query))
 
 
-# ---------------------------------------------------------------------------- statistics
+# --------------------------------------------------------------------------------- stats
 
 
-async def test_statistics_count_pending_running_dead_and_held_lanes(
+async def test_stats_count_pending_running_dead_and_held_lanes(
     odb: Any, clock: ManualClock
 ) -> None:
     outbox = await new_outbox(odb, clock, lease=LEASE)  # order.created: mail, stats
-    assert await outbox.statistics() == OutboxStatistics(0, 0, 0, 0, 0, None, 0)
+    assert await outbox.stats() == OutboxStatistics(0, 0, 0, 0, 0, None, 0)
     t0 = clock.now()
     await outbox.publish([order(1), order(2, kind="order.paid")], session=None)
     clock.advance(5)
     await outbox.publish(order(3), session=None)
-    assert await outbox.statistics() == OutboxStatistics(5, 0, 0, 0, 0, t0, 0)
+    assert await outbox.stats() == OutboxStatistics(5, 0, 0, 0, 0, t0, 0)
 
     claimed = await claim_all(outbox, "mail")
     assert sorted(claimed) == ["e1/mail", "e3/mail"]
     lanes_used = len({d.lane_id for d in claimed.values()})
-    assert await outbox.statistics() == OutboxStatistics(5, 0, 2, 0, 0, t0, lanes_used)
+    assert await outbox.stats() == OutboxStatistics(5, 0, 2, 0, 0, t0, lanes_used)
 
     assert await outbox.bury(claimed["e1/mail"], error="bad address")
     assert await outbox.complete(claimed["e3/mail"])
     assert (await count(odb, status="pending"), await count(odb, status="dead")) == (3, 1)
     # Running means claimed and not settled; the lanes stay held until their leases end.
-    assert await outbox.statistics() == OutboxStatistics(3, 0, 0, 1, 0, t0, lanes_used)
+    assert await outbox.stats() == OutboxStatistics(3, 0, 0, 1, 0, t0, lanes_used)
 
     clock.advance(LEASE)
-    stats = await outbox.statistics()
+    stats = await outbox.stats()
     assert stats == OutboxStatistics(3, 0, 0, 1, 0, t0, 0)
     assert stats.oldest_due_at == min(
         utc(d["due_at"]) for d in await deliveries(odb) if "due_at" in d
@@ -112,7 +112,7 @@ async def test_completion_history_records_every_completion_for_statistics_and_li
     ]
     assert {utc(r["completed_at"]) for r in records} == {clock.now()}
     assert {utc(r["created_at"]) for r in records} == {t0}
-    assert await outbox.statistics() == OutboxStatistics(0, 0, 0, 0, 3, None, 0)
+    assert await outbox.stats() == OutboxStatistics(0, 0, 0, 0, 3, None, 0)
 
     listed = await outbox.list_deliveries(status="completed")
     assert [(i.event_id, i.handler, i.status, i.attempts) for i in listed] == [
@@ -136,7 +136,7 @@ async def test_without_completion_history_no_delivery_is_reported_completed(
 
     plain = await new_outbox(odb, clock)
     # Held: the lane of e1's number for each handler, mail's and stats's.
-    assert await plain.statistics() == OutboxStatistics(1, 0, 0, 0, 0, clock.now(), 2)
+    assert await plain.stats() == OutboxStatistics(1, 0, 0, 0, 0, clock.now(), 2)
     assert [(i.event_id, i.status) for i in await plain.list_deliveries()] == [("e2", "pending")]
     assert await plain.list_deliveries(status="completed") == []
     assert len(await history(odb)) == 2
@@ -154,7 +154,7 @@ async def test_completion_history_of_a_transactional_handler_commits_or_aborts_w
     await worker.run(stop_when_empty=True)
     assert await history(txdb) == []
     assert await projection.count_documents({}) == 0
-    assert (await outbox.statistics()).completed == 0
+    assert (await outbox.stats()).completed == 0
 
     clock.advance(10)
     assert await worker.run(stop_when_empty=True) == DispatchSummary(
@@ -164,7 +164,7 @@ async def test_completion_history_of_a_transactional_handler_commits_or_aborts_w
     assert (record["event_id"], record["handler"], record["attempts"]) == ("e1", "h", 2)
     assert await projection.find({}).to_list(None) == [{"_id": "e1", "attempt": 2}]
     assert await deliveries(txdb) == []
-    assert (await outbox.statistics()).completed == 1
+    assert (await outbox.stats()).completed == 1
 
 
 # ------------------------------------------------------------------------- list_deliveries
@@ -371,7 +371,7 @@ async def test_purge_with_completion_history_removes_records_before_their_events
     assert await outbox.purge(completed_before=cutoff) == PurgeResult(completed_records=2, events=1)
     assert [(r["event_id"], r["handler"]) for r in await history(odb)] == [("e2", "stats")]
     assert sorted(await events(odb)) == ["e2"]
-    assert (await outbox.statistics()).completed == 1
+    assert (await outbox.stats()).completed == 1
     assert await outbox.publish(order(2, kind="order.paid"), session=None) == PublishResult(0, 0)
 
     clock.advance(PUBLISH_GRACE + 1)  # the replay touched e2
