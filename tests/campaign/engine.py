@@ -468,6 +468,19 @@ class Crew:
             if worker.scope is not None:
                 worker.scope.cancel()
 
+    def disrupt(self, worker: Worker | None, kind: str, rehire: Callable[[], Any]) -> None:
+        """Apply one drawn disruption to `worker` (a slot's, None when empty): ``partition S``,
+        ``restart`` (`rehire()` once it has ended), ``crash``, ``stop`` or ``cancel``."""
+        if worker is None:
+            return
+        if kind.startswith("partition"):
+            worker.faults.partition(float(kind.split()[1]))
+        elif kind == "restart":
+            if worker.fate != "running" or worker.done:
+                rehire()
+        else:
+            {"crash": self.crash, "stop": self.stop, "cancel": self.cancel}[kind](worker)
+
     def holding(self, worker: Worker, collection: str) -> bool:
         """Whether `worker` holds an item of `collection` under a lease that has not ended."""
         now, holdings = self.run.clock.now(), self.run.holdings

@@ -435,16 +435,7 @@ class GroupScenario:
         return timeline
 
     def disrupt(self, crew: Crew, kind: str, slot: int) -> None:
-        worker = self.slots[slot]
-        if worker is None:
-            return
-        if kind.startswith("partition"):
-            worker.faults.partition(float(kind.split()[1]))
-        elif kind == "restart":
-            if worker.fate != "running" or worker.done:
-                self.hire(crew, slot)
-        else:
-            {"crash": crew.crash, "stop": crew.stop, "cancel": crew.cancel}[kind](worker)
+        crew.disrupt(self.slots[slot], kind, partial(self.hire, crew, slot))
 
     async def drain(self, crew: Crew, in_time: bool) -> bool:
         """Faults stop, every worker stops, a fault-free worker drains; False on a hang (or

@@ -392,20 +392,13 @@ class TaskScenario:
 
     def disrupt(self, crew: Crew, kind: str, slot: int, tries: int = 0) -> None:
         worker = self.slots[slot]
-        if worker is None:
+        waits = kind.startswith("partition") and tries < PARTITION_WAIT
+        if worker is not None and waits and not crew.holding(worker, QUEUE):
+            # A partition while the worker holds nothing shows little: wait for work.
+            again = partial(self.disrupt, crew, kind, slot, tries + 1)
+            self.timeline_.at(self.run.elapsed() + 1.0, kind, again)
             return
-        if kind.startswith("partition"):
-            if tries < PARTITION_WAIT and not crew.holding(worker, QUEUE):
-                # A partition while the worker holds nothing shows little: wait for work.
-                again = partial(self.disrupt, crew, kind, slot, tries + 1)
-                self.timeline_.at(self.run.elapsed() + 1.0, kind, again)
-                return
-            worker.faults.partition(float(kind.split()[1]))
-        elif kind == "restart":
-            if worker.fate != "running" or worker.done:
-                self.hire(crew, slot)
-        else:
-            {"crash": crew.crash, "stop": crew.stop, "cancel": crew.cancel}[kind](worker)
+        crew.disrupt(worker, kind, partial(self.hire, crew, slot))
 
     async def drain(self, crew: Crew, in_time: bool) -> bool:
         """Faults stop, every worker stops, a fault-free worker drains; False on a hang (or
