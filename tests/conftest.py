@@ -50,7 +50,7 @@ NO_CHANGE_STREAMS_SKIP = (
 # (`MONGOQ_TEST_SEED` repeats one; the report header names it); `MONGOQ_TEST_LATENCY_MS`
 # changes its longest delay.
 EMBEDDED = ["memory", "interleaved", "latency"]
-LATENCY_SAMPLE = 0.1
+LATENCY_SAMPLE = 0.05
 #: The latency lane's longest delay, before and after a command, in milliseconds.
 LATENCY_MS = float(os.environ.get("MONGOQ_TEST_LATENCY_MS") or 2)
 RUN_SEED = int(os.environ.get("MONGOQ_TEST_SEED") or random.randrange(1 << 30))
