@@ -65,8 +65,12 @@ def pytest_report_header() -> str:
     return f"mongoq backends: {lanes} only ({REAL_SERVER_SKIP})"
 
 
-#: What a test that waits for something to happen calls: it runs on the latency lane always.
-_WAITING = ("settle(", "wait_for(", "in_background(", "create_task_group(", ".run(", "wait(")
+#: What a test that waits for something to happen through the event loop calls (rather than
+#: awaiting the call that does it): it runs on the latency lane always.
+_WAITING = (
+    "settle(", "wait_for(", "until(", "in_background(", "napping(", "sleeping_until(", "asleep(",
+    "scenario(env)",
+)  # fmt: skip
 #: What a test that forces the order of every command calls (`Interleaving`): the interleaved
 #: and latency lanes only change when commands run, which the forced order decides there, so
 #: such a test runs on the plain lane (and on a server) only.
