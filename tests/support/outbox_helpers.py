@@ -183,11 +183,12 @@ async def stored(db: Any, name: str = "deliveries", prefix: str = PREFIX) -> dic
     return {doc["_id"]: bson.encode(doc) for doc in docs}
 
 
-async def drain(outbox: AsyncOutbox, owner: str = "drainer") -> list[Delivery]:
-    """Claim and complete until nothing is claimable; returns what ran, in order."""
+async def drain(outbox: AsyncOutbox, owner: str = "drainer", limit: int = 100) -> list[Delivery]:
+    """Claim (`limit` at a time) and complete until nothing is claimable; returns what ran, in
+    order."""
     ran: list[Delivery] = []
     for _ in range(1000):
-        batch = await outbox.claim(owner, limit=100)
+        batch = await outbox.claim(owner, limit=limit)
         if not batch:
             return ran
         for delivery in batch:
