@@ -409,13 +409,19 @@ class Worker:
 
 
 def new_worker(
-    run: Run, name: str, rates: FaultRates | None, worker_id: str | None = None
+    run: Run,
+    name: str,
+    rates: FaultRates | None,
+    worker_id: str | None = None,
+    observer: Observer | None = None,
 ) -> Worker:
     """A worker `name` with its own view of the raw database: its faults (none when `rates`
-    is None), then its observer; its documents carry `worker_id` (default: `name`)."""
+    is None), then its observer (a primitive's own, or the engine's); its documents carry
+    `worker_id` (default: `name`)."""
     faults = Faults(run, name, rates or FaultRates())
     faults.enabled = rates is not None
-    observer = Observer(run, name, worker_id)
+    if observer is None:
+        observer = Observer(run, name, worker_id)
     return Worker(name, faults, observer, instrument(run.raw, faults, observer))
 
 
@@ -427,8 +433,14 @@ class Crew:
         self.group = group
         self.workers: list[Worker] = []
 
-    def hire(self, name: str, rates: FaultRates | None, worker_id: str | None = None) -> Worker:
-        worker = new_worker(self.run, name, rates, worker_id)
+    def hire(
+        self,
+        name: str,
+        rates: FaultRates | None,
+        worker_id: str | None = None,
+        observer: Observer | None = None,
+    ) -> Worker:
+        worker = new_worker(self.run, name, rates, worker_id, observer)
         self.workers.append(worker)
         return worker
 
@@ -494,6 +506,12 @@ class Crew:
         """Faults stop (a crashed worker stays crashed)."""
         for worker in self.workers:
             worker.faults.enabled = False
+
+    def calm_and_stop(self) -> None:
+        """Before a drain: faults stop, and every worker is asked to stop gracefully."""
+        self.calm()
+        for worker in list(self.workers):
+            self.stop(worker)
 
     def all_done(self) -> bool:
         return all(worker.done for worker in self.workers)

@@ -44,12 +44,11 @@ import anyio
 
 from mongoq import AsyncGroupTransport
 from mongoq.groups import GroupLease, NewMessage
-from mongoq.testing import Operation, instrument, memory_database
+from mongoq.testing import Operation, memory_database
 from tests.campaign.engine import (
     Crew,
     Execution,
     FaultRates,
-    Faults,
     Holding,
     Observer,
     Report,
@@ -157,12 +156,8 @@ def hire(
     crew: Crew, name: str, rates: FaultRates | None, worker_id: str, deletions: list[Deletion]
 ) -> Worker:
     """`Crew.hire` with a `GroupObserver` as the view's last hook."""
-    faults = Faults(crew.run, name, rates or FaultRates())
-    faults.enabled = rates is not None
     observer = GroupObserver(crew.run, name, worker_id, deletions)
-    worker = Worker(name, faults, observer, instrument(crew.run.raw, faults, observer))
-    crew.workers.append(worker)
-    return worker
+    return crew.hire(name, rates, worker_id, observer)
 
 
 # ---------------------------------------------------------------------------------- judging
@@ -444,9 +439,7 @@ class GroupScenario:
         if not in_time:
             await wind_down(run, crew)
             return False
-        crew.calm()  # and the events still ahead (restarts, partitions) are dropped
-        for worker in list(crew.workers):
-            crew.stop(worker)
+        crew.calm_and_stop()  # and the events still ahead (restarts, partitions) are dropped
         drainer = hire(crew, "drain", None, "drain", self.deletions)
         transport = self.shape.transport(drainer.db, run)
         crew.start(drainer, partial(

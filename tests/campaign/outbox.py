@@ -395,9 +395,7 @@ class OutboxScenario:
         if not in_time:
             await wind_down(run, crew)
             return False
-        crew.calm()  # and the events still ahead (restarts, partitions) are dropped
-        for worker in list(crew.workers):
-            crew.stop(worker)
+        crew.calm_and_stop()  # and the events still ahead (restarts, partitions) are dropped
         drainer = hire(crew, "drain", None, "drain", self.completions)
         outbox = self.shape.outbox(drainer.db, run)
         assert isinstance(drainer.observer, OutboxObserver)

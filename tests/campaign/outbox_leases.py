@@ -26,13 +26,12 @@ import bson
 
 from mongoq.outbox import Delivery
 from mongoq.outbox.models import LANES as LANE_COUNT
-from mongoq.testing import Operation, instrument
+from mongoq.testing import Operation
 from tests.campaign.engine import (
     WRITES,
     Crew,
     Execution,
     FaultRates,
-    Faults,
     Holding,
     Observer,
     Run,
@@ -264,12 +263,7 @@ def hire(
     crew: Crew, name: str, rates: FaultRates | None, owner: str, completions: list[Completion]
 ) -> Worker:
     """`Crew.hire` with an `OutboxObserver` as the view's last hook."""
-    faults = Faults(crew.run, name, rates or FaultRates())
-    faults.enabled = rates is not None
-    observer = OutboxObserver(crew.run, name, owner, completions)
-    worker = Worker(name, faults, observer, instrument(crew.run.raw, faults, observer))
-    crew.workers.append(worker)
-    return worker
+    return crew.hire(name, rates, owner, OutboxObserver(crew.run, name, owner, completions))
 
 
 # ---------------------------------------------------------------------------------- judging

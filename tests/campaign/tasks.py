@@ -407,10 +407,8 @@ class TaskScenario:
         if not in_time:
             await wind_down(run, crew)
             return False
-        crew.calm()  # and the events still ahead (restarts, partitions) are dropped
+        crew.calm_and_stop()  # and the events still ahead (restarts, partitions) are dropped
         timeline = Timeline()
-        for worker in list(crew.workers):
-            crew.stop(worker)
         drainer = crew.hire("drain", None)
         queue = self.shape.queue(drainer.db, run)
         crew.start(drainer, partial(
