@@ -391,12 +391,9 @@ PARKED_INDEX = "parked_keys"
 #: ``$group`` on it is a DISTINCT_SCAN (one index seek a key) on a server; a group on two
 #: fields walks every parked entry. NUL is in neither a handler nor a key, and sorts first:
 #: the field's order is the (handler, key) order.
-#: ``lane`` leads although the partial filter holds it at one value. Every query of the index
-#: names ``lane: "parked"`` (or it would not imply the filter); MongoDB 6.0 tests a predicate
-#: on no key on each fetched document (7.0 drops one the filter implies), and a scan whose
-#: fetch filters is never made a distinct scan. On the first key the equality is a one-point
-#: bound on every version, behind which the distinct scan seeks from one ``parked_key`` to the
-#: next.
+#: ``lane`` leads although the partial filter fixes it: as a key, the ``lane: "parked"`` every
+#: query names is a one-point bound; on no key, 6.0 tests it on each fetched document (7.0
+#: drops what the filter implies), and a fetch that filters is never made a distinct scan.
 PARKED_DELIVERIES = IndexSpec(
     PARKED_INDEX, (("lane", 1), ("parked_key", 1), ("sequence", 1)), partial={"lane": PARKED}
 )
