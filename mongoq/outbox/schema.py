@@ -391,9 +391,8 @@ PARKED_INDEX = "parked_keys"
 #: ``$group`` on it is a DISTINCT_SCAN (one index seek a key) on a server; a group on two
 #: fields walks every parked entry. NUL is in neither a handler nor a key, and sorts first:
 #: the field's order is the (handler, key) order.
-#: ``lane`` leads although the partial filter fixes it: as a key, the ``lane: "parked"`` every
-#: query names is a one-point bound; on no key, 6.0 tests it on each fetched document (7.0
-#: drops what the filter implies), and a fetch that filters is never made a distinct scan.
+#: ``lane`` leads although the filter fixes it: a key, its equality is a point bound; else 6.0
+#: filters each fetch by it (7.0 drops it), and no filtered fetch becomes a distinct scan.
 PARKED_DELIVERIES = IndexSpec(
     PARKED_INDEX, (("lane", 1), ("parked_key", 1), ("sequence", 1)), partial={"lane": PARKED}
 )
