@@ -45,11 +45,9 @@ from mongoq.clock import stored_instant
 from mongoq.errors import InvalidInput
 from mongoq.outbox import schema
 from mongoq.outbox.lanes import (
-    NEVER,
     Entry,
     Lane,
     LaneView,
-    adopt_shared_lanes,
     charge_lost,
 )
 from mongoq.outbox.models import LANES, Delivery, Event
@@ -200,8 +198,6 @@ class Claimer:
         self.view = LaneView()
         # owners whose last claim took all it asked for: their next one trusts a recent view
         self.filled: set[str] = set()
-        # when a claim of this instance last adopted an earlier version's lanes
-        self.adopted_at = NEVER
         # keys with parked deliveries, as far as this instance knows: a settle of one of them
         # makes unparking due for its handler (`unpark_due`)
         self.parked_keys: set[tuple[str, str]] = set()
@@ -269,17 +265,6 @@ class Claimer:
     async def _claim(self, owner: str, handlers: list[str] | None, limit: int) -> list[Delivery]:
         now = await self.outbox._now()
         view, read = await self._lane_view(owner, handlers, now)
-        if (
-            view.shared()
-            and view.slots.handlers
-            and not 0 <= (now - self.adopted_at).total_seconds() < VIEW_TTL
-        ):
-            # Lanes of an earlier version are adopted (what they list moved to each handler's
-            # own lanes); until then no handler's lane of their numbers is claimed from.
-            self.adopted_at = now
-            await adopt_shared_lanes(self.db, self.lanes, view.slots, now, quiet=True)
-            self.invalidate()
-            view, read = await self._lane_view(owner, handlers, now)
         # The handlers with lanes (a name without is no handler's yet: nothing to claim).
         named = handlers if handlers is not None else view.slots.handlers
         wanted = [h for h in dict.fromkeys(named) if view.slots.first_lane(h) is not None]
@@ -294,7 +279,7 @@ class Claimer:
         if stale:
             held.update(await self._take_over(owner, stale[:STALE_LANES_PER_CLAIM], now))
         # A lost list on a lane this owner holds was left by a claim that failed between the
-        # takeover and the charge (or by an adoption of an earlier version's lanes): charge it.
+        # takeover and the charge: charge it.
         unpaid = [(lane, lane.epoch) for lane in (*held.values(), *others.values()) if lane.lost]
         if unpaid:
             await charge_lost(self.db, self.deliveries, self.lanes, unpaid, now)
@@ -434,7 +419,7 @@ class Claimer:
             self.unsure.discard(owner)
             try:
                 current = {
-                    (doc["_id"], int(doc.get("claims", 0)))
+                    (doc["_id"], int(doc["claims"]))
                     for doc in await _driver.find_list(
                         self.deliveries,
                         schema.delivery_pending_by_ids([e.delivery for e in mine]),
@@ -640,7 +625,7 @@ class Claimer:
 
     @staticmethod
     def _entry(pick: Mapping[str, Any]) -> Entry:
-        return Entry(pick["_id"], int(pick.get("claims", 0)), pick["handler"], pick.get("key"))
+        return Entry(pick["_id"], int(pick["claims"]), pick["handler"], pick.get("key"))
 
     async def _events_of(
         self, picks: list[dict[str, Any]], now: datetime
@@ -676,12 +661,12 @@ class Claimer:
             causation_id=event_doc.get("causation_id"),
             created_at=stored_instant(event_doc.get("created_at")),
         )
-        claims = int(pick.get("claims", 0))
+        claims = int(pick["claims"])
         return Delivery(
             id=str(pick["_id"]),
             event=event,
             handler=pick["handler"],
-            attempt=int(pick.get("attempts", 0)) + 1,
+            attempt=int(pick["attempts"]) + 1,
             lease_token=f"{pick['lane_id']}:{epoch}:{claims}",
             owner=owner,
             sequence=pick.get("sequence"),

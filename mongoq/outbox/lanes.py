@@ -19,17 +19,15 @@ and moves the previous owner's ``in_flight`` to ``lost``; `charge_lost` then cha
 delivery one attempt, fenced on the generation it was listed with, so charging twice charges
 once. ``rev`` moves on with every write to the lane: a takeover pins the ``rev`` it read, so it
 applies only to the state it judged free. ``requeued`` counts the `AsyncOutbox.requeue` calls
-of deliveries in the lane (missing: 0): a holder's write listing new picks is fenced on the
+of deliveries in the lane: a holder's write listing new picks is fenced on the
 count it knew before it read their keys' heads, so a requeue in between (a dead delivery that
 may now come first) makes it fail and nothing it picked is handed out. ``write`` is the id of
 the claim that last listed or took the lane: a claim whose bulk write matched fewer lanes than
 it wrote reads them back and counts as its own only those carrying its id.
 
-Two more documents: ``{_id: "slots", handlers: [slot 0's handler, slot 1's, ...], adopted}``
-numbers the handlers (a handler's slot never changes; `seed_lanes`), and ``{_id: "requeues",
-value}`` counts every requeue for processes of earlier versions, which read it around their
-claims. An earlier version's lanes (``_id`` 0-255 without ``n``) were shared by every handler;
-`adopt_shared_lanes` makes them slot 0's and moves what they list to each handler's own lanes.
+One more document, ``{_id: "slots", handlers: [slot 0's handler, slot 1's, ...]}``, numbers
+the handlers: a handler takes the next slot the first time lanes are seeded for it
+(`seed_lanes`), and its slot never changes.
 
 An `AsyncOutbox` instance does not read the lanes on every claim: its `LaneView` reads the
 lanes of a claim's handlers now and then (an ``_id`` range a handler) and is kept current by
@@ -44,8 +42,6 @@ Every write here names its lane's ``_id`` (no secondary index); the filters and 
 from __future__ import annotations
 
 import contextlib
-import logging
-from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -58,16 +54,13 @@ from mongoq import _driver
 from mongoq.clock import stored_instant
 from mongoq.outbox import schema
 from mongoq.outbox.models import LANES
-from mongoq.outbox.schema import REQUEUES
 
 __all__ = [
-    "REQUEUES", "Entry", "Lane", "LaneView", "Slots", "adopt_shared_lanes", "charge_lost",
-    "read_lanes", "read_slots", "seed_lanes",
+    "Entry", "Lane", "LaneView", "Slots", "charge_lost", "read_lanes", "read_slots", "seed_lanes",
 ]  # fmt: skip
 
 #: Lane documents one read returns in its first batch (256 a handler).
 READ_BATCH = 100_000
-log = logging.getLogger("mongoq.outbox.lanes")
 
 #: A lane nobody ever held: its lease expired long ago.
 NEVER = datetime(1970, 1, 1, tzinfo=UTC)
@@ -84,7 +77,7 @@ class Entry:
 
     @classmethod
     def from_document(cls, doc: Mapping[str, Any]) -> Entry:
-        return cls(doc["d"], int(doc.get("g", 0)), doc.get("h", ""), doc.get("k"))
+        return cls(doc["d"], int(doc["g"]), doc["h"], doc.get("k"))
 
     @property
     def claim(self) -> tuple[Any, int]:
@@ -109,9 +102,8 @@ class Lane:
     lease_until: datetime
     epoch: int
     rev: int | None = 0
-    #: the handler whose deliveries of lane `number` this lane holds (None: a lane of an
-    #: earlier version, shared by every handler, until `setup` adopts it)
-    handler: str | None = None
+    #: the handler whose deliveries of lane `number` this lane holds
+    handler: str = ""
     number: int = 0
     in_flight: list[Entry] = field(default_factory=list)
     lost: list[Entry] = field(default_factory=list)
@@ -126,14 +118,14 @@ class Lane:
             owner=doc.get("owner"),
             instance=doc.get("instance"),
             lease_until=stored_instant(doc.get("lease_until")) or NEVER,
-            epoch=int(doc.get("epoch", 0)),
-            rev=int(doc.get("rev", 0)),
-            in_flight=[Entry.from_document(e) for e in doc.get("in_flight") or ()],
-            lost=[Entry.from_document(e) for e in doc.get("lost") or ()],
-            requeued=int(doc.get("requeued", 0)),
+            epoch=int(doc["epoch"]),
+            rev=int(doc["rev"]),
+            in_flight=[Entry.from_document(e) for e in doc["in_flight"]],
+            lost=[Entry.from_document(e) for e in doc["lost"]],
+            requeued=int(doc["requeued"]),
             write=doc.get("write"),
-            handler=doc.get("handler"),
-            number=int(doc.get("n", int(doc["_id"]) % LANES)),
+            handler=doc["handler"],
+            number=int(doc["n"]),
         )
 
     def held_by(self, owner: str, instance: str) -> bool:
@@ -182,16 +174,13 @@ class Lane:
 @dataclass(frozen=True)
 class Slots:
     """The handlers with lanes, in slot order (handler ``handlers[s]``'s lanes are ``s * 256``
-    to ``s * 256 + 255``), and whether no lane of an earlier version is left."""
+    to ``s * 256 + 255``)."""
 
     handlers: tuple[str, ...] = ()
-    adopted: bool = False
 
     @classmethod
     def from_document(cls, doc: Mapping[str, Any] | None) -> Slots:
-        if doc is None:
-            return cls()
-        return cls(tuple(doc.get("handlers") or ()), bool(doc.get("adopted")))
+        return cls() if doc is None else cls(tuple(doc["handlers"]))
 
     def first_lane(self, handler: str) -> int | None:
         """The ``_id`` of `handler`'s lane 0 (None: it has no lanes)."""
@@ -199,13 +188,6 @@ class Slots:
             return self.handlers.index(handler) * LANES
         except ValueError:
             return None
-
-    def newer(self, read: Slots) -> Slots:
-        """These slots, or `read` if it is as new (a late reply of an older read never takes
-        a handler or the adoption back: handlers are only ever added, ``adopted`` only set)."""
-        if len(read.handlers) < len(self.handlers) or (self.adopted and not read.adopted):
-            return replace(read, handlers=self.handlers, adopted=self.adopted or read.adopted)
-        return read
 
     def ranges(self, handlers: Iterable[str]) -> list[tuple[int, int]]:
         """The ``_id`` ranges of the lanes of those of `handlers` that have lanes."""
@@ -258,19 +240,6 @@ class LaneView:
         ids.update(i for i, lane in self.lanes.items() if lane.held_by(owner, instance))
         return sorted(i for i in ids if not _within(i, ranges))
 
-    def drop_adopted(self, returned: set[int]) -> None:
-        """Forget the shared lanes a read that asked for every one of them did not return:
-        adopted since (a lane that is a handler's stays one), possibly into a handler's lanes
-        this view does not read, where its old copy would block its number for good."""
-        for lane_id in [i for i, lane in self.lanes.items() if lane.handler is None]:
-            if lane_id not in returned:
-                del self.lanes[lane_id]
-                self._stamps.pop(lane_id, None)
-
-    def shared(self) -> bool:
-        """Whether this view has lanes of an earlier version, shared among all handlers."""
-        return not self.slots.adopted and any(lane.handler is None for lane in self.lanes.values())
-
     def split(
         self, owner: str, instance: str, now: datetime, handlers: Iterable[str]
     ) -> tuple[dict[int, Lane], dict[int, Lane], list[Lane], dict[int, Lane]]:
@@ -282,20 +251,12 @@ class LaneView:
         stale: list[Lane] = []
         others: dict[int, Lane] = {}
         wanted = set(handlers)
-        # The numbers of lanes an earlier version shared that are not adopted yet: no lane of
-        # those numbers is taken (what the shared lane lists is not in the handler's yet).
-        blocked = () if self.slots.adopted else {
-            lane.number for lane in (self.lanes.get(n) for n in range(LANES))
-            if lane is not None and lane.handler is None
-        }  # fmt: skip
         for lane_id, lane in self.lanes.items():  # one pass: this runs on every claim
             if lane.handler not in wanted:
-                if lane.handler is not None and lane.held_by(owner, instance):
+                if lane.held_by(owner, instance):
                     others[lane_id] = lane
             elif lane.held_by(owner, instance):
                 held[lane_id] = lane
-            elif blocked and lane.number in blocked:
-                continue
             elif lane.owner is None or lane.lease_until <= now:  # free
                 if lane.in_flight or lane.lost:
                     stale.append(lane)
@@ -311,7 +272,7 @@ class LaneView:
         handlers' lanes (every lane for None) and the slots; beside them, by ``_id``, the lanes
         the owner holds of other handlers and those a failed write left the view `unsure` of
         (what its reconcile and hand-backs work from must not stay as it last wrote or read
-        them), and the shared lanes until they are adopted. A handler whose slot the view does
+        them). A handler whose slot the view does
         not know has the slots read first (at most once `ttl` seconds)."""
         named = handlers if handlers is not None else self.slots.handlers
         self.failed = False
@@ -328,8 +289,7 @@ class LaneView:
             sent = [h for h in named if self.slots.first_lane(h) is not None]
             pending = set(self.unsure)
             extra = [] if ranges is None else self.outside(ranges, owner, instance)
-            shared = not self.slots.adopted
-            lanes, slots = await read_lanes(collection, ranges, extra, shared=shared)
+            lanes, slots = await read_lanes(collection, ranges, extra)
         except BaseException:
             self.failed = True
             raise
@@ -339,12 +299,11 @@ class LaneView:
             *sent, *(h for h in named if slots.first_lane(h) is None)
         ]  # fmt: skip
         self.update(lanes, read_since=since)
-        if shared:  # a shared lane this read did not return was adopted (for good)
-            self.drop_adopted({lane.id for lane in lanes})
         self.unsure -= pending if ranges is None else {
             i for i in pending if i in extra or _within(i, ranges)
         }  # fmt: skip
-        self.slots = self.slots.newer(slots)
+        if len(slots.handlers) >= len(self.slots.handlers):  # a late reply of an older read
+            self.slots = slots  # never takes a handler back: handlers are only ever added
         self.read_at.update(dict.fromkeys([None, *known], now))
 
     def mark(self) -> int:
@@ -390,23 +349,10 @@ async def read_slots(collection: Any) -> Slots:
     return Slots.from_document(await collection.find_one(schema.slots_document()))
 
 
-async def seed_lanes(
-    db: Any, collection: Any, handlers: Iterable[str], now: datetime, *, every: bool = False
-) -> Slots:
-    """Give each of `handlers` a slot and its 256 lanes, where it has none yet, create any
-    lane missing from a slot it has (with `every`, from every handler's slot), then adopt the
-    lanes an earlier version shared among all handlers (`adopt_shared_lanes`); idempotent,
-    safe to race. The first handler ever given a slot has slot 0: lanes 0-255, the earlier
-    version's lane ids."""
-    slots = await _give_slots(collection, handlers, every=every)
-    if not slots.adopted:
-        slots = await adopt_shared_lanes(db, collection, slots, now)
-    return slots
-
-
-async def _give_slots(collection: Any, handlers: Iterable[str], *, every: bool = False) -> Slots:
-    """A slot for each of `handlers` without one, and every lane of theirs (with `every`: of
-    every handler with a slot) not there yet."""
+async def seed_lanes(collection: Any, handlers: Iterable[str], *, every: bool = False) -> Slots:
+    """Give each of `handlers` a slot and its 256 lanes, where it has none yet, and create any
+    lane missing from a slot it has (with `every`: from every handler's slot); idempotent,
+    safe to race. Returns the slots."""
     slots = await read_slots(collection)
     wanted = list(dict.fromkeys([*(slots.handlers if every else ()), *handlers]))
     missing = [h for h in wanted if slots.first_lane(h) is None]
@@ -421,8 +367,7 @@ async def _give_slots(collection: Any, handlers: Iterable[str], *, every: bool =
     ranges = slots.ranges(wanted)
     if not ranges:
         return slots
-    # Only what is missing: a seeding that failed half-way is finished by the next one, and
-    # slot 0's ids may be lanes an earlier version shared (adopted, never overwritten). A lane
+    # Only what is missing: a seeding that failed half-way is finished by the next one. A lane
     # another seeding inserts meanwhile is refused as a duplicate: there already.
     present = {
         doc["_id"]
@@ -448,80 +393,17 @@ async def _give_slots(collection: Any, handlers: Iterable[str], *, every: bool =
     return slots
 
 
-async def adopt_shared_lanes(
-    db: Any, collection: Any, slots: Slots, now: datetime, *, quiet: bool = False
-) -> Slots:
-    """Lanes 0-255 of an earlier version, shared among all handlers, become slot 0's: what
-    each listed moves, by handler, to the ``lost`` of that handler's lane of the same number
-    (first; charged by the next holder, fenced on generation, so a repeated adoption charges
-    once), and the lane itself becomes slot 0's handler's, unowned, its epoch moved on. A
-    shared lane held under a live lease (a dispatcher of the earlier version still running)
-    is left until its lease expires: until then no handler's lane of its number is claimed
-    (`LaneView.split`). Once none is left, the slots record it and claims stop looking.
-    `quiet`: held lanes are logged at debug level (a claim's retry, once a second), not as a
-    warning (`setup`). Returns the slots."""
-    for _ in range(8):  # an earlier version's write to a shared lane in between: again
-        docs = await _driver.find_list(collection, schema.lanes_shared(), batch_size=READ_BATCH)
-        shared = [Lane.from_document(doc) for doc in docs]
-        if not shared:
-            await collection.update_one(schema.slots_document(), schema.slots_adopted())
-            return replace(slots, adopted=True)
-        due = [lane for lane in shared if lane.owner is None or lane.lease_until <= now]
-        if not due:
-            break
-        listed = sorted({e.handler for lane in due for e in lane.in_flight + lane.lost})
-        slots = await _give_slots(collection, listed)
-        if not slots.handlers:
-            return slots  # no handler has lanes yet: nothing to adopt them
-        first = slots.handlers[0]
-        moves: dict[int, list[Entry]] = defaultdict(list)
-        for lane in due:
-            for entry in lane.in_flight + lane.lost:
-                lane_id = slots.first_lane(entry.handler)
-                if entry.handler != first and lane_id is not None:
-                    moves[lane_id + lane.number].append(entry)
-        if moves:
-            await collection.bulk_write([
-                _driver.update_by_id(db, schema.lane_by_id(lane_id), schema.lane_losing(entries))
-                for lane_id, entries in moves.items()
-            ], ordered=False)  # fmt: skip
-        # The next round reads what is left: none (recorded), held ones, or a lane whose
-        # adoption an earlier version's write moved on (its rev) meanwhile.
-        await collection.bulk_write([
-            _driver.update_by_id(
-                db, schema.lane_as_read(lane.id, lane.rev or 0),
-                schema.lane_adopting(first, lane.number, [
-                    e for e in lane.in_flight + lane.lost if e.handler == first
-                ]),
-            )
-            for lane in due
-        ], ordered=False)  # fmt: skip
-    live = [lane.id for lane in shared if lane.owner is not None and lane.lease_until > now]
-    if live:
-        log.log(
-            logging.DEBUG if quiet else logging.WARNING,
-            "%d outbox lane(s) of an earlier version are held under a live lease: stop its "
-            "dispatchers; the lanes are adopted once their leases expire", len(live),
-            extra={"lanes": live[:16], "collection": getattr(collection, "name", None)},
-        )  # fmt: skip
-    return slots
-
-
 async def read_lanes(
-    collection: Any,
-    ranges: Sequence[tuple[int, int]] | None = None,
-    ids: Sequence[int] = (),
-    *,
-    shared: bool = True,
+    collection: Any, ranges: Sequence[tuple[int, int]] | None = None, ids: Sequence[int] = ()
 ) -> tuple[list[Lane], Slots]:
-    """The lanes of the ``_id`` `ranges` and `ids` (None: every lane), with those an earlier
-    version shared if `shared`, and the slots; one round trip."""
-    query = schema.lanes_all() if ranges is None else schema.lanes_read(ranges, ids, shared)
+    """The lanes of the ``_id`` `ranges` and `ids` (None: every lane) and the slots; one round
+    trip."""
+    query = schema.lanes_all() if ranges is None else schema.lanes_read(ranges, ids)
     # A batch larger than there are: a first batch the documents fill exactly leaves the
     # cursor open on a server, and draining it would be a getMore.
     docs = await _driver.find_list(collection, query, batch_size=READ_BATCH)
     slots = next((Slots.from_document(d) for d in docs if d["_id"] == schema.SLOTS), Slots())
-    return [Lane.from_document(doc) for doc in docs if isinstance(doc["_id"], int)], slots
+    return [Lane.from_document(doc) for doc in docs if doc["_id"] != schema.SLOTS], slots
 
 
 async def charge_lost(

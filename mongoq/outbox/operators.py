@@ -73,21 +73,16 @@ class Operators:
         return True
 
     async def _count_requeue(self, handler: str, number: int) -> None:
-        """Count a requeue in its handler's lane of `number`, and in the counter earlier
-        versions' claims read."""
+        """Count a requeue in its handler's lane of `number`."""
         self.outbox._claimer.invalidate()  # this instance's claims know it at once
         slots = self.outbox._claimer.view.slots  # a handler's slot never changes
         if slots.first_lane(handler) is None:
             slots = await read_slots(self.lanes)
         first = slots.first_lane(handler)
-        # A handler without lanes has no claim to fence: none can list its deliveries.
-        ops = [] if first is None else [
-            _driver.update_by_id(self.db, schema.lane_by_id(first + number),
-                                 schema.lane_requeue_counting()),
-        ]  # fmt: skip
-        ops.append(_driver.update_by_id(self.db, schema.requeue_counter(),
-                                        schema.requeue_counting(), upsert=True))  # fmt: skip
-        await self.lanes.bulk_write(ops, ordered=False)
+        if first is not None:  # a handler without lanes has no claim to fence
+            await self.lanes.update_one(
+                schema.lane_by_id(first + number), schema.lane_requeue_counting()
+            )
 
     @staticmethod
     def _live(lanes: Iterable[Lane], now: datetime) -> list[Lane]:
@@ -146,10 +141,10 @@ class Operators:
         return DeliveryInfo(
             id=str(doc["_id"]),
             event_id=doc["event_id"],
-            event_type=doc.get("event_type", ""),
+            event_type=doc["event_type"],
             handler=doc["handler"],
             status=status,
-            attempts=int(doc.get("attempts", 0)),
+            attempts=int(doc["attempts"]),
             key=doc.get("key"),
             sequence=doc.get("sequence"),
             due_at=stored_instant(doc.get("due_at")),

@@ -15,7 +15,7 @@ Collections (``<prefix>`` defaults to ``mongoq_outbox_``):
   that ended; ``claims`` is the claim generation (moves on whenever a claim of the delivery
   ends), which fences every settle. A completion deletes the document;
 - ``key_sequences``: ``{_id: key, value}``, the per-key sequence counter;
-- ``lanes``: 256 lane documents a handler, the slots and the requeue counter, see
+- ``lanes``: 256 lane documents a handler and the slots, see
   `mongoq.outbox.lanes`;
 - ``completed_deliveries`` (with ``completion_history``): one record per completion:
   ``{_id: the delivery's _id, event_id, event_type, handler, key?, sequence?, attempts, owner,
@@ -59,7 +59,6 @@ import bson
 
 from mongoq import _driver
 from mongoq._indexes import IndexSpec
-from mongoq.outbox.models import LANES as LANE_COUNT
 from mongoq.outbox.models import Delivery, Event
 
 if TYPE_CHECKING:
@@ -73,7 +72,6 @@ __all__ = [
     "ORDERING_INDEX",
     "PARKED_INDEX",
     "READY_INDEX",
-    "REQUEUES",
     "IndexSpec",
 ]
 
@@ -90,8 +88,6 @@ PARKED = "parked"
 PENDING = "pending"
 DEAD = "dead"
 COMPLETED = "completed"
-#: ``_id`` of the requeue counter, the one lanes document that is not a lane.
-REQUEUES = "requeues"
 
 #: A claim of a delivery: (its ``_id``, its claim generation then).
 Claim = tuple[Any, int]
@@ -396,9 +392,6 @@ PARKED_INDEX = "parked_keys"
 PARKED_DELIVERIES = IndexSpec(
     PARKED_INDEX, (("lane", 1), ("parked_key", 1), ("sequence", 1)), partial={"lane": PARKED}
 )
-#: The index unparking used before ``parked_key`` (1.x): no longer created; `setup` leaves an
-#: existing one alone, for processes of earlier versions still running. Drop it after.
-LEGACY_PARKED_INDEX = "parked"
 _KEY_SEPARATOR = "\x00"
 
 
@@ -459,12 +452,6 @@ def delivery_parking() -> list[dict[str, Any]]:
 def _parked_key_of_document() -> dict[str, Any]:
     """`parked_key` of the document being updated, as an aggregation expression."""
     return {"$concat": ["$handler", _KEY_SEPARATOR, "$key"]}
-
-
-def delivery_parked_without_key() -> dict[str, Any]:
-    """`setup`'s migration: deliveries an earlier version parked, without a ``parked_key``
-    (``parked_keys``: its null entries, missing and null alike)."""
-    return {"lane": PARKED, "parked_key": None}
 
 
 def delivery_unparkable(ids: Sequence[Any]) -> dict[str, Any]:
@@ -678,63 +665,31 @@ def history_completed_between(since: datetime, until: datetime | None) -> dict[s
 
 
 #: The lanes collection's document that numbers the handlers' slots: ``{_id: "slots",
-#: handlers: [the handler of slot 0, of slot 1, ...], adopted: bool}``. A handler's lanes are
-#: ``slot * 256`` to ``slot * 256 + 255``; ``adopted``: no lane of an earlier version is left.
+#: handlers: [the handler of slot 0, of slot 1, ...]}``. A handler's lanes are ``slot * 256``
+#: to ``slot * 256 + 255``.
 SLOTS = "slots"
 
 
 def lanes_all() -> dict[str, Any]:
-    """The whole lanes collection (every handler's lanes, the slots and the requeue counter):
+    """The whole lanes collection (every handler's lanes and the slots):
     a claim of every handler, `stats` and the listings (no index, by design: 256 small
     documents a handler)."""
     return {}
 
 
-def lanes_read(
-    ranges: Sequence[tuple[int, int]], ids: Sequence[int], shared: bool
-) -> dict[str, Any]:
+def lanes_read(ranges: Sequence[tuple[int, int]], ids: Sequence[int]) -> dict[str, Any]:
     """The lanes of some handlers (their ``_id`` ranges, ``[first, end)``), some more lanes
-    (`ids`) and the slots; with `shared`, also the lanes an earlier version shared among all
-    handlers: a claim's lane view (``_id``, one range a handler)."""
+    (`ids`) and the slots: a claim's lane view (``_id``, one range a handler)."""
     clauses: list[dict[str, Any]] = [*lanes_in(ranges)["$or"], slots_document()]
     if ids:
         clauses.append(lanes_by_ids(ids))
-    if shared:
-        clauses.append(lanes_shared())
     return {"$or": clauses}
-
-
-def lanes_shared() -> dict[str, Any]:
-    """The lanes of an earlier version, shared among all handlers (no ``n``): adopting them
-    (``_id``)."""
-    return {"_id": {"$gte": 0, "$lt": LANE_COUNT}, "n": {"$exists": False}}
 
 
 def lanes_in(ranges: Sequence[tuple[int, int]]) -> dict[str, Any]:
     """The lanes of some handlers (their ``_id`` ranges, ``[first, end)``): seeding what is
     missing of them (``_id``)."""
     return {"$or": [{"_id": {"$gte": lo, "$lt": hi}} for lo, hi in ranges]}
-
-
-def lane_losing(entries: Sequence[Entry]) -> dict[str, Any]:
-    """Adding what a shared lane listed of this lane's handler to its ``lost`` (charged by
-    its next holder, fenced on generation): adopting shared lanes (`lane_by_id`)."""
-    return {"$addToSet": {"lost": {"$each": [e.document() for e in entries]}}, "$inc": {"rev": 1}}
-
-
-def lane_adopting(handler: str, number: int, lost: Sequence[Entry]) -> dict[str, Any]:
-    """A shared lane becoming `handler`'s lane `number` (slot 0: the same ``_id``), unowned,
-    what it listed of that handler lost (`lane_as_read`)."""
-    return {
-        "$set": {"handler": handler, "n": number, "owner": None, "instance": None,
-                 "in_flight": [], "lost": [e.document() for e in lost]},
-        "$inc": {"epoch": 1, "rev": 1},
-    }  # fmt: skip
-
-
-#: What `setup` lists the distinct values of (``handler`` index: a distinct scan), to give
-#: every handler with deliveries its lanes.
-HANDLER_FIELD = "handler"
 
 
 def slots_document() -> dict[str, Any]:
@@ -744,7 +699,7 @@ def slots_document() -> dict[str, Any]:
 
 def slots_creating() -> dict[str, Any]:
     """The slots before any handler has one (`slots_document`, upsert)."""
-    return {"$setOnInsert": {"handlers": [], "adopted": False}}
+    return {"$setOnInsert": {"handlers": []}}
 
 
 def slot_not_given(handler: str) -> dict[str, Any]:
@@ -756,12 +711,6 @@ def slot_not_given(handler: str) -> dict[str, Any]:
 def slot_giving(handler: str) -> dict[str, Any]:
     """`handler` taking the next slot (`slot_not_given`)."""
     return {"$push": {"handlers": handler}}
-
-
-def slots_adopted() -> dict[str, Any]:
-    """No lane of an earlier version is left (`slots_document`): a claim's view stops
-    looking for them."""
-    return {"$set": {"adopted": True}}
 
 
 def lanes_by_ids(ids: Iterable[int]) -> dict[str, Any]:
@@ -776,13 +725,8 @@ def lanes_held(owner: str, instance: str) -> dict[str, Any]:
 
 
 def lane_by_id(lane_id: int) -> dict[str, Any]:
-    """One lane: adopting shared lanes, `requeue` counting itself (``_id``)."""
+    """One lane: `requeue` counting itself (``_id``)."""
     return {"_id": lane_id}
-
-
-def _requeued(count: int) -> Any:
-    """``requeued`` at `count` (a lane written before the field existed has none: 0)."""
-    return {"$in": [0, None]} if count == 0 else count
 
 
 def lane_held(
@@ -792,7 +736,7 @@ def lane_held(
     `requeued`, also no requeue in it since: a holder's write listing new picks (``_id``)."""
     query: dict[str, Any] = {"_id": lane_id, "epoch": epoch, "owner": owner, "instance": instance}
     if requeued is not None:
-        query["requeued"] = _requeued(requeued)
+        query["requeued"] = requeued
     return query
 
 
@@ -805,7 +749,7 @@ def lane_as_read(lane_id: int, rev: int) -> dict[str, Any]:
 def lane_as_left(lane_id: int, epoch: int, requeued: int) -> dict[str, Any]:
     """A lane as this instance handed it back: unowned, not taken since (only a take moves the
     epoch), no requeue since; a takeover of it (``_id``)."""
-    return {"_id": lane_id, "epoch": epoch, "owner": None, "requeued": _requeued(requeued)}
+    return {"_id": lane_id, "epoch": epoch, "owner": None, "requeued": requeued}
 
 
 def lane_at_epoch(lane_id: int, epoch: int) -> dict[str, Any]:
@@ -859,17 +803,6 @@ def lane_renewing(lease_until: datetime) -> dict[str, Any]:
 def lane_clearing_lost() -> dict[str, Any]:
     """Clearing a lane's ``lost`` once charged (`lane_at_epoch`)."""
     return {"$set": {"lost": []}, "$inc": {"rev": 1}}
-
-
-def requeue_counter() -> dict[str, Any]:
-    """The requeue counter (``_id``): `requeue` counting itself for processes of earlier
-    versions, whose claims read it."""
-    return {"_id": REQUEUES}
-
-
-def requeue_counting() -> dict[str, Any]:
-    """`requeue` counting itself (`requeue_counter`, upsert)."""
-    return {"$inc": {"value": 1}}
 
 
 def lane_requeue_counting() -> dict[str, Any]:

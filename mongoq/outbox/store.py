@@ -100,7 +100,7 @@ class AsyncOutbox:
         self.lanes = self._collection(schema.LANES)
         self.history = self._collection(schema.HISTORY)
         # Lanes are held per owner *and* per instance: a process restarted under a fixed owner
-        # name takes its predecessor's lanes over like any worker, it does not adopt them.
+        # name takes its predecessor's lanes over like any worker.
         self.instance = uuid.uuid4().hex
         self.wake_key = wakeups.key_of("outbox", db, prefix)
         self._claimer = Claimer(self)
@@ -115,12 +115,11 @@ class AsyncOutbox:
         return _driver.collection(self.db, f"{self.prefix}{name}")
 
     async def setup(self) -> None:
-        """Create the collections, the indexes and 256 lane documents for each handler, bring
-        documents an earlier version wrote up to date (lanes it shared among all handlers
-        become each handler's own: stop its dispatchers first), and record the outbox in the
-        database's registry (`mongoq.registry`); idempotent. Run it once before the first
-        publish: collections created implicitly inside concurrent transactions conflict with
-        each other."""
+        """Create the collections, the indexes and 256 lane documents for each subscribed
+        handler (and any lane missing from a handler that has lanes), and record the outbox
+        in the database's registry (`mongoq.registry`); idempotent. Run it once before the
+        first publish: collections created implicitly inside concurrent transactions conflict
+        with each other."""
         await _driver.create_collections(
             self.db,
             [
@@ -129,19 +128,9 @@ class AsyncOutbox:
             ],
         )
         await create_schema_indexes(self.db, schema.INDEXES, self._collection)
-        # Lanes for the handlers this outbox publishes to, for those with deliveries (written
-        # by an earlier version), and what is missing of any handler's (a seeding cut short);
-        # the first handler ever takes lanes 0-255.
         subscribed = [h for names in self.subscriptions.values() for h in names]
-        delivered = sorted(await self.deliveries.distinct(schema.HANDLER_FIELD))
-        await seed_lanes(
-            self.db, self.lanes, [*subscribed, *delivered], await self._now(), every=True
-        )
+        await seed_lanes(self.lanes, subscribed, every=True)
         self._laned.update(subscribed)
-        # Deliveries parked by an earlier version get the key unparking now scans by.
-        await self.deliveries.update_many(
-            schema.delivery_parked_without_key(), schema.delivery_parking()
-        )
         await registry.register(
             self.db, "outbox", self.prefix, self.clock.now(),
             {"completion_history": self.completion_history},
@@ -201,7 +190,7 @@ class AsyncOutbox:
         wanted = {h for e in events for h in self.handlers_for(e.type)}
         missing = sorted(wanted - self._laned)
         if missing:
-            await seed_lanes(self.db, self.lanes, missing, await self._now())
+            await seed_lanes(self.lanes, missing)
             self._laned.update(missing)
 
     # ------------------------------------------------------------------------------- claim

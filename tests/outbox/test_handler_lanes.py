@@ -1,14 +1,12 @@
 """Each handler's lanes are its own (issue 14): dispatchers of disjoint handlers never wait for
 each other, a handler's lanes are given once (one slot a handler, numbered in one document),
-a set-up cut short is finished by the next one, and the lanes an earlier version shared among
-all handlers are adopted before any claim could hand out what they list a second time.
+and a set-up cut short is finished by the next one.
 
 Every test reads the lane, slot and delivery documents back.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
 from functools import partial
 from typing import Any
 
@@ -18,18 +16,14 @@ import pytest
 from pymongo.errors import AutoReconnect
 
 from mongoq.outbox import DeliveryContext, DispatchSummary, Event, lane_of
-from mongoq.outbox.lanes import lane_document
 from mongoq.testing import CommandCounter, FaultInjector, ManualClock, instrument
 from tests.support.outbox_helpers import (
-    LEASE,
     PREFIX,
     SUBSCRIPTIONS,
     another,
     deliveries,
     delivery_of,
     dispatcher,
-    entry,
-    key_in_lane,
     lane_docs,
     lane_ids_of,
     new_outbox,
@@ -188,7 +182,6 @@ async def test_every_handler_gets_one_slot_of_256_lanes_and_setup_changes_nothin
     assert sorted(stored) == list(range(512))
     assert by_handler(stored) == {"stats": list(range(256)), "mail": list(range(256))}
     assert (await slots(odb) or {}).get("handlers") == ["stats", "mail"]
-    assert (await slots(odb) or {}).get("adopted") is True
     before = [await lane_docs(odb), await slots(odb)]
     await another(odb, clock).setup()
     assert [await lane_docs(odb), await slots(odb)] == before
@@ -304,145 +297,6 @@ async def test_a_lane_write_whose_reply_was_lost_is_read_again_by_a_claim_of_oth
     assert (await lane_docs(odb))[mail_lane]["owner"] is None
     [again] = await another(odb, clock).claim("Y", ["mail"])
     assert (again.event.id, again.handler, again.attempt) == ("e1", "mail", 1)
-
-
-async def shared_lanes(
-    db: Any, clock: ManualClock, listed: dict[int, list[dict[str, Any]]]
-) -> None:
-    """The lanes collection as an earlier version left it: 256 lanes shared by every handler,
-    lane n listing `listed[n]` under OLD's live lease, and no slots."""
-    collection = db[f"{PREFIX}lanes"]
-    await collection.delete_many({})
-    shared = [
-        {"_id": n, "owner": None, "instance": None, "lease_until": clock.now(), "epoch": 0,
-         "rev": 0, "requeued": 0, "in_flight": [], "lost": []}
-        for n in range(256)
-    ]  # fmt: skip
-    lease_until = clock.now() + timedelta(seconds=LEASE)
-    for n, entries in listed.items():
-        held = {"owner": "OLD", "instance": "old-process", "epoch": 3, "rev": 7}
-        shared[n].update(held, lease_until=lease_until, in_flight=entries)
-    await collection.insert_many(shared)
-
-
-async def test_setup_adopts_the_lanes_an_earlier_version_shared_among_all_handlers(
-    odb: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
-) -> None:
-    """An earlier version's lane k listed a mail and a stats delivery under a live lease. The
-    first set-up of this version gives slot 0 (lanes 0-255) to stats and adopts every other
-    shared lane; lane k waits (its holder may still run them) and no lane of its number is
-    claimed from. Once its lease expired, the next set-up moves mail's entry to mail's lane of
-    the same number; both are lost, charged once by the next holder, and run again. A set-up
-    after that changes nothing."""
-    outbox = await new_outbox(odb, clock)
-    await outbox.publish(order(1, "k"), session=None)
-    ran_before = await outbox.claim("OLD", limit=5)
-    assert pairs(ran_before) == [("e1", "mail"), ("e1", "stats")]
-    entries = [entry(await delivery_of(odb, "e1", h)) for h in ("mail", "stats")]
-    number = lane_of("k")
-    await shared_lanes(odb, clock, {number: entries})
-
-    upgraded = await new_outbox(odb, clock)
-    assert "held under a live lease" in caplog.text
-    shared = await odb[f"{PREFIX}lanes"].find_one({"_id": number})
-    assert shared is not None and "n" not in shared and shared["owner"] == "OLD"
-    stored = await lane_docs(odb)
-    assert sorted(stored) == [i for i in range(512) if i != number]
-    assert (await slots(odb) or {}).get("adopted") is False
-    assert await upgraded.claim("B", limit=5) == []  # lane k's number is nobody's yet
-
-    clock.advance(LEASE)  # the earlier holder is gone
-    await new_outbox(odb, clock)
-    stored = await lane_docs(odb)
-    assert sorted(stored) == list(range(512))
-    stats_lane = stored[number]
-    mail_lane = stored[await lane_ids_of(odb, "mail") + number]
-    assert (stats_lane["handler"], stats_lane["n"], stats_lane["owner"]) == ("stats", number, None)
-    assert stats_lane["epoch"] == 4  # the earlier holder's writes are fenced off
-    assert (stats_lane["in_flight"], stats_lane["lost"]) == ([], [entries[1]])
-    assert (mail_lane["handler"], mail_lane["lost"]) == ("mail", [entries[0]])
-    assert (await slots(odb) or {}).get("adopted") is True
-    await new_outbox(odb, clock)  # again: nothing left to adopt
-    assert await lane_docs(odb) == stored
-
-    again = await upgraded.claim("B", limit=5)  # takes both lanes over: each charged once
-    assert [(d.event.id, d.handler, d.attempt) for d in again] == [
-        ("e1", "mail", 2), ("e1", "stats", 2),
-    ]  # fmt: skip
-    assert not await outbox.complete(ran_before[0])  # the earlier claim's settle: refused
-    assert await upgraded.complete_many(again) == [True, True]
-    assert await deliveries(odb) == []
-
-
-async def test_a_claim_that_meets_shared_lanes_adopts_them_before_claiming_from_their_numbers(
-    odb: Any, clock: ManualClock
-) -> None:
-    """A set-up of this version gave mail its lanes, then stopped before adopting the shared
-    ones (lane k lists e1 for mail under OLD's lease). A claim for mail must not hand e1 out
-    from mail's own lane of k at the generation the shared lane lists (the adoption would then
-    charge that live claim and run it twice): while OLD's lease lasts it claims nothing there;
-    once it expired, the claim adopts the lane, then takes mail's lane over, charging e1's
-    lost attempt once."""
-    outbox = await new_outbox(odb, clock)
-    await outbox.publish(order(1, "k"), session=None)
-    [old] = await outbox.claim("OLD", ["mail"])
-    number = lane_of("k")
-    mail_first = await lane_ids_of(odb, "mail")
-    collection = odb[f"{PREFIX}lanes"]
-    listed = entry(await delivery_of(odb, "e1", "mail"))
-    # Lane k of stats (slot 0) back to the shared lane it was; mail's lane of k free, empty.
-    await collection.replace_one(
-        {"_id": number},
-        {"owner": "OLD", "instance": "old-process", "epoch": 3, "rev": 7, "requeued": 0,
-         "lease_until": clock.now() + timedelta(seconds=LEASE), "in_flight": [listed],
-         "lost": []},
-    )  # fmt: skip
-    await collection.update_one(
-        {"_id": mail_first + number},
-        {"$set": {"owner": None, "instance": None, "in_flight": [], "lost": []}},
-    )
-    await collection.update_one({"_id": "slots"}, {"$set": {"adopted": False}})
-
-    fresh = another(odb, clock)
-    assert await fresh.claim("B", ["mail"]) == []  # OLD may still run e1
-    assert (await lane_docs(odb))[mail_first + number]["owner"] is None
-    clock.advance(LEASE)
-    [claimed] = await fresh.claim("B", ["mail"])
-    assert (claimed.event.id, claimed.handler, claimed.attempt) == ("e1", "mail", 2)
-    stored = await lane_docs(odb)
-    assert (stored[number]["handler"], stored[number]["n"]) == ("stats", number)
-    assert stored[number]["in_flight"] == stored[number]["lost"] == []
-    assert stored[mail_first + number]["owner"] == "B"
-    doc = await delivery_of(odb, "e1", "mail")
-    assert doc is not None and (doc["attempts"], doc["claims"]) == (1, listed["g"] + 1)
-    assert (await slots(odb) or {}).get("adopted") is True
-    assert not await outbox.complete(old)
-    assert await fresh.complete(claimed)
-
-
-async def test_a_claim_of_other_handlers_than_slot_0s_goes_on_beside_a_shared_lane_held_live(
-    odb: Any, clock: ManualClock
-) -> None:
-    """Every lane is still an earlier version's, lane 6 held by OLD under a live lease; mail
-    has its lanes and slot. X's claim for mail adopts the other 255 (they become stats's,
-    which X does not read) and claims mail's e1 in lane number 5 at once: only number 6
-    waits for OLD."""
-    outbox = await new_outbox(odb, clock)
-    key = key_in_lane(5)
-    await outbox.publish(order(1, key), session=None)
-    await shared_lanes(odb, clock, {6: []})
-    collection = odb[f"{PREFIX}lanes"]
-    await collection.insert_one({"_id": "slots", "handlers": ["stats", "mail"], "adopted": False})
-    await collection.insert_many([lane_document(256 + n, "mail") for n in range(256)])
-
-    x = another(odb, clock)
-    [claimed] = await x.claim("X", ["mail"])
-    assert (claimed.event.id, claimed.handler, claimed.lane_id) == ("e1", "mail", 5)
-    stored = await lane_docs(odb)
-    assert (stored[5]["handler"], stored[256 + 5]["owner"]) == ("stats", "X")
-    still = await collection.find_one({"_id": 6})
-    assert still is not None and "n" not in still and still["owner"] == "OLD"
-    assert (await slots(odb) or {}).get("adopted") is False
 
 
 async def test_a_requeue_counts_itself_in_its_handlers_lane(odb: Any, clock: ManualClock) -> None:

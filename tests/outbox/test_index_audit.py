@@ -54,10 +54,6 @@ BY_DESIGN: dict[Shape, str] = {
         "every handler, statistics and list_deliveries to tell what runs (mongoq.outbox.lanes); "
         "a claim of some handlers reads their _id ranges"
     ),
-    (DELIVERIES, "distinct", ()): (
-        "setup: the handlers with deliveries, a DISTINCT_SCAN of the handler index (the "
-        "matcher does not model distinct keys)"
-    ),
     (LANES, "update_many", ("instance", "owner")): (
         "extend_lease: the lanes have no secondary index by design, a scan of the lane documents "
         "(256 small ones a handler)"

@@ -1,17 +1,16 @@
 """The parked keys (issue 14): a parked delivery carries one field for its (handler, key), the
-``parked_key`` that unparking's distinct scan groups on, and `setup` gives it to deliveries an
-earlier version parked without it. Each test reads the stored deliveries back; the plan itself
+``parked_key`` that unparking's distinct scan groups on. Each test reads the stored deliveries
+back; the plan itself
 (a DISTINCT_SCAN) is checked on a real server in test_plans.py.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 from mongoq.outbox import Event
 from mongoq.testing import ManualClock
-from tests.support.outbox_helpers import PREFIX, deliveries, delivery_of, new_outbox, ran
+from tests.support.outbox_helpers import deliveries, delivery_of, new_outbox, ran
 
 #: Handlers whose names sort around each other: "h1" < "h1a" < "h2" (NUL sorts first).
 HANDLERS = {"t": ["h1", "h1a", "h2"]}
@@ -62,29 +61,3 @@ async def test_unparking_a_handler_set_moves_back_the_heads_of_its_keys_once_the
         for key in ("a", "b"):
             doc = await delivery_of(odb, f"{key}-2", handler)
             assert doc is not None and doc["lane"] == "parked", (handler, key)
-
-
-async def test_setup_gives_deliveries_parked_by_an_earlier_version_their_key_idempotently(
-    odb: Any, clock: ManualClock
-) -> None:
-    """An earlier version parked without ``parked_key``: unparking for a set of handlers does
-    not see such a delivery (its key is null), so it would wait behind a finished head for
-    ever. `setup` gives it the key; the next claim moves it back and hands it out."""
-    outbox = await park_followers(odb, clock, ["a"])
-    stored = odb[f"{PREFIX}deliveries"]
-    await stored.update_many({"lane": "parked"}, {"$unset": {"parked_key": ""}})
-    clock.advance(3600)
-    for head in await outbox.claim("X", ["h1"], limit=5):
-        assert await outbox.complete(head)
-    assert await outbox.claim("X", ["h1"]) == []  # a-2 of h1 is not seen
-    follower = await delivery_of(odb, "a-2", "h1")
-    assert follower is not None and follower["lane"] == "parked"
-    assert "parked_key" not in follower
-
-    await outbox.setup()
-    await outbox.setup()
-
-    parked = [d for d in await deliveries(odb) if d.get("lane") == "parked"]
-    assert sorted(d["parked_key"] for d in parked) == ["h1\x00a", "h1a\x00a", "h2\x00a"]
-    clock.advance(timedelta(seconds=2).total_seconds())  # the lane view is read again
-    assert ran(await outbox.claim("X", ["h1"])) == [("a-2", 1)]

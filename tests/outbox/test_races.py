@@ -514,7 +514,7 @@ async def test_a_requeue_racing_a_claim_never_lets_a_later_delivery_overtake_it_
         # The requeue counts itself before and after making e1 pending: the second count is
         # the one that orders it after a claim that did not see it.
         counted = max(
-            i for i, step in enumerate(trace) if step == ("R", f"{PREFIX}lanes", "bulk_write")
+            i for i, step in enumerate(trace) if step == ("R", f"{PREFIX}lanes", "update_one")
         )
         recorded = [i for i, step in enumerate(trace) if step == ("A", f"{PREFIX}lanes",
                                                                    "bulk_write")]  # fmt: skip
