@@ -15,7 +15,7 @@ instance: ``instance``) holding a lane under a live lease is the only one that c
 entry is *running* while the lane is held and the delivery still exists with that generation:
 a completion deletes the delivery, and a retry, release, burial or lost-lease charge moves its
 generation on, so none of them has to write the lane. Taking a lane over increments ``epoch``
-and moves the previous owner's ``in_flight`` to ``lost``; `charge_lost` then charges each lost
+and moves the previous owner's ``in_flight`` to ``lost``; `LaneStore.charge` then charges each lost
 delivery one attempt, fenced on the generation it was listed with, so charging twice charges
 once. ``rev`` moves on with every write to the lane: a takeover pins the ``rev`` it read, so it
 applies only to the state it judged free. ``requeued`` counts the `AsyncOutbox.requeue` calls
@@ -35,13 +35,14 @@ its own writes. What it holds it knows exactly, since every write to a held lane
 moves the epoch its writes are fenced on; what another instance did since the last read it
 learns from a write that fails, or from the next read.
 
-Every write here names its lane's ``_id`` (no secondary index); the filters and updates are in
-`mongoq.outbox.schema`.
+Every write to the lanes goes through `LaneStore` and names its lane's ``_id`` (no secondary
+index); the filters and updates are in `mongoq.outbox.schema`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -56,7 +57,7 @@ from mongoq.outbox import schema
 from mongoq.outbox.models import LANES
 
 __all__ = [
-    "Entry", "Lane", "LaneView", "Slots", "charge_lost", "read_lanes", "read_slots", "seed_lanes",
+    "Entry", "Lane", "LaneStore", "LaneView", "Slots", "read_lanes", "read_slots", "seed_lanes",
 ]  # fmt: skip
 
 #: Lane documents one read returns in its first batch (256 a handler).
@@ -406,25 +407,225 @@ async def read_lanes(
     return [Lane.from_document(doc) for doc in docs if doc["_id"] != schema.SLOTS], slots
 
 
-async def charge_lost(
-    db: Any, deliveries: Any, lanes: Any, taken: Sequence[tuple[Lane, int]], now: datetime
-) -> None:
-    """Charge one attempt to every delivery the previous owners of `taken` (lane, epoch after
-    the take) still had running, then clear the lanes' ``lost`` lists.
+@dataclass
+class _Plan:
+    """The lane writes of one claim: one op a lane, the epoch each lane has once written (the
+    lanes whose deliveries the claim hands out) and the lanes as the writes leave them."""
 
-    The charge is fenced on the generation each delivery was listed with and moves it on, so a
-    charge repeated after a failure between the two writes, or a delayed one, charges nothing
-    twice; a delivery that finished or was retried meanwhile is not charged at all.
-    """
-    entries = [entry for lane, _ in taken for entry in lane.lost]
-    if entries:
+    write: str
+    ops: list[UpdateOne | UpdateMany] = field(default_factory=list)
+    targets: list[int] = field(default_factory=list)
+    expected: dict[int, int] = field(default_factory=dict)
+    after: list[Lane] = field(default_factory=list)
+
+    def add(self, op: UpdateOne | UpdateMany, lane: Lane, epoch: int | None) -> None:
+        self.ops.append(op)
+        self.targets.append(lane.id)
+        self.after.append(lane)
+        if epoch is not None:
+            self.expected[lane.id] = epoch
+
+
+class LaneStore:
+    """Every write to the lanes collection of one `AsyncOutbox` instance, and its `LaneView`
+    (kept current by those writes). A write that fails or matches fewer than it names leaves
+    the view wrong about its lanes: they are read again before the next claim."""
+
+    def __init__(self, db: Any, collection: Any, instance: str) -> None:
+        self.db = db
+        self.collection = collection
+        self.instance = instance
+        self.view = LaneView()
+
+    def invalidate(self) -> None:
+        """Read the lanes again before the next claim."""
+        self.view.failed = True
+
+    def seen(self, lanes: Iterable[Lane], read_since: int | None = None) -> None:
+        """Lanes as a write of this instance left them (or as read back), into the view."""
+        self.view.update(list(lanes), read_since)
+
+    async def seed(self, handlers: Iterable[str], *, every: bool = False) -> Slots:
+        """`seed_lanes` on this outbox's lanes."""
+        return await seed_lanes(self.collection, handlers, every=every)
+
+    async def refresh(
+        self, owner: str, handlers: Sequence[str] | None, now: datetime, ttl: float
+    ) -> None:
+        """`LaneView.refresh` for a claim of `owner` on this instance."""
+        await self.view.refresh(self.collection, owner, self.instance, handlers, now, ttl)
+
+    async def take_over(
+        self, owner: str, stale: list[Lane], lease_until: datetime
+    ) -> dict[int, Lane]:
+        """Take `stale` lanes over for `owner`, what their previous holders left listed moved
+        to ``lost``; returns the lanes now held (a lane another claimer took first is left
+        out). Their ``lost`` is charged next (`charge`)."""
+        plan = _Plan(uuid.uuid4().hex)
+        for lane in stale:
+            lost = lane.lost + lane.in_flight
+            plan.add(self._take(lane, owner, lease_until, [], lost, plan.write),
+                     lane.taken(owner, self.instance, lease_until, [], lost, plan.write),
+                     lane.epoch + 1)  # fmt: skip
+        taken = await self._apply(owner, plan)
+        return {lane.id: lane for lane in plan.after if lane.id in taken}
+
+    async def charge(self, deliveries: Any, taken: Sequence[Lane], now: datetime) -> list[Lane]:
+        """Charge one attempt to every delivery the previous holders of `taken` lanes (held by
+        this instance) still had running, then clear the lanes' ``lost`` lists; returns the
+        lanes as cleared.
+
+        The charge is fenced on the generation each delivery was listed with and moves it on,
+        so a charge repeated after a failure between the two writes, or a delayed one, charges
+        nothing twice; a delivery that finished or was retried meanwhile is not charged at
+        all."""
+        unpaid = [lane for lane in taken if lane.lost]
+        if not unpaid:
+            return []
         await deliveries.update_many(
-            schema.delivery_claimed(e.claim for e in entries), schema.delivery_charging(now)
+            schema.delivery_claimed(e.claim for lane in unpaid for e in lane.lost),
+            schema.delivery_charging(now),
         )
-    clear: list[UpdateOne | UpdateMany] = [
-        _driver.update_by_id(db, schema.lane_at_epoch(lane.id, epoch), schema.lane_clearing_lost())
-        for lane, epoch in taken
-        if lane.lost
-    ]
-    if clear:
-        await lanes.bulk_write(clear, ordered=False)
+        await self.collection.bulk_write([
+            _driver.update_by_id(
+                self.db, schema.lane_at_epoch(lane.id, lane.epoch), schema.lane_clearing_lost()
+            )
+            for lane in unpaid
+        ], ordered=False)  # fmt: skip
+        paid = [replace(lane, lost=[], rev=None) for lane in unpaid]
+        self.seen(paid)
+        return paid
+
+    async def record(
+        self,
+        owner: str,
+        now: datetime,
+        lease_until: datetime,
+        held: Mapping[int, Lane],
+        free: Mapping[int, Lane],
+        running: Mapping[int, list[Entry]],
+        picked: Mapping[int, list[Entry]],
+    ) -> dict[int, int]:
+        """Record a claim of `owner`: each held lane lists what still runs there (`running`)
+        and its new picks (`picked`), and is handed back if that is nothing; a free lane with
+        picks is taken. Returns, for each lane whose write took effect, its epoch once
+        written."""
+        plan = _Plan(uuid.uuid4().hex)
+        for lane in held.values():
+            still, new = running.get(lane.id, []), picked.get(lane.id, [])
+            self._plan_held(plan, lane, owner, now, lease_until, still, new)
+        for lane_id, entries in picked.items():
+            if lane_id not in held and entries:
+                lane = free[lane_id]  # a free lane with nothing listed (stale ones: taken over)
+                plan.add(self._take(lane, owner, lease_until, entries, [], plan.write),
+                         lane.taken(owner, self.instance, lease_until, entries, [], plan.write),
+                         lane.epoch + 1)  # fmt: skip
+        written = await self._apply(owner, plan)
+        return {lane_id: plan.expected[lane_id] for lane_id in written}
+
+    def _plan_held(
+        self, plan: _Plan, lane: Lane, owner: str, now: datetime, lease_until: datetime,
+        running: list[Entry], picked: list[Entry],
+    ) -> None:  # fmt: skip
+        """The write of a held lane: hand it back (nothing runs or was picked), or list what
+        runs there now if that changed (new picks only if no requeue in the lane came
+        between)."""
+        entries = running + picked
+        if not entries:
+            fence = lane.fence(owner, self.instance)
+            update = schema.lane_handing_back(now, [])
+            plan.add(_driver.update_by_id(self.db, fence, update), lane.handed_back(now), None)
+        elif picked or len(entries) != len(lane.in_flight):
+            fence = (lane.listing_fence if picked else lane.fence)(owner, self.instance)
+            update = schema.lane_listing(entries, lease_until, plan.write)
+            plan.add(_driver.update_by_id(self.db, fence, update),
+                     lane.listing(entries, lease_until, plan.write), lane.epoch)  # fmt: skip
+
+    def _take(
+        self, lane: Lane, owner: str, lease_until: datetime, in_flight: list[Entry],
+        lost: list[Entry], write: str,
+    ) -> UpdateOne | UpdateMany:  # fmt: skip
+        """The write that takes `lane` over for `owner`, as read (see `Lane.take_filter`)."""
+        return _driver.update_by_id(
+            self.db,
+            lane.take_filter(),
+            schema.lane_takeover(owner, self.instance, lease_until, in_flight, lost, write),
+        )
+
+    async def _apply(self, owner: str, plan: _Plan) -> set[int]:
+        """Send `plan` (one unordered bulk write); returns the lanes of ``plan.expected``
+        whose write took effect."""
+        if not plan.ops:
+            return set()
+        try:
+            result = await self.collection.bulk_write(plan.ops, ordered=False)
+        except BaseException:
+            self.invalidate()
+            self.view.unsure.update(plan.targets)  # a failed write may have been applied
+            raise
+        if result.matched_count != len(plan.ops):
+            self.view.unsure.update(plan.targets)
+            return await self._confirm(owner, plan.expected, plan.write)
+        self.seen(plan.after)
+        return set(plan.expected)
+
+    async def _confirm(self, owner: str, expected: dict[int, int], write: str) -> set[int]:
+        """Which of the lane writes of claim `write` took effect, read back after its bulk
+        write matched fewer (lane -> its epoch once written): those the owner holds at that
+        epoch carrying the claim's id, which only the claim's own write sets. The view takes
+        them as own writes, the others as read (and is read whole before the next claim:
+        another instance wrote somewhere)."""
+        self.invalidate()
+        if not expected:  # only hand-backs failed: nothing of this claim to prove
+            return set()
+        since = self.view.mark()
+        docs = await _driver.find_list(self.collection, schema.lanes_by_ids(expected))
+        read = [Lane.from_document(doc) for doc in docs]
+        mine = [
+            lane for lane in read
+            if lane.held_by(owner, self.instance) and lane.epoch == expected[lane.id]
+            and lane.write == write
+        ]  # fmt: skip
+        self.seen(mine)
+        self.seen([lane for lane in read if lane not in mine], read_since=since)
+        self.view.unsure.difference_update(expected)
+        return {lane.id for lane in mine}
+
+    async def renew(self, owner: str, lease_until: datetime) -> int:
+        """Renew every lane `owner` holds on this instance until `lease_until` (never
+        shortening one); returns how many. An expired lease nobody took over is renewed too;
+        a lane taken over is not."""
+        result = await self.collection.update_many(
+            schema.lanes_held(owner, self.instance), schema.lane_renewing(lease_until)
+        )
+        return int(result.matched_count)
+
+    async def hand_back_all(self, owner: str, now: datetime) -> int:
+        """Hand back every lane `owner` holds on this instance, what each still lists as
+        running moved to ``lost`` (charged by the next holder); returns how many."""
+        self.invalidate()
+        docs = await _driver.find_list(self.collection, schema.lanes_held(owner, self.instance))
+        ops = [
+            _driver.update_by_id(
+                self.db, lane.fence(owner, self.instance),
+                schema.lane_handing_back(now, lane.lost + lane.in_flight),
+            )
+            for lane in map(Lane.from_document, docs)
+        ]  # fmt: skip
+        if not ops:
+            return 0
+        result = await self.collection.bulk_write(ops, ordered=False)
+        return int(result.matched_count)
+
+    async def count_requeue(self, handler: str, number: int) -> None:
+        """Count a requeue in `handler`'s lane `number`: a holder's listing write fenced on the
+        count before fails (`Lane.listing_fence`), and so does a take (``rev``)."""
+        self.invalidate()  # this instance's claims know it at once
+        slots = self.view.slots  # a handler's slot never changes
+        if slots.first_lane(handler) is None:
+            slots = await read_slots(self.collection)
+        first = slots.first_lane(handler)
+        if first is not None:  # a handler without lanes has no claim to fence
+            await self.collection.update_one(
+                schema.lane_by_id(first + number), schema.lane_requeue_counting()
+            )

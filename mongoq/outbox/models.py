@@ -1,5 +1,6 @@
 """The outbox's values: events as the publisher writes them, deliveries as a claim hands them
-out, and the result types of the operator calls; plus the two pure functions the storage layout
+out (read from their documents, with the claim's token: its format and parse), and the result
+types of the operator calls; plus the two pure functions the storage layout
 rests on, `lane_of` (which of the 256 lanes a key lives in) and `normalize` (the JSON form in
 which payloads and headers are stored); `check_handler` validates handler names. Owns no
 collections (their layout: `mongoq.outbox.schema`).
@@ -19,6 +20,7 @@ from typing import Any
 import bson
 
 from mongoq._validation import MAX_PAYLOAD_BYTES, check_field_name, check_payload
+from mongoq.clock import stored_instant
 from mongoq.errors import InvalidInput
 
 #: How many lanes the deliveries are spread over; a worker leases lanes, not deliveries.
@@ -65,6 +67,18 @@ def normalize(field_name: str, value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [normalize(f"{field_name}[{index}]", item) for index, item in enumerate(value)]
     raise InvalidInput(field_name, f"is not JSON-like: {type(value).__name__}")
+
+
+#: The subscription key of handlers that receive every event type.
+SUBSCRIBE_ALL = "*"
+
+
+def subscribed_handlers(
+    subscriptions: Mapping[str, tuple[str, ...]], event_type: str
+) -> tuple[str, ...]:
+    """The handlers subscribed to `event_type` (its own, then the ``"*"`` ones)."""
+    names = subscriptions.get(event_type, ()) + subscriptions.get(SUBSCRIBE_ALL, ())
+    return tuple(dict.fromkeys(names))
 
 
 def check_handler(field_name: str, value: Any) -> str:
@@ -176,6 +190,53 @@ class Delivery:
         """The delivery's claim generation this claim holds (the token's last part)."""
         return int(self.lease_token.rsplit(":", 1)[1])
 
+    @classmethod
+    def from_documents(
+        cls, delivery: Mapping[str, Any], event: Mapping[str, Any], owner: str, epoch: int
+    ) -> Delivery:
+        """The delivery a claim hands out: its stored document (the claim's projection), its
+        event's, the claim's owner and the epoch of the lane it was recorded on."""
+        return cls(
+            id=str(delivery["_id"]),
+            event=Event(
+                id=event["_id"],
+                type=event["type"],
+                payload=event.get("payload"),
+                key=event.get("key"),
+                headers=event.get("headers") or {},
+                correlation_id=event.get("correlation_id"),
+                causation_id=event.get("causation_id"),
+                created_at=stored_instant(event.get("created_at")),
+            ),
+            handler=delivery["handler"],
+            attempt=int(delivery["attempts"]) + 1,
+            lease_token=lease_token(int(delivery["lane_id"]), epoch, int(delivery["claims"])),
+            owner=owner,
+            sequence=delivery.get("sequence"),
+            due_at=stored_instant(delivery.get("due_at")),
+        )
+
+
+def lease_token(lane: int, epoch: int, generation: int) -> str:
+    """A claim's token: its lane number, the lane's epoch, the delivery's claim generation."""
+    return f"{lane}:{epoch}:{generation}"
+
+
+def parse_token(delivery: Any, field: str = "delivery") -> tuple[bson.ObjectId, int, int, int]:
+    """(delivery _id, lane, epoch, claim generation) of a `Delivery`; a token this store cannot
+    have issued is `InvalidInput` before any database call."""
+    if not isinstance(delivery, Delivery):
+        raise InvalidInput(field, f"must be a Delivery, got {type(delivery).__name__}")
+    try:
+        doc_id = bson.ObjectId(delivery.id)
+        lane_text, epoch_text, claims_text = delivery.lease_token.split(":")
+        lane, epoch, claims = int(lane_text), int(epoch_text), int(claims_text)
+    except (bson.errors.InvalidId, TypeError, ValueError, AttributeError):
+        raise InvalidInput(f"{field}.lease_token", "is not a token this outbox issued") from None
+    if not 0 <= lane < LANES or epoch < 0 or claims < 0:
+        raise InvalidInput(f"{field}.lease_token", "is not a token this outbox issued")
+    return doc_id, lane, epoch, claims
+
 
 @dataclass(frozen=True)
 class PublishResult:
@@ -205,6 +266,28 @@ class DeliveryInfo:
     created_at: datetime | None
     updated_at: datetime | None
     running: bool = False
+
+    @classmethod
+    def from_document(cls, doc: Mapping[str, Any], running: bool) -> DeliveryInfo:
+        """A stored delivery (or completion record, its ``status`` set to ``completed``)."""
+        status = doc["status"]
+        if status == "pending" and doc.get("lane") == "parked":
+            status = "parked"
+        return cls(
+            id=str(doc["_id"]),
+            event_id=doc["event_id"],
+            event_type=doc["event_type"],
+            handler=doc["handler"],
+            status=status,
+            attempts=int(doc["attempts"]),
+            key=doc.get("key"),
+            sequence=doc.get("sequence"),
+            due_at=stored_instant(doc.get("due_at")),
+            last_error=doc.get("last_error"),
+            created_at=stored_instant(doc.get("created_at")),
+            updated_at=stored_instant(doc.get("updated_at") or doc.get("completed_at")),
+            running=running,
+        )
 
 
 @dataclass(frozen=True)

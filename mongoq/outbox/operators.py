@@ -1,24 +1,25 @@
-"""The outbox's operator calls: `AsyncOutbox.requeue`, `list_deliveries`, `stats` and `purge`,
-run by `Operators`, one object per `AsyncOutbox`.
+"""The outbox's operator calls, mixed into `AsyncOutbox`: `requeue`, `list_deliveries`,
+`stats`, `count_finished` and `purge`.
 
 They read every collection of the outbox and write ``deliveries`` (a requeue; purge of dead
-letters), ``events`` and ``completed_deliveries`` (purge), and the requeue counts in
-``lanes``; the layout and every filter and update are in `mongoq.outbox.schema`.
+letters), ``events`` and ``completed_deliveries`` (purge), and a requeue's count in its lane
+(through `mongoq.outbox.lanes.LaneStore`); the layout and every filter and update are in
+`mongoq.outbox.schema`. They own no collection.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mongoq import _driver
 from mongoq._validation import MAX_BATCH, check_int, check_window
-from mongoq.clock import stored_instant
+from mongoq.clock import Clock, stored_instant
 from mongoq.errors import InvalidInput
 from mongoq.outbox import schema
-from mongoq.outbox.lanes import Lane, read_lanes, read_slots
+from mongoq.outbox.lanes import Lane, LaneStore, read_lanes
 from mongoq.outbox.models import DeliveryInfo, OutboxStatistics, PurgeResult, check_handler
 from mongoq.outbox.schema import (
     COMPLETED,
@@ -30,27 +31,36 @@ from mongoq.outbox.schema import (
     with_ids,
 )
 
-if TYPE_CHECKING:
-    from mongoq.outbox.store import AsyncOutbox
-
-__all__ = ["Operators"]
+__all__ = ["OutboxOperators"]
 
 
-class Operators:
-    """The operator calls of one `AsyncOutbox` (see its methods of the same names)."""
+class OutboxOperators:
+    """`requeue`, `list_deliveries`, `stats`, `count_finished` and `purge` of `AsyncOutbox`."""
 
-    def __init__(self, outbox: AsyncOutbox) -> None:
-        self.outbox = outbox
-        self.db = outbox.db
-        self.events, self.deliveries = outbox.events, outbox.deliveries
-        self.lanes, self.history = outbox.lanes, outbox.history
+    # set by the outbox's constructor
+    db: Any
+    clock: Clock
+    completion_history: bool
+    purge_batch_size: int
+    events: Any
+    deliveries: Any
+    lanes: Any
+    history: Any
+    _lane_store: LaneStore
+
+    async def _now(self) -> datetime:
+        await self.clock.refresh()
+        return self.clock.now()
 
     async def requeue(self, event_id: str, handler: str) -> bool:
-        """`AsyncOutbox.requeue`."""
+        """Make a dead delivery pending again, due now, with its attempts reset. It then comes
+        before the later deliveries of its key that were not claimed yet, and does not start
+        while one of them runs. False if there is no such dead delivery. A requeue that failed
+        midway is finished by calling it again (it then returns True)."""
         if not isinstance(event_id, str) or not event_id:
             raise InvalidInput("event_id", "must be a non-empty string")
         check_handler("handler", handler)
-        now = await self.outbox._now()
+        now = await self._now()
         found = await self.deliveries.find_one(
             schema.delivery_of(event_id, handler), schema.REQUEUE_PROJECTION
         )
@@ -59,30 +69,18 @@ class Operators:
         # Counted in the delivery's lane before and after it turns pending: a claim that read
         # the lane before a count and lists picks in it after fails that write, either way,
         # even if the second count never happens (see `Lane.listing_fence`).
-        await self._count_requeue(handler, int(found["lane_id"]))
+        await self._lane_store.count_requeue(handler, int(found["lane_id"]))
         result = await self.deliveries.update_one(
             schema.delivery_dead(event_id, handler), schema.delivery_requeuing(now)
         )
         if not result.modified_count and not found.get("requeue_uncounted"):
             return False  # requeued by another call meanwhile
         # (A requeue that stopped before counting itself is finished by calling it again.)
-        await self._count_requeue(handler, int(found["lane_id"]))
+        await self._lane_store.count_requeue(handler, int(found["lane_id"]))
         await self.deliveries.update_one(
             schema.delivery_requeue_uncounted(event_id, handler), schema.delivery_requeue_counted()
         )
         return True
-
-    async def _count_requeue(self, handler: str, number: int) -> None:
-        """Count a requeue in its handler's lane of `number`."""
-        self.outbox._claimer.invalidate()  # this instance's claims know it at once
-        slots = self.outbox._claimer.view.slots  # a handler's slot never changes
-        if slots.first_lane(handler) is None:
-            slots = await read_slots(self.lanes)
-        first = slots.first_lane(handler)
-        if first is not None:  # a handler without lanes has no claim to fence
-            await self.lanes.update_one(
-                schema.lane_by_id(first + number), schema.lane_requeue_counting()
-            )
 
     @staticmethod
     def _live(lanes: Iterable[Lane], now: datetime) -> list[Lane]:
@@ -102,9 +100,17 @@ class Operators:
         return {doc["_id"] for doc in docs}
 
     async def list_deliveries(
-        self, status: str | None, handler: str | None, event_type: str | None, limit: int
+        self,
+        *,
+        status: str | None = None,
+        handler: str | None = None,
+        event_type: str | None = None,
+        limit: int = 100,
     ) -> list[DeliveryInfo]:
-        """`AsyncOutbox.list_deliveries`."""
+        """Deliveries, oldest first (parked ones in key order): ``pending`` (`running` tells
+        which run now), ``parked``, ``dead``, or ``completed`` (the completion history; empty
+        without it); all of them when `status` is None. `handler` and `event_type` narrow the
+        list."""
         if status not in (None, PENDING, PARKED, DEAD, COMPLETED):
             raise InvalidInput("status", "must be None, 'pending', 'parked', 'dead' or 'completed'")
         if handler is not None:
@@ -112,7 +118,7 @@ class Operators:
         if event_type is not None:
             check_handler("event_type", event_type)
         check_int("limit", limit, low=1, high=MAX_BATCH)
-        now = await self.outbox._now()
+        now = await self._now()
         infos: list[DeliveryInfo] = []
         if status != COMPLETED:
             # Parked ones in key order (handler, key, sequence): the queue order.
@@ -123,41 +129,25 @@ class Operators:
             )  # fmt: skip
             live = self._live((await read_lanes(self.lanes))[0], now) if docs else []
             running = await self._running_ids(live)
-            infos += [self._info(doc, doc["_id"] in running) for doc in docs]
-        history = self.outbox.completion_history
+            infos += [DeliveryInfo.from_document(doc, doc["_id"] in running) for doc in docs]
+        history = self.completion_history
         if history and status in (None, COMPLETED) and len(infos) < limit:
             docs = await _driver.find_list(
                 self.history, schema.listed_by(handler, event_type), sort=[("_id", 1)],
                 limit=limit - len(infos),
             )  # fmt: skip
-            infos += [self._info({**doc, "status": COMPLETED}, False) for doc in docs]
+            infos += [
+                DeliveryInfo.from_document({**doc, "status": COMPLETED}, False) for doc in docs
+            ]
         return infos
 
-    @staticmethod
-    def _info(doc: Mapping[str, Any], running: bool) -> DeliveryInfo:
-        status = doc.get("status", PENDING)
-        if status == PENDING and doc.get("lane") == PARKED:
-            status = PARKED
-        return DeliveryInfo(
-            id=str(doc["_id"]),
-            event_id=doc["event_id"],
-            event_type=doc["event_type"],
-            handler=doc["handler"],
-            status=status,
-            attempts=int(doc["attempts"]),
-            key=doc.get("key"),
-            sequence=doc.get("sequence"),
-            due_at=stored_instant(doc.get("due_at")),
-            last_error=doc.get("last_error"),
-            created_at=stored_instant(doc.get("created_at")),
-            updated_at=stored_instant(doc.get("updated_at") or doc.get("completed_at")),
-            running=running,
-        )
-
-    async def count_finished(self, since: datetime, until: datetime | None) -> int | None:
-        """`AsyncOutbox.count_finished`."""
+    async def count_finished(self, since: datetime, until: datetime | None = None) -> int | None:
+        """How many deliveries finished (completed or buried) at or after `since` and before
+        `until` (None: up to now) and are still recorded: a throughput that a purge of older
+        ones leaves alone (two indexed counts; the dashboard's chart). None without
+        `completion_history`: a completion then leaves no record to count."""
         since, until = check_window(since, until)
-        if not self.outbox.completion_history:
+        if not self.completion_history:
             return None
         dead, completed = await asyncio.gather(
             self.deliveries.count_documents(schema.deliveries_dead_between(since, until)),
@@ -166,9 +156,10 @@ class Operators:
         return int(dead) + int(completed)
 
     async def stats(self) -> OutboxStatistics:
-        """`AsyncOutbox.stats`."""
-        now = await self.outbox._now()
-        history = self.outbox.completion_history
+        """Counts per status, how many deliveries run now, the oldest due time of the
+        unfinished ones, and how many lanes are held; a fixed number of commands."""
+        now = await self._now()
+        history = self.completion_history
         with _driver.index_required(self.deliveries, PARKED_INDEX):
             pending, parked, dead, completed, oldest, lanes = await asyncio.gather(
                 self.deliveries.count_documents(schema.delivery_in_status(PENDING)),
@@ -194,9 +185,16 @@ class Operators:
         )
 
     async def purge(
-        self, dead_before: datetime | None, completed_before: datetime | None
+        self, *, dead_before: datetime | None = None, completed_before: datetime | None = None
     ) -> PurgeResult:
-        """`AsyncOutbox.purge`."""
+        """Delete, in batches, dead deliveries last updated before `dead_before`, completion
+        records before `completed_before`, and then the events nothing references any more.
+
+        An event with a completion is kept as the deduplication record of its id until
+        `completed_before` passes its last completion (a publish of the id after that runs
+        its handlers again: keep completed retention longer than any redelivery window); an
+        event that never completed goes once it was created before the earliest cutoff given.
+        """
         for name, value in (("dead_before", dead_before), ("completed_before", completed_before)):
             if value is not None and not isinstance(value, datetime):
                 raise InvalidInput(name, "must be None or a datetime")
@@ -207,7 +205,7 @@ class Operators:
             dead = await self._purge_batches(
                 self.deliveries, schema.delivery_dead_before(dead_before), "updated_at"
             )
-        if completed_before is not None and self.outbox.completion_history:
+        if completed_before is not None and self.completion_history:
             records = await self._purge_batches(
                 self.history, schema.history_completed_before(completed_before), "completed_at"
             )
@@ -218,7 +216,7 @@ class Operators:
         total = 0
         while True:
             docs = await _driver.find_list(
-                collection, query, sort=[(field, 1)], limit=self.outbox.purge_batch_size,
+                collection, query, sort=[(field, 1)], limit=self.purge_batch_size,
                 projection={"_id": 1},
             )  # fmt: skip
             if not docs:
@@ -226,14 +224,14 @@ class Operators:
             # The query again in the delete: a dead delivery requeued since the read stays.
             result = await collection.delete_many(with_ids(query, [d["_id"] for d in docs]))
             total += int(result.deleted_count)
-            if len(docs) < self.outbox.purge_batch_size:
+            if len(docs) < self.purge_batch_size:
                 return total
 
     async def _purge_events(
         self, dead_before: datetime | None, completed_before: datetime | None
     ) -> int:
         cutoffs = [c for c in (dead_before, completed_before) if c is not None]
-        young = await self.outbox._now() - timedelta(seconds=schema.PUBLISH_GRACE)
+        young = await self._now() - timedelta(seconds=schema.PUBLISH_GRACE)
         queries: list[tuple[dict[str, Any], str]] = [
             (schema.event_uncompleted_before(min(cutoffs), young), "created_at")
         ]
@@ -246,13 +244,13 @@ class Operators:
                 page = dict(query) if after is None else {**query, **after_key(field, *after)}
                 docs = await _driver.find_list(
                     self.events, page, sort=[(field, 1), ("_id", 1)],
-                    limit=self.outbox.purge_batch_size, projection={field: 1},
+                    limit=self.purge_batch_size, projection={field: 1},
                 )  # fmt: skip
                 if not docs:
                     break
                 after = (docs[-1][field], docs[-1]["_id"])
                 total += await self._delete_unreferenced(query, [d["_id"] for d in docs])
-                if len(docs) < self.outbox.purge_batch_size:
+                if len(docs) < self.purge_batch_size:
                     break
         return total
 
@@ -263,7 +261,7 @@ class Operators:
                     "event_id", schema.deliveries_of_events(ids), session=session
                 )
             )
-            if self.outbox.completion_history:
+            if self.completion_history:
                 referenced |= set(
                     await self.history.distinct(
                         "event_id", schema.deliveries_of_events(ids), session=session

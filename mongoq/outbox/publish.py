@@ -1,5 +1,5 @@
 """The outbox's publish: the writes `AsyncOutbox.publish` sends once it checked its events,
-run by `Publisher`, one object per `AsyncOutbox`.
+run by `Publisher`, built from the collections it writes and the subscriptions.
 
 It writes ``events`` (an event, its ``stored_at``; a transaction's handler listing),
 ``deliveries`` (one per subscribed handler the event has none for; a replay's held ones) and
@@ -12,17 +12,14 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pymongo import ReturnDocument, UpdateMany, UpdateOne
 from pymongo.errors import BulkWriteError
 
 from mongoq import _driver
 from mongoq.outbox import schema
-from mongoq.outbox.models import Event, PublishResult, lane_of
-
-if TYPE_CHECKING:
-    from mongoq.outbox.store import AsyncOutbox
+from mongoq.outbox.models import Event, PublishResult, lane_of, subscribed_handlers
 
 __all__ = ["Publisher"]
 
@@ -31,9 +28,15 @@ class Publisher:
     """The publish of one `AsyncOutbox`: in the caller's transaction (`in_transaction`) or
     without one (`plain`)."""
 
-    def __init__(self, outbox: AsyncOutbox) -> None:
-        self.outbox = outbox
-        self.db = outbox.db
+    def __init__(
+        self, db: Any, *, events: Any, deliveries: Any, sequences: Any,
+        subscriptions: Mapping[str, tuple[str, ...]],
+    ) -> None:  # fmt: skip
+        self.db = db
+        self.events = events
+        self.deliveries = deliveries
+        self.sequences = sequences
+        self.subscriptions = subscriptions
 
     async def _sequences(self, events: Sequence[Event], session: Any) -> dict[str, int]:
         """The next sequence of each keyed event's key, in the order of `events`."""
@@ -43,7 +46,7 @@ class Publisher:
                 per_key[event.key].append(event.id)
         sequences: dict[str, int] = {}
         for key, ids in per_key.items():
-            counter = await self.outbox.sequences.find_one_and_update(
+            counter = await self.sequences.find_one_and_update(
                 schema.sequence_of(key),
                 schema.sequence_taking(len(ids)),
                 upsert=True,
@@ -69,10 +72,12 @@ class Publisher:
     def _wanted(self, stored: Mapping[str, Any]) -> list[str]:
         """The subscribed handlers the stored event does not list yet."""
         listed = stored.get("handlers", ())
-        return [h for h in self.outbox.handlers_for(stored["type"]) if h not in listed]
+        return [
+            h for h in subscribed_handlers(self.subscriptions, stored["type"]) if h not in listed
+        ]
 
     async def _existing(self, ids: list[str], session: Any) -> dict[str, dict[str, Any]]:
-        docs = await self.outbox.events.find(
+        docs = await self.events.find(
             schema.events_by_ids(ids), schema.EVENT_REPLAY_PROJECTION, session=session
         ).to_list(None)
         return {doc["_id"]: doc for doc in docs}
@@ -111,26 +116,45 @@ class Publisher:
             ]
         added = 0
         if ops:
-            await self.outbox.events.bulk_write(ops, ordered=True, session=session)
+            await self.events.bulk_write(ops, ordered=True, session=session)
         if deliveries:
             # Upserts too: a delivery left by a non-transactional publish that crashed before
             # listing its handler is kept, not a duplicate key that aborts the transaction.
-            result = await self.outbox.deliveries.bulk_write(
-                deliveries, ordered=True, session=session
-            )
+            result = await self.deliveries.bulk_write(deliveries, ordered=True, session=session)
             added = len(result.upserted_ids)
         return PublishResult(len(new), added)
 
     async def plain(self, events: list[Event], now: datetime) -> PublishResult:
-        # Without a transaction the order of the writes carries the guarantees, in two commands
-        # for new events: the event exists before its deliveries (a claim never finds a
-        # delivery without its event, and a purge leaves a young event alone), and a handler is
-        # listed on the event only once its delivery finished (`AsyncOutbox.complete`, `bury`),
-        # never while it has none. A replay creates the deliveries of the handlers not listed:
-        # the unique index turns the ones still there into no-ops, and a crash before they were
-        # written is repaired by publishing again (at least once, never lost). Sequences are
-        # taken for every keyed event before knowing which are new: a replay leaves a gap in
-        # its key's sequence, which blocks nothing.
+        """Publish without a transaction. The order of the writes carries the guarantees, in
+        two commands for new events: the event exists before its deliveries (a claim never
+        finds a delivery without its event, and a purge leaves a young event alone), and a
+        handler is listed on the event only once its delivery finished (`complete`, `bury`),
+        never while it has none. A replay creates the deliveries of the handlers not listed:
+        the unique index turns the ones still there into no-ops, and a crash before they were
+        written is repaired by publishing again (at least once, never lost)."""
+        stored_of, new_ids = await self._write_events(events, now)
+        hold_until = now + timedelta(seconds=schema.REPLAY_HOLD)
+        deliveries: list[dict[str, Any]] = []
+        for event in events:
+            stored = stored_of[event.id]
+            docs = self._delivery_documents(event.id, stored, self._wanted(stored), now)
+            if event.id not in new_ids:  # held: see `_release_replayed`
+                docs = [schema.delivery_held(doc, hold_until) for doc in docs]
+            deliveries += docs
+        inserted = await self._insert_deliveries(deliveries)
+        held = [d for d in inserted if d["event_id"] not in new_ids]
+        dropped = 0
+        if held:
+            sequences_of = {i: stored.get("sequence") for i, stored in stored_of.items()}
+            dropped = await self._release_replayed(events, sequences_of, held, hold_until, now)
+        return PublishResult(len(new_ids), len(inserted) - dropped)
+
+    async def _write_events(
+        self, events: list[Event], now: datetime
+    ) -> tuple[dict[str, Mapping[str, Any]], set[str]]:
+        """Upsert `events`; returns each as stored (a replayed one as read back) and the ids
+        of the new ones. Sequences are taken for every keyed event before knowing which are
+        new: a replay leaves a gap in its key's sequence, which blocks nothing."""
         sequences = await self._sequences(events, None)
         documents = {e.id: schema.event_document(e, now, sequences.get(e.id)) for e in events}
         upserts: list[UpdateOne | UpdateMany] = [
@@ -142,36 +166,27 @@ class Publisher:
             )
             for e in events
         ]
-        result = await self.outbox.events.bulk_write(upserts, ordered=True)
+        result = await self.events.bulk_write(upserts, ordered=True)
         # By the upserted _id (the event id), not its position: mongomock numbers the upserts
         # of a bulk write among themselves, a server by request.
         new_ids = set(result.upserted_ids.values())
         replayed = [e.id for e in events if e.id not in new_ids]
         existing = await self._existing(replayed, None) if replayed else {}
-        hold_until = now + timedelta(seconds=schema.REPLAY_HOLD)
-        stored_of = {e.id: existing.get(e.id) or documents[e.id] for e in events}
-        deliveries: list[dict[str, Any]] = []
-        for event in events:
-            stored = stored_of[event.id]
-            docs = self._delivery_documents(event.id, stored, self._wanted(stored), now)
-            if event.id not in new_ids:  # held: see `_release_replayed`
-                docs = [schema.delivery_held(doc, hold_until) for doc in docs]
-            deliveries += docs
-        inserted = list(deliveries)
-        if deliveries:
-            try:
-                await self.outbox.deliveries.insert_many(deliveries, ordered=False)
-            except BulkWriteError as exc:
-                if not _driver.only_duplicates(exc):
-                    raise
-                refused = {e["index"] for e in exc.details.get("writeErrors", [])}
-                inserted = [d for i, d in enumerate(deliveries) if i not in refused]
-        held = [d for d in inserted if d["event_id"] not in new_ids]
-        dropped = 0
-        if held:
-            sequences_of = {i: stored.get("sequence") for i, stored in stored_of.items()}
-            dropped = await self._release_replayed(events, sequences_of, held, hold_until, now)
-        return PublishResult(len(new_ids), len(inserted) - dropped)
+        return {e.id: existing.get(e.id) or documents[e.id] for e in events}, new_ids
+
+    async def _insert_deliveries(self, deliveries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Insert `deliveries`, a duplicate (the delivery is there already) refused; returns
+        the inserted ones."""
+        if not deliveries:
+            return []
+        try:
+            await self.deliveries.insert_many(deliveries, ordered=False)
+        except BulkWriteError as exc:
+            if not _driver.only_duplicates(exc):
+                raise
+            refused = {e["index"] for e in exc.details.get("writeErrors", [])}
+            return [d for i, d in enumerate(deliveries) if i not in refused]
+        return list(deliveries)
 
     async def _release_replayed(
         self,
@@ -197,7 +212,7 @@ class Publisher:
             for e in events if e.id in ids and e.id not in current
         ]  # fmt: skip
         if restored:
-            await self.outbox.events.bulk_write(restored, ordered=False)
+            await self.events.bulk_write(restored, ordered=False)
         # Finished, not merely listed: a transactional publish lists the handlers it creates.
         finished = [
             d["_id"] for d in held
@@ -206,12 +221,10 @@ class Publisher:
         release = [d["_id"] for d in held if d["_id"] not in set(finished)]
         dropped = 0
         if finished:
-            result = await self.outbox.deliveries.delete_many(
-                schema.deliveries_held(finished, hold_until)
-            )
+            result = await self.deliveries.delete_many(schema.deliveries_held(finished, hold_until))
             dropped = int(result.deleted_count)
         if release:
-            await self.outbox.deliveries.update_many(
+            await self.deliveries.update_many(
                 schema.deliveries_held(release, hold_until), schema.delivery_releasing_held(now)
             )
         return dropped

@@ -20,7 +20,7 @@ import bson
 import pytest
 from pymongo.errors import AutoReconnect, NetworkTimeout, OperationFailure, PyMongoError
 
-import mongoq.outbox.claim as claim_module
+import mongoq.outbox.parking as parking_module
 from mongoq import _driver
 from mongoq.errors import LeaseLost
 from mongoq.outbox import AsyncOutbox, Delivery, DeliveryContext, DispatchSummary, Event, lane_of
@@ -240,7 +240,7 @@ async def test_unparking_pages_through_every_parked_key_with_a_cursor_per_handle
     hours, followers parked), x's follower is parked behind a head that then completes. Each
     claim looks one page further, so x-2 is moved back and runs within three claims, also
     when another claimer of the same outbox, for other handlers, claims in between."""
-    monkeypatch.setattr(claim_module, "UNPARK_KEYS_PER_CLAIM", 2)
+    monkeypatch.setattr(parking_module, "UNPARK_KEYS_PER_CLAIM", 2)
     outbox = await new_outbox(odb, clock, subscriptions=TWO_HANDLERS)
     keys = ["b0", "b1", "b2", "b3", "x"]  # the order unparking visits them in
     await outbox.publish(
