@@ -177,23 +177,9 @@ async def _play(
 
     while True:
         report.rounds += 1
-        waking = [task for wake, task in zombies if wake <= report.rounds]
-        zombies = [(wake, task) for wake, task in zombies if wake > report.rounds]
-        for stale in waking:  # they stalled, mostly past their lease: their writes are fenced
-            current = await queue.get(stale.id)
-            still_theirs = current is not None and current.lease_token == stale.lease_token
-            if await _zombie_settles(queue, stale, config):
-                report.zombie_writes_accepted += 1
-                report.zombie_fencing_errors += not still_theirs
-            else:
-                report.zombie_writes_rejected += 1
-                report.zombie_fencing_errors += still_theirs
+        zombies = await _wake_zombies(queue, zombies, config, report)
         if report.rounds <= config.crash_rounds:  # a bad deploy: workers die mid-task
-            if (stalled := await queue.claim("zombie")) is not None:
-                zombies.append((report.rounds + ZOMBIE_STALL_ROUNDS, stalled))
-            for _ in range(config.crashes_per_round):
-                if await queue.claim("crasher") is not None:
-                    report.abandoned_by_crashes += 1
+            zombies += await _crash(queue, config, report)
         await queue.run(handler, concurrency=config.workers, stop_when_empty=True)
         await queue.reclaim_expired()
         stats = await queue.stats()
@@ -214,6 +200,37 @@ async def _play(
         if config.round_pause:
             await anyio.sleep(config.round_pause)
     report.simulated_seconds = (clock.now() - began).total_seconds()
+
+
+async def _wake_zombies(
+    queue: AsyncTaskQueue, zombies: list[tuple[int, Task]], config: DemoConfig, report: DemoReport
+) -> list[tuple[int, Task]]:
+    """The stalled workers whose round came settle what they hold (mostly past their lease:
+    their writes are fenced); returns those still asleep."""
+    for wake, stale in zombies:
+        if wake > report.rounds:
+            continue
+        current = await queue.get(stale.id)
+        still_theirs = current is not None and current.lease_token == stale.lease_token
+        if await _zombie_settles(queue, stale, config):
+            report.zombie_writes_accepted += 1
+            report.zombie_fencing_errors += not still_theirs
+        else:
+            report.zombie_writes_rejected += 1
+            report.zombie_fencing_errors += still_theirs
+    return [(wake, task) for wake, task in zombies if wake > report.rounds]
+
+
+async def _crash(
+    queue: AsyncTaskQueue, config: DemoConfig, report: DemoReport
+) -> list[tuple[int, Task]]:
+    """A round of a bad deploy: one worker stalls holding a task (returned, with the round it
+    wakes up in), others die holding theirs."""
+    stalled = await queue.claim("zombie")
+    for _ in range(config.crashes_per_round):
+        if await queue.claim("crasher") is not None:
+            report.abandoned_by_crashes += 1
+    return [] if stalled is None else [(report.rounds + ZOMBIE_STALL_ROUNDS, stalled)]
 
 
 async def _zombie_settles(queue: AsyncTaskQueue, task: Task, config: DemoConfig) -> bool:

@@ -164,6 +164,21 @@ class _Ground:
     handlers: list[str]
     numbers: list[int] | None
 
+    @classmethod
+    def of(
+        cls, view: LaneView, handlers: list[str], held: dict[int, Lane], free: dict[int, Lane],
+        others: dict[int, Lane], running: list[Entry],
+    ) -> _Ground:  # fmt: skip
+        """The ground of a claim of `handlers` (those with lanes). The lanes of each handler
+        are its own: a delivery is the claim's to take when the lane of its handler and number
+        (``_id`` its handler's first lane + the number) is held by this owner or free."""
+        firsts = {h: view.slots.first_lane(h) or 0 for h in handlers}
+        ours = {i // LANES * LANES for i in (*held, *free)}
+        handlers = [h for h in handlers if firsts[h] in ours]  # the others have nothing to take
+        every = len(held) + len(free) == LANES * len(handlers)
+        numbers = None if every else sorted({i % LANES for i in (*held, *free)})
+        return cls(held, free, others, running, firsts, handlers, numbers)
+
     def ours(self, candidate: Mapping[str, Any]) -> bool:
         """Whether `candidate`'s lane (its handler's lane of its number) is held or free: a
         delivery in a lane another owner holds is read when this owner holds or may take
@@ -297,15 +312,7 @@ class Claimer:
         if read or self.parking.wanted(handlers):
             await self.parking.unpark(handlers)
         running = await self._reconcile(owner, [*held.values(), *others.values()], now, look=read)
-        # The lanes of each handler are its own: a delivery is this claim's to take when the
-        # lane of its handler and number (``_id`` its handler's first lane + the number) is
-        # held by this owner or free.
-        firsts = {h: view.slots.first_lane(h) or 0 for h in wanted}
-        ours = {i // LANES * LANES for i in (*held, *free)}
-        wanted = [h for h in wanted if firsts[h] in ours]  # the others have nothing to take
-        every = len(held) + len(free) == LANES * len(wanted)
-        numbers = None if every else sorted({i % LANES for i in (*held, *free)})
-        return _Ground(held, free, others, running, firsts, wanted, numbers)
+        return _Ground.of(view, wanted, held, free, others, running)
 
     async def _reconcile(
         self, owner: str, held: Iterable[Lane], now: datetime, *, look: bool
