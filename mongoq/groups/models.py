@@ -1,15 +1,16 @@
-"""The group transport's public dataclasses and constants, and the checks of what a caller hands
-in: what `AsyncGroupTransport` takes and gives back. No I/O; the documents are in
-`mongoq.groups.schema`."""
+"""The group transport's public dataclasses and constants, how each is read from its stored
+documents, and the checks of what a caller hands in: what `AsyncGroupTransport` takes and gives
+back. No I/O; the documents are in `mongoq.groups.schema`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from mongoq._validation import check_id, check_int, check_payload
+from mongoq.clock import stored_instant
 from mongoq.errors import InvalidInput
 
 GroupId = str | int
@@ -27,6 +28,11 @@ class NewMessage:
     group_id: GroupId
     event: Any
     priority: int = 0
+
+    @classmethod
+    def from_dead_letter(cls, doc: Mapping[str, Any]) -> NewMessage:
+        """What `redrive` publishes again for a stored dead letter."""
+        return cls(doc["group_id"], doc.get("event"), int(doc["priority"]))
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,26 @@ class GroupLease:
     group_version: int | None = field(default=None, repr=False)
     was_last: bool = field(default=False, repr=False)
 
+    @classmethod
+    def from_documents(
+        cls, lock: Mapping[str, Any], head: Mapping[str, Any], token: str, worker: str,
+        lease_until: datetime, deliveries: int,
+    ) -> GroupLease:  # fmt: skip
+        """The lease of a claim: the lock it leased, the head it stamped, the lease's token,
+        worker and end, and the head's delivery count."""
+        return cls(
+            seq=head["_id"],
+            group_id=lock["_id"],
+            event=head.get("event"),
+            token=token,
+            worker_id=worker,
+            deliveries=deliveries,
+            priority=int(lock["priority"]),
+            lease_until=lease_until,
+            group_version=lock.get("version"),
+            was_last=head["_id"] == lock.get("last_seq"),
+        )
+
 
 @dataclass(frozen=True)
 class DeadLetter:
@@ -58,6 +84,20 @@ class DeadLetter:
     error: str | None
     published_at: datetime | None
     dead_at: datetime | None
+
+    @classmethod
+    def from_document(cls, doc: Mapping[str, Any]) -> DeadLetter:
+        """A stored dead letter."""
+        return cls(
+            seq=doc["_id"],
+            group_id=doc["group_id"],
+            event=doc.get("event"),
+            priority=int(doc["priority"]),
+            deliveries=int(doc["deliveries"]),
+            error=doc.get("error"),
+            published_at=stored_instant(doc.get("published_at")),
+            dead_at=stored_instant(doc.get("dead_at")),
+        )
 
 
 #: The states `list_groups` tells apart: claimable now, held by a live lease, waiting out a

@@ -62,7 +62,7 @@ class GroupOperators:
         docs = await _driver.find_list(
             self.dead, schema.dead_letters_selected(None, group), sort=schema.SEQ_ORDER, limit=limit
         )
-        return [schema.dead_letter_from(doc) for doc in docs]
+        return [DeadLetter.from_document(doc) for doc in docs]
 
     async def redrive(
         self: _Transport, seqs: Iterable[int] | None = None, *, group_id: GroupId | None = None,
@@ -84,7 +84,7 @@ class GroupOperators:
         )
         if not docs:
             return 0
-        await self.publish_many(schema.message_from_dead(doc) for doc in docs)
+        await self.publish_many(NewMessage.from_dead_letter(doc) for doc in docs)
         await self.dead.delete_many(
             schema.dead_letters_selected([doc["_id"] for doc in docs], None)
         )

@@ -38,9 +38,7 @@ from mongoq.clock import stored_instant
 from mongoq.groups.models import (
     ALL_PRIORITIES,
     NEVER_CLAIMED,
-    DeadLetter,
     GroupId,
-    GroupLease,
     NewMessage,
 )
 
@@ -159,29 +157,6 @@ def locks_leased(group_ids: Sequence[GroupId], token: str) -> Filter:
 def lock_waiting(now: datetime) -> Filter:
     """`stats`: groups not claimable yet (in flight or parked); `CLAIM`."""
     return {"priority": {"$in": list(ALL_PRIORITIES)}, "available_at": {"$gt": now}}
-
-
-def lease_from(
-    lock: Mapping[str, Any],
-    head: Mapping[str, Any],
-    token: str,
-    worker: str,
-    lease_until: datetime,
-    deliveries: int,
-) -> GroupLease:
-    """claim / claim_many: the lease for a lock it leased and the head it stamped (no query)."""
-    return GroupLease(
-        seq=head["_id"],
-        group_id=lock["_id"],
-        event=head.get("event"),
-        token=token,
-        worker_id=worker,
-        deliveries=deliveries,
-        priority=int(lock.get("priority", 0)),
-        lease_until=lease_until,
-        group_version=lock.get("version"),
-        was_last=head["_id"] == lock.get("last_seq"),
-    )
 
 
 #: Serves `stats`' parked count.
@@ -490,25 +465,6 @@ def dead_letters_selected(seqs: Sequence[int] | None, group_id: GroupId | None) 
     if group_id is not None:
         query["group_id"] = group_id
     return query
-
-
-def dead_letter_from(doc: Mapping[str, Any]) -> DeadLetter:
-    """dead_letters: the `DeadLetter` of a document `dead_letters_selected` found."""
-    return DeadLetter(
-        seq=doc["_id"],
-        group_id=doc["group_id"],
-        event=doc.get("event"),
-        priority=int(doc.get("priority", 0)),
-        deliveries=int(doc.get("deliveries", 0)),
-        error=doc.get("error"),
-        published_at=stored_instant(doc.get("published_at")),
-        dead_at=stored_instant(doc.get("dead_at")),
-    )
-
-
-def message_from_dead(doc: Mapping[str, Any]) -> NewMessage:
-    """redrive: what it publishes again for a dead letter `dead_letters_selected` found."""
-    return NewMessage(doc["group_id"], doc.get("event"), int(doc.get("priority", 0)))
 
 
 # ---------------------------------------------------------------------------------- orphans

@@ -216,7 +216,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
                 await self._drop_if_empty(lock["_id"], token, lock, now)
                 continue
             deliveries = int(head["deliveries"])
-            return schema.lease_from(lock, head, token, worker, lease_until, deliveries)
+            return GroupLease.from_documents(lock, head, token, worker, lease_until, deliveries)
 
     async def claim_many(
         self, n: int, worker_id: str | None = None, *, min_priority: int = 0
@@ -338,7 +338,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
             await self._bury_spent(head, token, now)
             await self._release(group_id, token, now)
             return None
-        return schema.lease_from(lock, head, token, worker, lease_until, deliveries)
+        return GroupLease.from_documents(lock, head, token, worker, lease_until, deliveries)
 
     async def _take_head(
         self, group_id: GroupId, token: str, now: datetime, lease_until: datetime

@@ -1,11 +1,12 @@
 """`OutboxDispatcher`: runs an outbox's handlers.
 
-It claims batches of deliveries for its handlers (as many as it has free slots), runs each
-handler coroutine, renews its lanes while any runs, completes finished deliveries in batches
-(`complete_many`: the completions that finish while one batch is being written form the next),
-reschedules failures with backoff, buries a delivery after `max_attempts` (or at once on
-`PermanentError`), and on stop lets running handlers finish, then hands its lanes back. Owns no
-collections.
+It runs on the shared run loop (`mongoq.runtime.loop.WorkerLoop` in its `claim_many` mode: one
+claim for every free slot, wake-ups, graceful and hard stops, signals). It claims deliveries of
+its handlers, runs each handler coroutine, renews its lanes while any runs, completes finished
+deliveries in batches (`complete_many`: the completions that finish while one batch is being
+written form the next), reschedules failures with backoff, buries a delivery after
+`max_attempts` (or at once on `PermanentError`), and on stop lets running handlers finish,
+then hands its lanes back. Owns no collections.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Awaitable, Callable, Mapping
-from datetime import datetime, timedelta
+from datetime import datetime
 from functools import partial
 from typing import Any
 
@@ -32,17 +33,11 @@ from mongoq._validation import check_worker_id as _check_owner
 from mongoq.errors import InvalidInput, LeaseLost, PermanentError
 from mongoq.outbox.models import Delivery, DispatchSummary, Event, check_handler
 from mongoq.outbox.store import AsyncOutbox
-from mongoq.runtime import changes, wakeups
+from mongoq.runtime import changes
 from mongoq.runtime import lease as leases
 from mongoq.runtime.events import Tally
 from mongoq.runtime.handler import call_handler
-from mongoq.runtime.loop import (
-    default_worker_id,
-    mongoq_errors_unwrapped,
-    note_embedded,
-    require_main_thread,
-    watch_signals,
-)
+from mongoq.runtime.loop import WorkerHost, WorkerLoop, default_worker_id
 
 __all__ = ["DeliveryContext", "Handler", "OutboxDispatcher", "default_backoff"]
 
@@ -84,7 +79,7 @@ class DeliveryContext:
 Handler = Callable[[Event, DeliveryContext], Awaitable[Any]]
 
 
-class OutboxDispatcher:
+class OutboxDispatcher(WorkerHost):
     """Runs `handlers` (handler name -> ``async def handler(event, context)``) for `outbox`.
 
     A handler that returns completes its delivery; one that raises `PermanentError` buries it
@@ -119,7 +114,9 @@ class OutboxDispatcher:
             check_async_handler(f"handlers[{name!r}]", handler)
         if backoff is not None and not callable(backoff):
             raise InvalidInput("backoff", "must be None (the default backoff) or callable")
+        super().__init__()
         self.outbox = outbox
+        self.db = outbox.db
         self.handlers = dict(handlers)
         self.owner = _check_owner("owner", owner) if owner is not None else default_worker_id()
         self.concurrency = check_int("concurrency", concurrency, low=1, high=1000)
@@ -129,14 +126,8 @@ class OutboxDispatcher:
         self.poll_interval = check_seconds("poll_interval", poll_interval, positive=True)
         self.summary = DispatchSummary()
         self._tally = Tally(self.summary, "outbox", outbox.prefix)
-        self._active = 0
-        self._scope: anyio.CancelScope | None = None
         #: one per running handler: cancelled when a renewal finds every lane lost
         self._guards: set[anyio.CancelScope] = set()
-        self._ended = 0  # handlers that ended, ever
-        self._stopping = False
-        self._nap: anyio.CancelScope | None = None
-        self._wakes = 0  # publishes of this process that woke it, ever
         self._finished: list[Delivery] = []
         self._flush_lock = anyio.Lock()
 
@@ -144,38 +135,28 @@ class OutboxDispatcher:
 
     @property
     def stopping(self) -> bool:
-        return self._stopping
-
-    def stop(self) -> None:
-        """Graceful stop: claim nothing more, let running handlers finish, hand lanes back.
-        The stop holds until `run` returns: a `run` that starts meanwhile (one called just
-        before, whose loop was not running yet, or one called after a stop with none
-        running) returns at once, having claimed nothing."""
-        self._stopping = True
-        self._wake()
-
-    def _wake(self) -> None:
-        if self._nap is not None:
-            self._nap.cancel()
-
-    def _woken(self) -> None:
-        """A publish of this process: claim at once (or again, if a claim is under way)."""
-        self._wakes += 1
-        self._wake()
+        """`stop()` was called, and no `run` returned since."""
+        return self._stop_pending
 
     async def run_once(self) -> DispatchSummary:
         """Claim one batch (up to `concurrency`), run it to the end, settle it; returns what
         this call did. Lanes stay held for the next call (see `stop`/`run`)."""
         before = DispatchSummary(**vars(self.summary))
-        batch, lease_end = await self._claim(self.concurrency)
+        try:
+            # Shielded: a claim applied on the server but cancelled before its reply is read
+            # would keep its lanes, unseen, for a whole lease.
+            with anyio.CancelScope(shield=True):
+                batch = await self._claim_batch(self.concurrency)
+        except _driver.DRIVER_ERRORS as exc:
+            log.warning("claim failed (%s)", exc)
+            batch = []
         try:
             if batch:
                 async with anyio.create_task_group() as group:
                     group.start_soon(self._renew_while_running)
                     async with anyio.create_task_group() as handlers:
-                        for delivery in batch:
-                            self._active += 1
-                            handlers.start_soon(self._run_one, delivery, lease_end)
+                        for claimed in batch:
+                            handlers.start_soon(self._run_one, claimed)
                     group.cancel_scope.cancel()
         finally:
             # Also when cancelled: what finished is completed, not left to run again. Bounded,
@@ -201,13 +182,21 @@ class OutboxDispatcher:
         Cancelling the call releases the deliveries still running (no attempt counted) and
         hands the lanes back. Returns the totals of this dispatcher."""
         check_stop_when(stop_when_empty, stop_when_drained)
-        if handle_signals:
-            require_main_thread()
-        note_embedded(self.outbox.db, f"outbox:{self.outbox.prefix} dispatcher {self.owner}")
-        until = "empty" if stop_when_empty else "drained" if stop_when_drained else None
+        loop: WorkerLoop[tuple[Delivery, datetime]] = WorkerLoop(
+            claim_many=self._claim_batch,
+            process=self._run_one,
+            clock=self.outbox.clock,
+            concurrency=self.concurrency,
+            poll_interval=self.poll_interval,
+            stop_when_empty=stop_when_empty,
+            name=f"outbox:{self.outbox.prefix} dispatcher {self.owner}",
+            next_due=self._next_due if stop_when_drained else None,
+            wake_key=self.outbox.wake_key,
+            background=[self._renew_while_running],
+            changes=(self.outbox.deliveries, changes.DELIVERIES_READY),
+        )
         try:
-            with mongoq_errors_unwrapped():
-                await self._run_loops(handle_signals, until)
+            await self._run_loop(loop, handle_signals=handle_signals)
         finally:
             with anyio.CancelScope(shield=True):
                 await self._flush()
@@ -215,99 +204,26 @@ class OutboxDispatcher:
                     await self.outbox.relinquish(self.owner)
                 except _driver.DRIVER_ERRORS as exc:
                     log.warning("handing lanes back failed (%s); their leases will expire", exc)
-            self._stopping = False  # a later run() starts afresh; a stop() before it holds
         return self.summary
 
-    def _cancel_running(self) -> None:
-        """Hard stop: cancel the running handlers (their deliveries are released) and return
-        from `run` (`mongoq_sync`'s second signal)."""
-        self.stop()
-        if self._scope is not None:
-            self._scope.cancel()
-
-    async def _run_loops(self, handle_signals: bool, until: str | None) -> None:
-        async with anyio.create_task_group() as group:
-            self._scope = group.cancel_scope
-            if handle_signals:
-                group.start_soon(watch_signals, self, group.cancel_scope, self.owner)
-            group.start_soon(self._renew_while_running)
-            group.start_soon(partial(
-                changes.watch, self.outbox.deliveries, changes.DELIVERIES_READY,
-                lambda _: self._woken(),
-                clock=self.outbox.clock, retry=self.poll_interval, name=f"dispatcher {self.owner}",
-            ))  # fmt: skip
-            with wakeups.listen(self.outbox.wake_key, self._woken):
-                async with anyio.create_task_group() as handlers:
-                    await self._claim_loop(handlers, until)
-            group.cancel_scope.cancel()
-
-    async def _claim_loop(self, handlers: anyio.abc.TaskGroup, until: str | None) -> None:
-        while not self._stopping:
-            await anyio.lowlevel.checkpoint_if_cancelled()  # the claim's shield would hide it
-            free = self.concurrency - self._active
-            ended, wakes = self._ended, self._wakes
-            batch, lease_end = await self._claim(free) if free > 0 else ([], None)
-            for delivery in batch:
-                self._active += 1
-                handlers.start_soon(self._run_one, delivery, lease_end)
-            if batch or self._ended != ended or (free > 0 and self._wakes != wakes):
-                # Claimed, or a handler ended or a publish came while the claim ran (its
-                # wake-up found no nap, and the claim may have read the state from before
-                # it): claim again.
-                continue
-            idle = self._active == 0 and free > 0
-            if idle and until == "empty":
-                return
-            if idle and until == "drained":
-                due = await self._next_due()
-                if due is None:
-                    return
-                if self._wakes != wakes:
-                    continue  # a publish came meanwhile: claim again at once
-                # Due already: running under another owner's lane, or behind a busy key.
-                await self._sleep(due if due > self.outbox.clock.now() else None)
-                continue
-            await self._sleep()
-
     async def _next_due(self) -> datetime | None:
-        try:
-            return await self.outbox._next_due(list(self.handlers))
-        except _driver.DRIVER_ERRORS as exc:
-            log.warning("reading what is left failed (%s)", exc)
-            return self.outbox.clock.now()
+        return await self.outbox._next_due(list(self.handlers))
 
-    async def _sleep(self, until: datetime | None = None) -> None:
-        """Wait `poll_interval` (or until `until`, if sooner), or until a handler finishes or
-        `stop()` is called."""
-        with anyio.CancelScope() as scope:
-            self._nap = scope
-            try:
-                if not self._stopping:
-                    wake = self.outbox.clock.now() + timedelta(seconds=self.poll_interval)
-                    await self.outbox.clock.sleep_until(wake if until is None else min(until, wake))
-            finally:
-                self._nap = None
-
-    async def _claim(self, limit: int) -> tuple[list[Delivery], datetime | None]:
-        """Up to `limit` deliveries, and when the lease of their lanes ends: the claim writes
-        each lane it hands a delivery from with a lease dated no earlier than it was sent."""
+    async def _claim_batch(self, limit: int) -> list[tuple[Delivery, datetime]]:
+        """Up to `limit` deliveries, each with when the lease of its lane ends: the claim
+        writes each lane it hands a delivery from with a lease dated no earlier than it was
+        sent. The run loop's `claim_many`."""
         sent = self.outbox.clock.now()
-        try:
-            # Shielded: a claim applied on the server but cancelled before its reply is read
-            # would keep its lanes, unseen, for a whole lease.
-            with anyio.CancelScope(shield=True):
-                batch = await self.outbox.claim(self.owner, list(self.handlers), limit=limit)
-        except _driver.DRIVER_ERRORS as exc:
-            log.warning("claim failed (%s); retrying after %.1fs", exc, self.poll_interval)
-            return [], None
+        batch = await self.outbox.claim(self.owner, list(self.handlers), limit=limit)
         self._tally("claimed", len(batch))
-        return batch, leases.renewed_until(sent, self.outbox.lease)
+        lease_end = leases.renewed_until(sent, self.outbox.lease)
+        return [(delivery, lease_end) for delivery in batch]
 
     async def _renew_while_running(self) -> None:
         interval = self.outbox.lease / 3
         while True:
             await self.outbox.clock.sleep(interval)
-            if self._active == 0:
+            if not self._guards:
                 continue
             # Only what ran before the renewal: a handler started on a lane claimed while it
             # was on its way is not among the lost.
@@ -325,12 +241,13 @@ class OutboxDispatcher:
 
     # ---------------------------------------------------------------------------- delivery
 
-    async def _run_one(self, delivery: Delivery, lease_end: datetime | None) -> None:
+    async def _run_one(self, claimed: tuple[Delivery, datetime]) -> None:
+        delivery, lease_end = claimed
         guard = anyio.CancelScope()
         self._guards.add(guard)
         try:
             now = self.outbox.clock.now()
-            if lease_end is not None and leases.startable(lease_end, now, self.outbox.lease):
+            if leases.startable(lease_end, now, self.outbox.lease):
                 await self._dispatch(delivery, guard)
             else:
                 # The claim answered too late to show its lanes' lease live: another worker
@@ -340,9 +257,6 @@ class OutboxDispatcher:
                 await self._settle(delivery, "released", self.outbox.release(delivery))
         finally:
             self._guards.discard(guard)
-            self._active -= 1
-            self._ended += 1
-            self._wake()
 
     async def _dispatch(self, delivery: Delivery, guard: anyio.CancelScope) -> None:
         if delivery.attempt > self.max_attempts:

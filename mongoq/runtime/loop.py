@@ -1,18 +1,20 @@
 """Run loops shared by the primitives: concurrency, idle polling, graceful stop, signals.
 
-A `WorkerLoop` runs `concurrency` slots. Each slot claims one item, processes it, and claims
-again. When nothing is claimable, one idle slot polls for all of them: it sleeps
-`poll_interval` on the primitive's clock and claims again, while the other idle slots wait; a
-slot that claims something wakes one waiting slot, which claims too (and wakes the next if it
-finds something), so an idle worker sends one claim an interval whatever its concurrency. A
-put or publish in the same process wakes the poller at once (`mongoq.runtime.wakeups`), and on
-a replica set so does a change stream's event (`mongoq.runtime.changes`). The
-primitive's housekeeping (reclaiming expired leases, readying orphaned groups) runs every
-`housekeeping_interval`, busy or not, and when a slot finds nothing to claim unless it ran within
-that interval. `stop()` is graceful: no slot claims again, in-flight items finish, `run()`
-returns. Cancelling `run()` cancels in-flight items, whose lease handling releases them. With
-`handle_signals`, the first SIGTERM/SIGINT stops gracefully and a second one cancels. Owns no
-collections.
+A `WorkerLoop` runs `concurrency` slots. Each slot claims one item (or one batch), processes
+it, and claims again. When nothing is claimable, one idle slot polls for all of them: it
+sleeps `poll_interval` on the primitive's clock and claims again, while the other idle slots
+wait; a slot that claims something wakes one waiting slot, which claims too (and wakes the
+next if it finds something), so an idle worker sends one claim an interval whatever its
+concurrency. With `claim_many` instead, one claimer fills every free slot with one claim and
+claims again as soon as a slot frees up (the outbox's dispatcher: its claim hands out many
+deliveries from the lanes it leases in one command). A put or publish in the same process
+wakes the poller at once (`mongoq.runtime.wakeups`), and on a replica set so does a change
+stream's event (`mongoq.runtime.changes`). The primitive's housekeeping (reclaiming expired
+leases, readying orphaned groups) runs every `housekeeping_interval`, busy or not, and when a
+slot finds nothing to claim unless it ran within that interval. `stop()` is graceful: no slot
+claims again, in-flight items finish, `run()` returns. Cancelling `run()` cancels in-flight
+items, whose lease handling releases them. With `handle_signals`, the first SIGTERM/SIGINT
+stops gracefully and a second one cancels. Owns no collections.
 """
 
 from __future__ import annotations
@@ -121,7 +123,8 @@ class WorkerLoop(Generic[Item]):
     def __init__(
         self,
         *,
-        claim: Callable[[], Awaitable[Item | None]],
+        claim: Callable[[], Awaitable[Item | None]] | None = None,
+        claim_many: Callable[[int], Awaitable[list[Item]]] | None = None,
         process: Callable[[Item], Awaitable[None]],
         clock: Clock,
         concurrency: int = 1,
@@ -135,7 +138,11 @@ class WorkerLoop(Generic[Item]):
         background: Sequence[Callable[[], Coroutine[Any, Any, Any]]] = (),
         changes: tuple[Any, Sequence[Mapping[str, Any]]] | None = None,
     ) -> None:
+        if (claim is None) == (claim_many is None):
+            raise ValueError("a WorkerLoop claims with one of claim and claim_many")
         self._claim = claim
+        self._claim_many = claim_many
+        self._ended = 0  # items processed, ever (`claim_many`: a slot freed up)
         self._next_due = next_due
         self._process = process
         self._clock = clock
@@ -160,6 +167,16 @@ class WorkerLoop(Generic[Item]):
     @property
     def stopping(self) -> bool:
         return self._stopping
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight, and every slot naps on the clock or waits for another slot's
+        poll (with `claim_many`: the claimer naps): only the clock or a wake-up moves it."""
+        if self.in_flight:
+            return False
+        if self._claim_many is not None:
+            return bool(self._naps)
+        return len(self._naps) + len(self._waiting) == self._concurrency
 
     def stop(self) -> None:
         """Graceful stop: claim nothing more, let in-flight items finish."""
@@ -225,8 +242,11 @@ class WorkerLoop(Generic[Item]):
             )
             with listening:
                 async with anyio.create_task_group() as slots:
-                    for number in range(self._concurrency):
-                        slots.start_soon(self._slot, number)
+                    if self._claim_many is not None:
+                        await self._fill_slots(slots)
+                    else:
+                        for number in range(self._concurrency):
+                            slots.start_soon(self._slot, number)
             group.cancel_scope.cancel()  # the signal watcher, once every slot has returned
 
     async def _housekeep(self) -> None:
@@ -320,6 +340,7 @@ class WorkerLoop(Generic[Item]):
                 # would hold the item, unseen, for a whole lease. Once it is back, the cancellation
                 # reaches the item's processing, whose lease handling releases it.
                 with anyio.CancelScope(shield=True):
+                    assert self._claim is not None
                     item = await self._claim()
             except _driver.DRIVER_ERRORS as exc:
                 log.warning("%s: claim failed (%s); retrying after %.1fs", self.name, exc,
@@ -346,6 +367,52 @@ class WorkerLoop(Generic[Item]):
                 log.exception("%s: unexpected error while processing", self.name)
             finally:
                 self.in_flight -= 1
+
+    async def _fill_slots(self, slots: anyio.abc.TaskGroup) -> None:
+        """`claim_many` mode: claim for every free slot at once, start each item in a slot of
+        its own, and claim again when an item ended, a wake-up came, or the nap is over."""
+        assert self._claim_many is not None
+        while not self._stopping:
+            await anyio.lowlevel.checkpoint_if_cancelled()  # the shield below would hide it
+            free = self._concurrency - self.in_flight
+            ended, wakes = self._ended, self._wakes
+            items: list[Item] = []
+            if free > 0:
+                try:
+                    with anyio.CancelScope(shield=True):  # see `_slot`
+                        items = await self._claim_many(free)
+                except _driver.DRIVER_ERRORS as exc:
+                    log.warning("%s: claim failed (%s); retrying after %.1fs", self.name, exc,
+                                self._poll_interval)  # fmt: skip
+                    await self._nap()
+                    continue
+            for item in items:
+                self.in_flight += 1
+                slots.start_soon(self._process_one, item)
+            if items or self._ended != ended or (free > 0 and self._wakes != wakes):
+                # Claimed, or an item ended or a wake-up came while the claim ran (it found no
+                # nap, and the claim may have read the state from before it): claim again.
+                continue
+            if self.in_flight == 0:
+                if self._stop_when_empty:
+                    return
+                if self._next_due is not None:
+                    if await self._drained(wakes):
+                        return
+                    continue
+            await self._nap()
+
+    async def _process_one(self, item: Item) -> None:
+        """Process an item `_fill_slots` claimed; its slot is free again after."""
+        try:
+            await self._process(item)
+        except Exception:
+            log.exception("%s: unexpected error while processing", self.name)
+        finally:
+            self.in_flight -= 1
+            self._ended += 1
+            for nap in list(self._naps):  # the claimer claims for the free slot
+                nap.cancel()
 
 
 _EMBEDDED_NOTED: set[int] = set()

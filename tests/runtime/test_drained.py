@@ -26,7 +26,7 @@ async def drive(
 
 
 def dispatcher_napping(dispatcher: OutboxDispatcher) -> bool:
-    return dispatcher._nap is not None and dispatcher._active == 0
+    return napping(dispatcher)
 
 
 def fails_first(times: int) -> Any:

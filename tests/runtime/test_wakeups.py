@@ -20,7 +20,7 @@ from mongoq.testing import CommandCounter, ManualClock, Operation, instrument, s
 from tests.runtime.test_changes import FakeWatch
 from tests.support.group_helpers import PREFIX as GROUPS
 from tests.support.group_helpers import group_messages, new_transport
-from tests.support.helpers import QUEUE, counted_queue, new_queue, read, wait_for
+from tests.support.helpers import QUEUE, counted_queue, napping, new_queue, read, wait_for
 from tests.support.outbox_helpers import ONLY_H, deliveries, dispatcher, new_outbox
 
 SLOTS = 8
@@ -206,7 +206,7 @@ async def test_a_plain_publish_in_the_same_process_wakes_the_outbox_dispatcher(
     running = dispatcher(outbox, {"h": handle}, poll_interval=POLL)
     async with anyio.create_task_group() as group:
         group.start_soon(running.run)
-        await wait_for(lambda: running._nap is not None, "the dispatcher to nap")
+        await wait_for(lambda: napping(running), "the dispatcher to nap")
         await producer.publish(Event("e1", "t"), session=None)
         await wait_for(lambda: ran == ["e1"], "e1 to start")
         running.stop()

@@ -177,14 +177,11 @@ async def wait_for(predicate: Callable[[], bool], what: str, within: float = 20.
 
 
 def napping(host: Any) -> bool:
-    """Every slot of `host`'s run loops (a task queue's, a group transport's) naps on the clock
-    or waits for another slot's poll, and none processes anything: only the clock can move
-    them now."""
+    """Every run loop of `host` (a task queue's, a group transport's, a dispatcher's) is idle:
+    nothing in flight, every slot napping on the clock or waiting for another slot's poll, so
+    only the clock can move them now."""
     loops = list(host._loops)
-    return bool(loops) and all(
-        loop.in_flight == 0 and len(loop._naps) + len(loop._waiting) == loop._concurrency
-        for loop in loops
-    )
+    return bool(loops) and all(loop.idle for loop in loops)
 
 
 async def until(
