@@ -173,8 +173,11 @@ class _Ground:
         are its own: a delivery is the claim's to take when the lane of its handler and number
         (``_id`` its handler's first lane + the number) is held by this owner or free."""
         firsts = {h: view.slots.first_lane(h) or 0 for h in handlers}
-        ours = {i // LANES * LANES for i in (*held, *free)}
-        handlers = [h for h in handlers if firsts[h] in ours]  # the others have nothing to take
+        if len(handlers) > 1:
+            ours = {i // LANES * LANES for i in (*held, *free)}
+            handlers = [h for h in handlers if firsts[h] in ours]  # the others: nothing to take
+        elif not (held or free):
+            handlers = []
         every = len(held) + len(free) == LANES * len(handlers)
         numbers = None if every else sorted({i % LANES for i in (*held, *free)})
         return cls(held, free, others, running, firsts, handlers, numbers)

@@ -42,7 +42,7 @@ index); the filters and updates are in `mongoq.outbox.schema`.
 from __future__ import annotations
 
 import contextlib
-import uuid
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -154,7 +154,9 @@ class Lane:
 
     def listing(self, in_flight: list[Entry], lease_until: datetime, write: str) -> Lane:
         """This lane once its holder's `schema.lane_listing` took effect."""
-        return replace(self, in_flight=in_flight, lease_until=lease_until, rev=None, write=write)
+        return Lane(self.id, self.owner, self.instance, lease_until, self.epoch, None,
+                    self.handler, self.number, in_flight, self.lost, self.requeued,
+                    write)  # fmt: skip
 
     def taken(
         self, owner: str, instance: str, lease_until: datetime, in_flight: list[Entry],
@@ -162,14 +164,13 @@ class Lane:
     ) -> Lane:  # fmt: skip
         """This lane once a `schema.lane_takeover` by `owner` took effect (its ``rev`` is not
         known: the holder's renewals move it on)."""
-        return replace(self, owner=owner, instance=instance, lease_until=lease_until,
-                       epoch=self.epoch + 1, rev=None, in_flight=in_flight, lost=lost,
-                       write=write)  # fmt: skip
+        return Lane(self.id, owner, instance, lease_until, self.epoch + 1, None, self.handler,
+                    self.number, in_flight, lost, self.requeued, write)  # fmt: skip
 
     def handed_back(self, now: datetime) -> Lane:
         """This lane once its holder's `schema.lane_handing_back` (nothing lost) took effect."""
-        return replace(self, owner=None, instance=None, lease_until=now, rev=None,
-                       in_flight=[], lost=[])  # fmt: skip
+        return Lane(self.id, None, None, now, self.epoch, None, self.handler, self.number, [],
+                    [], self.requeued, self.write)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,49 @@ def _within(lane_id: int, ranges: Sequence[tuple[int, int]]) -> bool:
     return any(lo <= lane_id < hi for lo, hi in ranges)
 
 
+#: Later than any lease.
+FOREVER = datetime.max.replace(tzinfo=UTC)
+
+
+@dataclass(eq=False)
+class _Split:
+    """`LaneView.split` for one owner, instance and handler set, as of `since`: valid until
+    the first lease of another holder among those lanes expires (`until`), and placed again
+    lane by lane as the view changes."""
+
+    owner: str
+    instance: str
+    handlers: frozenset[str]
+    since: datetime
+    until: datetime = FOREVER
+    held: dict[int, Lane] = field(default_factory=dict)
+    free: dict[int, Lane] = field(default_factory=dict)
+    stale: dict[int, Lane] = field(default_factory=dict)
+    others: dict[int, Lane] = field(default_factory=dict)
+
+    def serves(self, owner: str, instance: str, handlers: frozenset[str], now: datetime) -> bool:
+        return (
+            self.owner == owner and self.instance == instance and self.handlers == handlers
+            and self.since <= now < self.until
+        )  # fmt: skip
+
+    def place(self, lane: Lane) -> None:
+        """Put `lane` (new, or as it is now) where it belongs. A lane held by another holder
+        belongs nowhere until its lease expires, which ends this split's validity."""
+        lane_id = lane.id
+        for group in (self.held, self.free, self.stale, self.others):
+            group.pop(lane_id, None)
+        holder = lane.owner
+        if holder == self.owner and lane.instance == self.instance:  # `Lane.held_by`
+            (self.held if lane.handler in self.handlers else self.others)[lane_id] = lane
+        elif lane.handler not in self.handlers:
+            return
+        elif holder is None or lane.lease_until <= self.since:  # free
+            (self.stale if lane.in_flight or lane.lost else self.free)[lane_id] = lane
+        elif lane.lease_until < self.until:
+            self.until = lane.lease_until
+
+
 @dataclass
 class LaneView:
     """What one `AsyncOutbox` instance knows of the lanes: every lane as last read or as its
@@ -224,6 +268,7 @@ class LaneView:
     unsure: set[int] = field(default_factory=set)
     _tick: int = 0
     _stamps: dict[int, int] = field(default_factory=dict)
+    _split: _Split | None = None
 
     def read_due(self, handlers: Iterable[str | None], now: datetime, ttl: float) -> bool:
         """Whether the lanes of `handlers` were read `ttl` seconds ago or more (or never, or
@@ -246,24 +291,18 @@ class LaneView:
     ) -> tuple[dict[int, Lane], dict[int, Lane], list[Lane], dict[int, Lane]]:
         """The lanes of `handlers` `owner` holds on `instance`, the free ones with nothing
         listed, and the free ones left with deliveries listed (to take over first), as this
-        view has them; and the lanes of other handlers `owner` holds on `instance`."""
-        held: dict[int, Lane] = {}
-        free: dict[int, Lane] = {}
-        stale: list[Lane] = []
-        others: dict[int, Lane] = {}
-        wanted = set(handlers)
-        for lane_id, lane in self.lanes.items():  # one pass: this runs on every claim
-            if lane.handler not in wanted:
-                if lane.held_by(owner, instance):
-                    others[lane_id] = lane
-            elif lane.held_by(owner, instance):
-                held[lane_id] = lane
-            elif lane.owner is None or lane.lease_until <= now:  # free
-                if lane.in_flight or lane.lost:
-                    stale.append(lane)
-                else:
-                    free[lane_id] = lane
-        return held, free, stale, others
+        view has them; and the lanes of other handlers `owner` holds on `instance`.
+
+        Every claim asks, so the last answer is kept (`_Split`) and kept current by `update`:
+        held and free stay so as time passes, until the first lease of another holder
+        expires."""
+        split = self._split
+        wanted = frozenset(handlers)
+        if split is None or not split.serves(owner, instance, wanted, now):
+            split = self._split = _Split(owner, instance, wanted, now)
+            for lane in self.lanes.values():  # one pass over the view
+                split.place(lane)
+        return dict(split.held), dict(split.free), list(split.stale.values()), dict(split.others)
 
     async def refresh(
         self, collection: Any, owner: str, instance: str, handlers: Sequence[str] | None,
@@ -327,6 +366,8 @@ class LaneView:
                 stamp = read_since
             self.lanes[lane.id] = lane
             self._stamps[lane.id] = stamp
+            if self._split is not None:
+                self._split.place(lane)
 
 
 def lane_document(lane_id: int, handler: str) -> dict[str, Any]:
@@ -436,6 +477,11 @@ class LaneStore:
         self.collection = collection
         self.instance = instance
         self.view = LaneView()
+        self._writes = itertools.count()
+
+    def _plan(self) -> _Plan:
+        """A new claim's plan, with an id no other claim of this instance has."""
+        return _Plan(f"{self.instance}.{next(self._writes)}")
 
     def invalidate(self) -> None:
         """Read the lanes again before the next claim."""
@@ -461,7 +507,7 @@ class LaneStore:
         """Take `stale` lanes over for `owner`, what their previous holders left listed moved
         to ``lost``; returns the lanes now held (a lane another claimer took first is left
         out). Their ``lost`` is charged next (`charge`)."""
-        plan = _Plan(uuid.uuid4().hex)
+        plan = self._plan()
         for lane in stale:
             lost = lane.lost + lane.in_flight
             plan.add(self._take(lane, owner, lease_until, [], lost, plan.write),
@@ -510,7 +556,7 @@ class LaneStore:
         and its new picks (`picked`), and is handed back if that is nothing; a free lane with
         picks is taken. Returns, for each lane whose write took effect, its epoch once
         written."""
-        plan = _Plan(uuid.uuid4().hex)
+        plan = self._plan()
         for lane in held.values():
             still, new = running.get(lane.id, []), picked.get(lane.id, [])
             self._plan_held(plan, lane, owner, now, lease_until, still, new)
