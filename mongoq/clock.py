@@ -1,9 +1,9 @@
 """Time, from one injectable source per primitive instance.
 
 Leases compare instants written by different workers, so every instant mongoq stores or filters
-on comes from a `Clock`. The seed computed them on the server with ``$$NOW``; the embedded
-backend silently ignores ``$$NOW``, so mongoq computes them client-side and keeps the seed's
-protection against skew between workers with `ServerClock`, which follows the server's clock.
+on comes from a `Clock`, computed client-side (the embedded backend silently ignores ``$$NOW``
+in a pipeline update); `ServerClock` follows the server's clock, so that workers whose own
+clocks drift apart still agree on when a lease ends.
 
 Instants are timezone-aware UTC `datetime`s truncated to milliseconds, the precision of a BSON
 date, so what a worker computes is exactly what the server stores.
@@ -44,8 +44,15 @@ log = logging.getLogger("mongoq.clock")
 
 def to_millis(instant: datetime) -> datetime:
     """Truncate to BSON precision (milliseconds) and make the instant UTC-aware."""
-    instant = instant.replace(tzinfo=UTC) if instant.tzinfo is None else instant.astimezone(UTC)
-    return instant.replace(microsecond=instant.microsecond // 1000 * 1000)
+    # On every claim and settle, hence the short cuts: one `replace` for a naive instant (as
+    # drivers read dates back), none for one that is UTC and whole milliseconds already.
+    tzinfo = instant.tzinfo
+    if tzinfo is None:
+        return instant.replace(tzinfo=UTC, microsecond=instant.microsecond // 1000 * 1000)
+    if tzinfo is not UTC:
+        instant = instant.astimezone(UTC)
+    micros = instant.microsecond
+    return instant if micros % 1000 == 0 else instant.replace(microsecond=micros // 1000 * 1000)
 
 
 def stored_instant(value: Any) -> datetime | None:

@@ -1,4 +1,4 @@
-"""`AsyncGroupTransport` (seed 000): per-group FIFO messages, one consumer per group. The layout
+"""`AsyncGroupTransport`: per-group FIFO messages, one consumer per group. The layout
 of its collections, their indexes, and every filter and update are in `mongoq.groups.schema`."""
 
 from mongoq.groups.models import (

@@ -1,4 +1,4 @@
-"""`AsyncGroupTransport`: per-group FIFO messages, one consumer per group (seed 000).
+"""`AsyncGroupTransport`: per-group FIFO messages, one consumer per group.
 
 Here: the constructor, publish, the claims (one group, or a batch) and the run loop. The lease
 holder's calls (ack, nack, extend, dead-letter) are mixed in from `mongoq.groups.settles`, the

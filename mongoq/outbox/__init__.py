@@ -1,4 +1,4 @@
-"""The transactional outbox (seed 002): `AsyncOutbox` stores events in the caller's MongoDB
+"""The transactional outbox: `AsyncOutbox` stores events in the caller's MongoDB
 transaction and hands out one delivery per subscribed handler; `OutboxDispatcher` runs the
 handlers.
 
@@ -13,8 +13,9 @@ Guarantees:
   are charged the attempt they lost, exactly once.
 - **Per-key order.** Deliveries of one key and handler run one at a time, in sequence (commit)
   order.
-- **Exclusive lanes, fenced settles.** Deliveries live in 256 lanes that workers lease; a
-  completion and a takeover never both succeed, and a worker that lost its lane changes nothing.
+- **Exclusive lanes, fenced settles.** Each handler's deliveries live in 256 lanes of its own
+  that workers lease; a completion and a takeover never both succeed, and a worker that lost
+  its lane changes nothing.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ WORKER_STOPPED = "worker stopped: the handler was cancelled before it finished"
 
 
 def default_worker_id() -> str:
-    """``hostname:pid:uuid8``, as in the seed."""
+    """``hostname:pid:uuid8``: the host and process a worker runs in, unique per start."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
