@@ -95,6 +95,25 @@ async def claim_cost(uri: str | None, backlog: int, claims: int = 20) -> Result:
         return await bench.examined(result, lambda: queue.claim("bench"))
 
 
+async def lifecycle_cpu(uri: str | None, tasks: int = 300) -> Result:
+    """mongoq's own time per put, claim and complete of one task, the commands left out
+    (`Stopwatch`): what the library itself costs a task's lifecycle, whichever backend."""
+    async with counted_database(uri) as bench:
+        queue = await _queue(bench.db)
+        for number in range(5):  # warm: the first calls build what later ones reuse
+            await queue.put(f"w{number}", {"n": number})
+            task = await queue.claim("bench")
+            assert task is not None
+            await queue.complete(task)
+        bench.start()
+        for number in range(tasks):
+            await queue.put(f"t{number}", {"n": number})
+            task = await queue.claim("bench")
+            assert task is not None
+            await queue.complete(task)
+        return bench.stop("tasks: mongoq's own time per put+claim+complete", tasks, own=True)
+
+
 async def wake_up(uri: str | None, puts: int = 20) -> Result:
     """Issue #15: from a put to its handler's start, an idle worker of 8 slots polling every
     second in the same process, on the wall clock; the commands per task (claims included)."""
@@ -132,6 +151,7 @@ def scenarios(tasks: int, backlogs: list[int]) -> list[tuple[str, Callable[[str 
         ("lifecycle single", lambda uri: lifecycle_single(uri, tasks)),
         ("lifecycle put_many", lambda uri: lifecycle_put_many(uri, tasks)),
         ("lifecycle batched", lambda uri: lifecycle_batched(uri, tasks)),
+        ("lifecycle own time", lambda uri: lifecycle_cpu(uri)),
     ]
     for backlog in backlogs:
         runs.append(

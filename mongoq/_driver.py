@@ -108,21 +108,36 @@ def missing_index(error: BaseException) -> bool:
     )
 
 
-@contextlib.contextmanager
-def index_required(collection: Any, index: str | None) -> Iterator[None]:
-    """Turn a refused hint to `index` into `IndexesMissing`, naming the collection and the
-    set-up call: the same clear error on the first call, never a failure logged every poll."""
-    try:
-        yield
-    except OperationFailure as error:
-        if index is None or not missing_index(error):
-            raise
+class _IndexRequired:
+    """The context of `index_required` (a class, not a generator: it wraps every claim)."""
+
+    __slots__ = ("collection", "index")
+
+    def __init__(self, collection: Any, index: str | None) -> None:
+        self.collection = collection
+        self.index = index
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> None:
+        if self.index is None or not isinstance(error, OperationFailure):
+            return
+        if not missing_index(error):
+            return
+        collection = self.collection
         name = getattr(collection, "full_name", None) or getattr(collection, "name", "?")
         raise IndexesMissing(
-            f"{name} has no index {index!r}: mongoq's indexes were never created here; run "
+            f"{name} has no index {self.index!r}: mongoq's indexes were never created here; run "
             "ensure_indexes() (AsyncTaskQueue, AsyncGroupTransport) or setup() (AsyncOutbox) "
             "once, at deploy time or when the service starts"
         ) from error
+
+
+def index_required(collection: Any, index: str | None) -> _IndexRequired:
+    """Turn a refused hint to `index` into `IndexesMissing`, naming the collection and the
+    set-up call: the same clear error on the first call, never a failure logged every poll."""
+    return _IndexRequired(collection, index)
 
 
 def unwrap(db: Any) -> Any:

@@ -106,14 +106,25 @@ def check_field_name(field: str, key: Any) -> str:
     return key
 
 
+#: Values that hold no field names, told by their exact type (a subclass takes the long way):
+#: every put and completion checks its value, most of which are (or are made of) these.
+_LEAVES = frozenset({str, int, float, bool, type(None), bytes, datetime})
+#: What `check_payload` finds for None (a completion without a result), without encoding it.
+_NONE_SIZE = len(bson.encode({"v": None}))
+
+
 def _check_field_names(field: str, value: Any) -> None:
+    if type(value) in _LEAVES:
+        return
     if isinstance(value, Mapping):
         for key, item in value.items():
             check_field_name(field, key)
-            _check_field_names(f"{field}.{key}", item)
+            if type(item) not in _LEAVES:
+                _check_field_names(f"{field}.{key}", item)
     elif isinstance(value, list | tuple):
         for index, item in enumerate(value):
-            _check_field_names(f"{field}[{index}]", item)
+            if type(item) not in _LEAVES:
+                _check_field_names(f"{field}[{index}]", item)
 
 
 def check_payload(field: str, value: Any, *, limit: int = MAX_PAYLOAD_BYTES) -> int:
@@ -122,11 +133,14 @@ def check_payload(field: str, value: Any, *, limit: int = MAX_PAYLOAD_BYTES) -> 
     Returns its encoded size. Field names starting with ``$`` or containing ``.`` are refused
     rather than escaped: the server treats them specially in updates and queries.
     """
-    _check_field_names(field, value)
-    try:
-        size = len(bson.encode({"v": value}))
-    except (BSONError, TypeError, OverflowError, ValueError) as exc:
-        raise InvalidInput(field, f"is not BSON-encodable: {exc}") from None
+    if value is None:
+        size = _NONE_SIZE
+    else:
+        _check_field_names(field, value)
+        try:
+            size = len(bson.encode({"v": value}))
+        except (BSONError, TypeError, OverflowError, ValueError) as exc:
+            raise InvalidInput(field, f"is not BSON-encodable: {exc}") from None
     if size > limit:
         raise InvalidInput(field, f"encodes to {size} bytes; the limit is {limit}")
     return size

@@ -48,7 +48,7 @@ from mongoq.tasks.models import (
     TaskStatus,
 )
 from mongoq.tasks.queue import AsyncTaskQueue as _AsyncTaskQueue
-from mongoq.tasks.queue import TaskLease as _AsyncTaskLease
+from mongoq.tasks.settles import TaskLease as _AsyncTaskLease
 
 __all__ = ["TaskQueue", "TaskLease", "GroupTransport", "Outbox", "OutboxDispatcher"]
 
@@ -180,69 +180,6 @@ class TaskQueue(Facade):
         """
         return cast("list[Task]", self._call("claim_many", n, worker_id))
 
-    def complete_many(
-        self, tasks: Sequence[Task], results: Sequence[Any] | None = None
-    ) -> list[bool]:
-        """`complete` for many tasks: one bulk write, plus one read when some did not take
-        effect (to tell which) and one write for those whose revision changed. Returns, per
-        task, whether it is now done by this call; a task no longer held is left unchanged
-        (one whose revision changed goes back to pending, as with `complete`).
-        """
-        return cast("list[bool]", self._call("complete_many", tasks, results))
-
-    def heartbeat_many(self, tasks: Sequence[Task]) -> list[bool]:
-        """Extend the leases of `tasks` (one command, plus one read when some are no longer
-        held, to tell which); returns, per task, whether it is still held.
-        """
-        return cast("list[bool]", self._call("heartbeat_many", tasks))
-
-    def heartbeat(self, task: Task) -> bool:
-        """Extend the lease by `lease_ttl` from now; False when the task is no longer held."""
-        return cast("bool", self._call("heartbeat", task))
-
-    def complete(self, task: Task, result: Any = None) -> bool:
-        """Mark the task ``done`` with `result`; False (and no change) if no longer held."""
-        return cast("bool", self._call("complete", task, result))
-
-    def backoff(self, attempts: int) -> float:
-        """Seconds before retry number `attempts`: ``min(base * 2^(attempts-1), cap)`` times a
-        uniform jitter in [1.0, 1.5) that keeps failed tasks from retrying in lockstep.
-        """
-        return cast("float", self._call("backoff", attempts))
-
-    def release_for_retry(self, task: Task, error: BaseException | str | None = None) -> bool:
-        """Return the task to pending after a transient error, due after `backoff`.
-
-        A task whose attempts are used up is failed instead: no task is left pending and
-        unclaimable. False (and no change) if no longer held.
-        """
-        return cast("bool", self._call("release_for_retry", task, error))
-
-    def release_not_an_attempt(self, task: Task, delay: float | None = None) -> bool:
-        """Return the task to pending without counting this claim as an attempt.
-
-        For work that stopped through no fault of the task (a shutdown, a revision race). It is
-        due again after `delay` seconds (default 5: not in a hot loop). False if no longer held.
-        """
-        return cast("bool", self._call("release_not_an_attempt", task, delay))
-
-    def fail(self, task: Task, error: BaseException | str | None = None) -> bool:
-        """Mark the task ``failed`` (terminal until an operator `requeue`s it)."""
-        return cast("bool", self._call("fail", task, error))
-
-    def leased(self, task: Task) -> TaskLease:
-        """``async with queue.leased(task) as lease:`` holds `task` while the block runs.
-
-        A heartbeat extends the lease every ``lease_ttl / 3``. If a heartbeat finds the task
-        taken over, `lease.lost` turns True and the heartbeat stops (it never revives the task).
-        Unless the block settled the task itself (through `lease` or the queue), the exit does:
-        clean exit -> `complete` (raising `LeaseLost` if that no longer takes effect);
-        `PermanentError` -> `fail`; any other exception, cancellation included ->
-        `release_for_retry` (which fails the task once its attempts are used up). The exception
-        propagates.
-        """
-        return cast("TaskLease", self._call("leased", task))
-
     def run(
         self,
         handler: Callable[[Task], Any],
@@ -309,6 +246,69 @@ class TaskQueue(Facade):
                 schedules=schedules,
             ),
         )
+
+    def leased(self, task: Task) -> TaskLease:
+        """``async with queue.leased(task) as lease:`` holds `task` while the block runs.
+
+        A heartbeat extends the lease every ``lease_ttl / 3``. If a heartbeat finds the task
+        taken over, `lease.lost` turns True and the heartbeat stops (it never revives the task).
+        Unless the block settled the task itself (through `lease` or the queue), the exit does:
+        clean exit -> `complete` (raising `LeaseLost` if that no longer takes effect);
+        `PermanentError` -> `fail`; any other exception, cancellation included ->
+        `release_for_retry` (which fails the task once its attempts are used up). The exception
+        propagates.
+        """
+        return cast("TaskLease", self._call("leased", task))
+
+    def heartbeat(self, task: Task) -> bool:
+        """Extend the lease by `lease_ttl` from now; False when the task is no longer held."""
+        return cast("bool", self._call("heartbeat", task))
+
+    def heartbeat_many(self, tasks: Sequence[Task]) -> list[bool]:
+        """Extend the leases of `tasks` (one command, plus one read when some are no longer
+        held, to tell which); returns, per task, whether it is still held.
+        """
+        return cast("list[bool]", self._call("heartbeat_many", tasks))
+
+    def complete(self, task: Task, result: Any = None) -> bool:
+        """Mark the task ``done`` with `result`; False (and no change) if no longer held."""
+        return cast("bool", self._call("complete", task, result))
+
+    def complete_many(
+        self, tasks: Sequence[Task], results: Sequence[Any] | None = None
+    ) -> list[bool]:
+        """`complete` for many tasks: one bulk write, plus one read when some did not take
+        effect (to tell which) and one write for those whose revision changed. Returns, per
+        task, whether it is now done by this call; a task no longer held is left unchanged
+        (one whose revision changed goes back to pending, as with `complete`).
+        """
+        return cast("list[bool]", self._call("complete_many", tasks, results))
+
+    def backoff(self, attempts: int) -> float:
+        """Seconds before retry number `attempts`: ``min(base * 2^(attempts-1), cap)`` times a
+        uniform jitter in [1.0, 1.5) that keeps failed tasks from retrying in lockstep.
+        """
+        return cast("float", self._call("backoff", attempts))
+
+    def release_for_retry(self, task: Task, error: BaseException | str | None = None) -> bool:
+        """Return the task to pending after a transient error, due after `backoff`.
+
+        A task whose attempts are used up is failed instead: no task is left pending and
+        unclaimable. False (and no change) if no longer held.
+        """
+        return cast("bool", self._call("release_for_retry", task, error))
+
+    def release_not_an_attempt(self, task: Task, delay: float | None = None) -> bool:
+        """Return the task to pending without counting this claim as an attempt.
+
+        For work that stopped through no fault of the task (a shutdown, a revision race). It is
+        due again after `delay` seconds (default 5: not in a hot loop). False if no longer held.
+        """
+        return cast("bool", self._call("release_not_an_attempt", task, delay))
+
+    def fail(self, task: Task, error: BaseException | str | None = None) -> bool:
+        """Mark the task ``failed`` (terminal until an operator `requeue`s it)."""
+        return cast("bool", self._call("fail", task, error))
 
     def list_tasks(
         self, status: TaskStatus | None = None, *, limit: int = 100, after: str | None = None
@@ -814,12 +814,11 @@ class Outbox(Facade):
         return cast("str", self._get("instance"))
 
     def setup(self) -> None:
-        """Create the collections, the indexes and 256 lane documents for each handler, bring
-        documents an earlier version wrote up to date (lanes it shared among all handlers
-        become each handler's own: stop its dispatchers first), and record the outbox in the
-        database's registry (`mongoq.registry`); idempotent. Run it once before the first
-        publish: collections created implicitly inside concurrent transactions conflict with
-        each other.
+        """Create the collections, the indexes and 256 lane documents for each subscribed
+        handler (and any lane missing from a handler that has lanes), and record the outbox
+        in the database's registry (`mongoq.registry`); idempotent. Run it once before the
+        first publish: collections created implicitly inside concurrent transactions conflict
+        with each other.
         """
         self._call("setup")
 
@@ -939,12 +938,6 @@ class Outbox(Facade):
             ),
         )
 
-    def stats(self) -> OutboxStatistics:
-        """Counts per status, how many deliveries run now, the oldest due time of the
-        unfinished ones, and how many lanes are held; a fixed number of commands.
-        """
-        return cast("OutboxStatistics", self._call("stats"))
-
     def count_finished(self, since: datetime, until: datetime | None = None) -> int | None:
         """How many deliveries finished (completed or buried) at or after `since` and before
         `until` (None: up to now) and are still recorded: a throughput that a purge of older
@@ -952,6 +945,12 @@ class Outbox(Facade):
         `completion_history`: a completion then leaves no record to count.
         """
         return cast("int | None", self._call("count_finished", since, until))
+
+    def stats(self) -> OutboxStatistics:
+        """Counts per status, how many deliveries run now, the oldest due time of the
+        unfinished ones, and how many lanes are held; a fixed number of commands.
+        """
+        return cast("OutboxStatistics", self._call("stats"))
 
     def purge(
         self, *, dead_before: datetime | None = None, completed_before: datetime | None = None
@@ -1025,14 +1024,6 @@ class OutboxDispatcher(Facade):
     def stopping(self) -> bool:
         return cast("bool", self._get("stopping"))
 
-    def stop(self) -> None:
-        """Graceful stop: claim nothing more, let running handlers finish, hand lanes back.
-        The stop holds until `run` returns: a `run` that starts meanwhile (one called just
-        before, whose loop was not running yet, or one called after a stop with none
-        running) returns at once, having claimed nothing.
-        """
-        self._call("stop")
-
     def run_once(self) -> DispatchSummary:
         """Claim one batch (up to `concurrency`), run it to the end, settle it; returns what
         this call did. Lanes stay held for the next call (see `stop`/`run`).
@@ -1063,6 +1054,14 @@ class OutboxDispatcher(Facade):
                 handle_signals=handle_signals,
             ),
         )
+
+    def stop(self) -> None:
+        """Ask every `run` loop of this instance to stop gracefully: they claim nothing more,
+        let in-flight work finish, and return. The stop holds until a `run` returns: a `run`
+        that starts meanwhile (one called just before, whose loop was not running yet, or one
+        called after a stop with none running) returns at once, having claimed nothing.
+        """
+        self._call("stop")
 
 
 Facade.registry[_AsyncTaskQueue] = TaskQueue

@@ -73,7 +73,7 @@ CLASSES = (
         (("name", "str"), ("max_attempts", "int"), ("lease_ttl", "float")),
     ),
     Spec(
-        "mongoq.tasks.queue",
+        "mongoq.tasks.settles",
         "TaskLease",
         "TaskLease",
         (("task", ""), ("outcome", "")),

@@ -1,6 +1,9 @@
-"""`AsyncTaskQueue` (seed 001): a task *is* a state document, claimed atomically, leased,
-retried. Its values are in `mongoq.tasks.models`, the layout of its collection and every query
-it sends in `mongoq.tasks.schema`, the algorithm in `mongoq.tasks.queue`."""
+"""The task queue, `AsyncTaskQueue`: a task *is* a state document, claimed atomically, leased,
+retried. It owns the collections ``{name}`` (one document per task) and ``{name}_schedules``;
+their layout and every query sent are in `mongoq.tasks.schema`, the values in
+`mongoq.tasks.models`. The face (set-up, puts, claims, run) is `mongoq.tasks.queue`; the lease
+holder's calls and `TaskLease` are in `mongoq.tasks.settles`, the operator calls in
+`mongoq.tasks.operators`, the schedules in `mongoq.tasks.schedules`."""
 
 from mongoq.tasks.models import (
     NewTask,
@@ -14,7 +17,8 @@ from mongoq.tasks.models import (
     TaskQueueStats,
     TaskStatus,
 )
-from mongoq.tasks.queue import AsyncTaskQueue, TaskLease
+from mongoq.tasks.queue import AsyncTaskQueue
+from mongoq.tasks.settles import TaskLease
 
 __all__ = [
     "AsyncTaskQueue",

@@ -1,6 +1,6 @@
 """The task queue's values: a task as a snapshot of its document (`Task`), a task as a producer
 writes it (`NewTask`), the result types of the producer, operator and worker calls, the
-statuses; and the validation of what goes into a task document (`check_new_task`,
+statuses; and the validation of what goes into a task document (`new_task`, `check_new_task`,
 `check_new_tasks`, `check_result`). Owns no collections; the layout of the one the queue owns
 is in `mongoq.tasks.schema`.
 """
@@ -64,20 +64,21 @@ class Task:
 
     @classmethod
     def from_document(cls, doc: Mapping[str, Any]) -> Task:
+        get = doc.get  # every claim reads one: positional, in the order of the fields
         return cls(
-            id=doc["_id"],
-            payload=doc.get("payload"),
-            status=doc["status"],
-            attempts=int(doc.get("attempts", 0)),
-            priority=int(doc.get("priority", 0)),
-            revision=doc.get("revision"),
-            lease_until=stored_instant(doc.get("lease_until")),
-            worker_id=doc.get("worker_id"),
-            lease_token=doc.get("lease_token"),
-            error=doc.get("error"),
-            result=doc.get("result"),
-            created_at=stored_instant(doc.get("created_at")),
-            updated_at=stored_instant(doc.get("updated_at")),
+            doc["_id"],
+            get("payload"),
+            doc["status"],
+            int(get("attempts", 0)),
+            int(get("priority", 0)),
+            get("revision"),
+            stored_instant(get("lease_until")),
+            get("worker_id"),
+            get("lease_token"),
+            get("error"),
+            get("result"),
+            stored_instant(get("created_at")),
+            stored_instant(get("updated_at")),
         )
 
     def document(self, result: Any = None) -> dict[str, Any]:
@@ -136,35 +137,53 @@ class NewTask:
         `run_at` in the past is `now`: due at once, behind the tasks already waiting."""
         if self.run_at is not None:
             return max(to_millis(self.run_at), now)
-        return now + timedelta(seconds=self.delay)
+        return now + timedelta(seconds=self.delay) if self.delay else now
 
 
 def check_new_task(spec: NewTask, prefix: str = "") -> NewTask:
     """`spec` checked (its fields named with `prefix`), with its delay as a float."""
-    task_id = check_id(f"{prefix}task_id", spec.task_id)
-    size = check_payload(f"{prefix}payload", spec.payload)
-    if spec.revision is not None:
-        if isinstance(spec.revision, bool) or not isinstance(spec.revision, str | int):
+    return new_task(
+        spec.task_id, spec.payload, spec.revision, spec.priority, spec.delay, spec.run_at, prefix
+    )
+
+
+def new_task(
+    task_id: Any,
+    payload: Any,
+    revision: Any,
+    priority: Any,
+    delay: Any,
+    run_at: Any,
+    prefix: str = "",
+) -> NewTask:
+    """The `NewTask` of these fields (a put's arguments), each checked and named with
+    `prefix`: an id, a storable payload and revision (within the payload limit together), a
+    32-bit priority, and a delay in seconds (made a float) or a timezone-aware `run_at`, not
+    both."""
+    task_id = check_id(f"{prefix}task_id", task_id)
+    size = check_payload(f"{prefix}payload", payload)
+    if revision is not None:
+        if isinstance(revision, bool) or not isinstance(revision, str | int):
             raise InvalidInput(f"{prefix}revision", "must be a string, an int or None")
-        size += check_payload(f"{prefix}revision", spec.revision)
+        size += check_payload(f"{prefix}revision", revision)
         if size > MAX_PAYLOAD_BYTES:
             raise InvalidInput(
                 f"{prefix}revision",
                 f"payload and revision encode to {size} bytes together; the limit is "
                 f"{MAX_PAYLOAD_BYTES}",
             )
-    check_int(f"{prefix}priority", spec.priority, low=-(2**31), high=2**31 - 1)
-    delay = check_seconds(f"{prefix}delay", spec.delay)
-    if spec.run_at is not None:
-        if not isinstance(spec.run_at, datetime) or spec.run_at.utcoffset() is None:
+    check_int(f"{prefix}priority", priority, low=-(2**31), high=2**31 - 1)
+    delay = check_seconds(f"{prefix}delay", delay)
+    if run_at is not None:
+        if not isinstance(run_at, datetime) or run_at.utcoffset() is None:
             raise InvalidInput(f"{prefix}run_at", "must be a timezone-aware datetime or None")
         try:
-            to_millis(spec.run_at).astimezone(UTC)
+            to_millis(run_at).astimezone(UTC)
         except OverflowError:
             raise InvalidInput(f"{prefix}run_at", "is out of range") from None
         if delay:
             raise InvalidInput(f"{prefix}run_at", "give a delay or a run_at, not both")
-    return NewTask(task_id, spec.payload, spec.revision, spec.priority, delay, spec.run_at)
+    return NewTask(task_id, payload, revision, priority, delay, run_at)
 
 
 def check_new_tasks(field: str, tasks: Iterable[NewTask]) -> list[NewTask]:

@@ -237,6 +237,12 @@ class TaskOperators:
         self._finished([task_id])
         return True
 
+    def _route_end(self: _Queue, event: Mapping[str, Any]) -> None:
+        """A change stream's event of a task's end: tell this process's waits for it."""
+        key = event.get("documentKey") or {}
+        if "_id" in key:
+            self._finished([key["_id"]])
+
     # The timeout runs on the queue's clock (a test's ManualClock), which anyio's cannot do.
     async def wait(
         self: _Queue,

@@ -152,14 +152,18 @@ def task_as_claimed(before: Mapping[str, Any], claiming: Mapping[str, Any]) -> d
     """The document `task_claiming`'s update `claiming` makes of `before` (no query): the
     claim asks for the document as it was, to read when the task fell due, and derives the
     claimed one from the update itself rather than a second description of it."""
+    if not _CLAIM_OPERATORS.issuperset(claiming):
+        raise ValueError(f"task_as_claimed cannot apply {sorted(claiming)}")
     after = dict(before)
     for name, value in claiming.get("$set", {}).items():
         after[name] = to_millis(value) if isinstance(value, datetime) else value  # as stored
     for name, step in claiming.get("$inc", {}).items():
         after[name] = after.get(name, 0) + step
-    if set(claiming) - {"$set", "$inc"}:
-        raise ValueError(f"task_as_claimed cannot apply {sorted(claiming)}")
     return after
+
+
+#: The update operators `task_as_claimed` applies.
+_CLAIM_OPERATORS = frozenset({"$set", "$inc"})
 
 
 # ------------------------------------------------------------------- the status_lease index
@@ -322,6 +326,11 @@ def task_by_id(task_id: TaskId) -> dict[str, Any]:
     return {"_id": task_id}
 
 
+def _when(condition: Any, new: Any, current: str) -> dict[str, Any]:
+    """`new` where `condition` holds, else the field `current` (``"$name"``) as it is."""
+    return {"$cond": [condition, new, current]}
+
+
 def task_putting(spec: NewTask, now: datetime) -> list[dict[str, Any]]:
     """The pipeline of an idempotent put (see `AsyncTaskQueue.put`), upserted on `task_by_id`.
     User values go through ``$literal``: a string such as ``"$x"`` would otherwise read a
@@ -336,28 +345,24 @@ def task_putting(spec: NewTask, now: datetime) -> list[dict[str, Any]]:
         stored_revision = {"$ifNull": ["$revision", None]}
         fresh = {"$or": [is_new, {"$ne": [stored_revision, {"$literal": spec.revision}]}]}
     reset = {"$and": [fresh, {"$ne": [status, PROCESSING]}]}
-
-    def when(condition: Any, new: Any, current: str) -> dict[str, Any]:
-        return {"$cond": [condition, new, f"${current}"]}
-
     due = spec.due(now)
     return [
         {
             "$set": {
-                "payload": when(fresh, {"$literal": spec.payload}, "payload"),
-                "revision": when(fresh, {"$literal": spec.revision}, "revision"),
-                "priority": when(fresh, spec.priority, "priority"),
-                "status": when(reset, PENDING, "status"),
+                "payload": _when(fresh, {"$literal": spec.payload}, "$payload"),
+                "revision": _when(fresh, {"$literal": spec.revision}, "$revision"),
+                "priority": _when(fresh, spec.priority, "$priority"),
+                "status": _when(reset, PENDING, "$status"),
                 # Fresh attempts for a new revision even while it is processing: should
                 # the holder crash, the takeover runs the new revision with all its tries.
-                "attempts": when(fresh, 0, "attempts"),
-                "lease_until": when(reset, due, "lease_until"),
-                "worker_id": when(reset, None, "worker_id"),
-                "lease_token": when(reset, None, "lease_token"),
-                "error": when(reset, None, "error"),
-                "result": when(reset, None, "result"),
+                "attempts": _when(fresh, 0, "$attempts"),
+                "lease_until": _when(reset, due, "$lease_until"),
+                "worker_id": _when(reset, None, "$worker_id"),
+                "lease_token": _when(reset, None, "$lease_token"),
+                "error": _when(reset, None, "$error"),
+                "result": _when(reset, None, "$result"),
                 "created_at": {"$ifNull": ["$created_at", now]},
-                "updated_at": when(fresh, now, "updated_at"),
+                "updated_at": _when(fresh, now, "$updated_at"),
             }
         }
     ]
@@ -382,7 +387,9 @@ def task_held(task: Task) -> dict[str, Any]:
 def task_held_at_revision(task: Task) -> dict[str, Any]:
     """`task_held`, and at the revision it claimed: every settle (`complete`, `complete_many`,
     `release_for_retry`, `release_not_an_attempt`, `fail`)."""
-    return {**task_held(task), "revision": task.revision}
+    fence = task_held(task)
+    fence["revision"] = task.revision
+    return fence
 
 
 def tasks_held(tasks: Sequence[Task]) -> dict[str, Any]:

@@ -385,7 +385,7 @@ async def test_jitter_factor_is_drawn_from_one_to_one_and_a_half(
         draws.append((low, high))
         return 1.25
 
-    monkeypatch.setattr("mongoq.tasks.queue.random.uniform", uniform)
+    monkeypatch.setattr("mongoq.tasks.settles.random.uniform", uniform)
     queue = await new_queue(db, clock, backoff_base=8, backoff_cap=1000)
     task = await put_and_claim(queue)
 
