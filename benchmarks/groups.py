@@ -18,7 +18,7 @@ from mongoq.testing import ManualClock
 
 async def _transport(db: object, clock: ManualClock) -> AsyncGroupTransport:
     transport = AsyncGroupTransport(db, "bench", clock=clock)
-    await transport.ensure_indexes()
+    await transport.setup()
     return transport
 
 

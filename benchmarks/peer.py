@@ -215,7 +215,7 @@ def _peer_batched(queue: Any, tasks: int) -> int:
 async def _mongoq_single(uri: str | None, tasks: int) -> Result:
     async with counted_database(uri) as bench:
         queue = AsyncTaskQueue(bench.db, "peer_tasks", clock=ManualClock())
-        await queue.ensure_indexes()
+        await queue.setup()
         bench.start()
         for number in range(tasks):
             await queue.put(f"t{number}", {"n": number})
@@ -230,7 +230,7 @@ async def _mongoq_single(uri: str | None, tasks: int) -> Result:
 async def _mongoq_batched(uri: str | None, tasks: int) -> Result:
     async with counted_database(uri) as bench:
         queue = AsyncTaskQueue(bench.db, "peer_tasks", clock=ManualClock())
-        await queue.ensure_indexes()
+        await queue.setup()
         bench.start()
         for start in range(0, tasks, BATCH):
             await queue.put_many(

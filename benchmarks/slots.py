@@ -75,7 +75,7 @@ Prepare = Callable[[Any, ManualClock, _Busy], Awaitable[Callable[[], Awaitable[i
 
 async def _tasks(db: Any, clock: ManualClock, busy: _Busy) -> Callable[[], Awaitable[int]]:
     queue = AsyncTaskQueue(db, "bench_slots", clock=clock)
-    await queue.ensure_indexes()
+    await queue.setup()
     await queue.put_many(NewTask(f"t{i}", i) for i in range(ITEMS))
 
     async def handle(task: Task) -> None:
@@ -90,7 +90,7 @@ async def _tasks(db: Any, clock: ManualClock, busy: _Busy) -> Callable[[], Await
 
 async def _groups(db: Any, clock: ManualClock, busy: _Busy) -> Callable[[], Awaitable[int]]:
     transport = AsyncGroupTransport(db, "bench_slots", clock=clock)
-    await transport.ensure_indexes()
+    await transport.setup()
     await transport.publish_many(NewMessage(f"g{i}", i) for i in range(ITEMS))
 
     async def handle(lease: GroupLease) -> None:

@@ -23,7 +23,7 @@ from mongoq.testing import ManualClock
 
 async def _queue(db: object) -> AsyncTaskQueue:
     queue = AsyncTaskQueue(db, "bench_tasks", clock=ManualClock())
-    await queue.ensure_indexes()
+    await queue.setup()
     return queue
 
 
@@ -119,7 +119,7 @@ async def wake_up(uri: str | None, puts: int = 20) -> Result:
     second in the same process, on the wall clock; the commands per task (claims included)."""
     async with counted_database(uri) as bench:
         queue = AsyncTaskQueue(bench.db, "bench_wake", clock=SystemClock())
-        await queue.ensure_indexes()
+        await queue.setup()
         started: dict[str, float] = {}
         arrived = anyio.Event()
 

@@ -22,7 +22,7 @@ def resize(task: Task) -> dict[str, int]:
 def main() -> None:
     with mongoq_sync.connect() as db:  # or mongoq_sync.connect("mongodb://...")
         queue = mongoq_sync.TaskQueue(db, "thumbnails", lease_ttl=60)
-        queue.ensure_indexes()
+        queue.setup()
         for number in range(5):
             queue.put(f"img-{number}", {"path": f"/photos/{number}.jpg"})
 

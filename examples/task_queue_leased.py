@@ -15,7 +15,7 @@ import mongoq
 async def main() -> None:
     db = mongoq.connect()
     queue = mongoq.AsyncTaskQueue(db, "thumbnails", lease_ttl=60, max_attempts=3)
-    await queue.ensure_indexes()
+    await queue.setup()
 
     await queue.put("img-1", {"path": "/photos/1.jpg"})
     await queue.put("img-2", {"path": "/photos/2.jpg"}, priority=5)  # claimed first

@@ -30,7 +30,7 @@ async def main() -> None:
     db = mongoq.connect()
     # A short backoff so that the retry is due within this example's lifetime.
     queue = mongoq.AsyncTaskQueue(db, "emails", backoff_base=0.2, backoff_cap=1)
-    await queue.ensure_indexes()
+    await queue.setup()
     await queue.put_many(
         NewTask(f"mail-{number}", {"to": to})
         for number, to in enumerate(["ada@example.com", "flaky@example.com", "nobody"])

@@ -129,8 +129,7 @@ class _IndexRequired:
         name = getattr(collection, "full_name", None) or getattr(collection, "name", "?")
         raise IndexesMissing(
             f"{name} has no index {self.index!r}: mongoq's indexes were never created here; run "
-            "ensure_indexes() (AsyncTaskQueue, AsyncGroupTransport) or setup() (AsyncOutbox) "
-            "once, at deploy time or when the service starts"
+            "the primitive's setup() once, at deploy time or when the service starts"
         ) from error
 
 

@@ -1,7 +1,7 @@
 """Index declarations, as the primitives' schemas list them, and their creation.
 
 Each primitive's ``schema.py`` declares its indexes as `IndexSpec` values beside the queries
-they serve; ``ensure_indexes()`` / ``setup()`` hand them to `create_indexes` (one collection's
+they serve; ``setup()`` hands them to `create_indexes` (one collection's
 list) or `create_schema_indexes` (a schema's lists by collection).
 Owns no collections.
 """

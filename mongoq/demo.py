@@ -144,7 +144,7 @@ async def _play(
     report: DemoReport,
     progress: Callable[[str], None],
 ) -> None:
-    await queue.ensure_indexes()
+    await queue.setup()
     ids = [f"task-{number:05d}" for number in range(config.tasks)]
     for start in range(0, len(ids), 500):
         await queue.put_many(

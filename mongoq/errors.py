@@ -48,8 +48,8 @@ class PermanentError(MongoqError):
 
 class IndexesMissing(MongoqError):
     """A query names an index that the collection does not have: the primitive's indexes were
-    never created. Run ``ensure_indexes()`` (task queue, group transport) or ``setup()``
-    (outbox) once, at deploy time or when the service starts; a run loop stops with this error
+    never created. Run the primitive's ``setup()`` once, at deploy time or when the service
+    starts; a run loop stops with this error
     rather than log a failure on every poll.
     """
 

@@ -31,9 +31,9 @@ from mongoq._portal import Portal
 from mongoq._validation import check_name
 from mongoq.errors import InvalidInput
 from mongoq.groups import AsyncGroupTransport, GroupStats
-from mongoq.outbox import AsyncOutbox, OutboxStatistics
+from mongoq.outbox import AsyncOutbox, OutboxStats
 from mongoq.runtime.events import RunEvent, subscribe
-from mongoq.tasks import AsyncTaskQueue, TaskQueueStats
+from mongoq.tasks import AsyncTaskQueue, TaskStats
 from mongoq.tasks.models import STATUSES
 
 with _driver.extra_required("metrics", "mongoq.metrics"):
@@ -164,7 +164,7 @@ class _Reading:
 
     kind: str
     queue: str
-    stats: TaskQueueStats | GroupStats | OutboxStatistics | None
+    stats: TaskStats | GroupStats | OutboxStats | None
     now: datetime | None = None
 
 
@@ -340,13 +340,13 @@ class StatsCollector:
     def _add(
         families: dict[str, _Family],
         queue: str,
-        stats: TaskQueueStats | GroupStats | OutboxStatistics,
+        stats: TaskStats | GroupStats | OutboxStats,
         now: datetime,
     ) -> None:
         def put(name: str, value: float, *labels: str) -> None:
             families[name].add_metric([queue, *labels], float(value))
 
-        if isinstance(stats, TaskQueueStats):
+        if isinstance(stats, TaskStats):
             for status in dict.fromkeys([*STATUSES, *stats.counts]):
                 put("mongoq_tasks", stats.counts.get(status, 0), status)
             put("mongoq_tasks_due", stats.due)

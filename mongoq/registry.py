@@ -1,4 +1,4 @@
-"""The registry of the primitives in a database: what `ensure_indexes` / `setup` record, so
+"""The registry of the primitives in a database: what `setup` records, so
 that operators' tools (``mongoq list``) find every task queue, group transport and outbox of
 a database by reading it, never by guessing from collection names.
 
@@ -11,7 +11,7 @@ Collection ``mongoq_registry``, one document per primitive::
 
 Every write is one upsert by ``_id`` (no secondary index). A primitive whose collections were
 dropped stays listed until `unregister` removes it; one set up before this registry existed
-appears at its next `ensure_indexes` / `setup`. No task queue may be named ``mongoq_registry``.
+appears at its next `setup`. No task queue may be named ``mongoq_registry``.
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ from mongoq.outbox.dispatcher import OutboxDispatcher as _AsyncOutboxDispatcher
 from mongoq.outbox.models import (
     Delivery,
     DeliveryInfo,
-    DispatchSummary,
     Event,
-    OutboxStatistics,
+    OutboxRunSummary,
+    OutboxStats,
     PublishResult,
     PurgeResult,
 )
@@ -39,12 +39,12 @@ from mongoq.tasks.models import (
     PutManyResult,
     PutOutcome,
     ReclaimResult,
-    RunSummary,
     Schedule,
     Task,
     TaskId,
     TaskPage,
-    TaskQueueStats,
+    TaskRunSummary,
+    TaskStats,
     TaskStatus,
 )
 from mongoq.tasks.queue import AsyncTaskQueue as _AsyncTaskQueue
@@ -106,7 +106,7 @@ class TaskQueue(Facade):
     def lease_ttl(self) -> float:
         return cast("float", self._get("lease_ttl"))
 
-    def ensure_indexes(self) -> None:
+    def setup(self) -> None:
         """Create the indexes every query needs, and the retention TTL indexes `retain_done` /
         `retain_failed` / `retain_cancelled` ask for (changing the expiry of one that exists);
         idempotent. A queue without a retention setting leaves that index alone, so a
@@ -114,7 +114,7 @@ class TaskQueue(Facade):
         stop a retention, drop its index (``await queue.collection.drop_index("retain_done")``).
         The queue is recorded in the database's registry (`mongoq.registry`).
         """
-        self._call("ensure_indexes")
+        self._call("setup")
 
     def put(
         self,
@@ -161,7 +161,7 @@ class TaskQueue(Facade):
 
         Due means: pending and past its not-before time, or processing with an expired lease and
         attempts to spare (a crashed holder's task is taken over). Highest priority first, then
-        the one due longest. The claim counts an attempt. Needs `ensure_indexes()` to have run
+        the one due longest. The claim counts an attempt. Needs `setup()` to have run
         once (the claim names its index).
         """
         return cast("Task | None", self._call("claim", worker_id))
@@ -193,7 +193,7 @@ class TaskQueue(Facade):
         handler_timeout: float | None = None,
         handle_signals: bool = False,
         schedules: bool = True,
-    ) -> RunSummary:
+    ) -> TaskRunSummary:
         """Claim and process tasks with `handler` until stopped.
 
         Each task runs inside `leased`: its return value is the task's result (a result that
@@ -231,7 +231,7 @@ class TaskQueue(Facade):
         size `max_attempts` with that in mind.
         """
         return cast(
-            "RunSummary",
+            "TaskRunSummary",
             self._call(
                 "run",
                 in_worker_thread(handler, "handler"),
@@ -394,9 +394,9 @@ class TaskQueue(Facade):
         """
         return cast("int", self._call("count_finished", since, until))
 
-    def stats(self) -> TaskQueueStats:
+    def stats(self) -> TaskStats:
         """Counts per status, due, expired and the oldest due age (eight indexed commands)."""
-        return cast("TaskQueueStats", self._call("stats"))
+        return cast("TaskStats", self._call("stats"))
 
     def schedule(
         self,
@@ -553,11 +553,11 @@ class GroupTransport(Facade):
     def max_deliveries(self) -> int | None:
         return cast("int | None", self._get("max_deliveries"))
 
-    def ensure_indexes(self) -> None:
+    def setup(self) -> None:
         """Create the indexes every query needs, and record the transport in the database's
         registry (`mongoq.registry`); idempotent.
         """
-        self._call("ensure_indexes")
+        self._call("setup")
 
     def publish(self, group_id: GroupId, event: Any, *, priority: int = 0) -> int:
         """Append `event` to `group_id`'s FIFO; returns its sequence number (3 commands). This
@@ -946,11 +946,11 @@ class Outbox(Facade):
         """
         return cast("int | None", self._call("count_finished", since, until))
 
-    def stats(self) -> OutboxStatistics:
+    def stats(self) -> OutboxStats:
         """Counts per status, how many deliveries run now, the oldest due time of the
         unfinished ones, and how many lanes are held; a fixed number of commands.
         """
-        return cast("OutboxStatistics", self._call("stats"))
+        return cast("OutboxStats", self._call("stats"))
 
     def purge(
         self, *, dead_before: datetime | None = None, completed_before: datetime | None = None
@@ -1024,11 +1024,11 @@ class OutboxDispatcher(Facade):
     def stopping(self) -> bool:
         return cast("bool", self._get("stopping"))
 
-    def run_once(self) -> DispatchSummary:
+    def run_once(self) -> OutboxRunSummary:
         """Claim one batch (up to `concurrency`), run it to the end, settle it; returns what
         this call did. Lanes stay held for the next call (see `stop`/`run`).
         """
-        return cast("DispatchSummary", self._call("run_once"))
+        return cast("OutboxRunSummary", self._call("run_once"))
 
     def run(
         self,
@@ -1036,7 +1036,7 @@ class OutboxDispatcher(Facade):
         stop_when_empty: bool = False,
         stop_when_drained: bool = False,
         handle_signals: bool = False,
-    ) -> DispatchSummary:
+    ) -> OutboxRunSummary:
         """Dispatch until `stop()`. `stop_when_empty` returns as soon as nothing is claimable
         now and nothing runs (deliveries waiting out a backoff, or behind a busy key, wait for
         a later run); `stop_when_drained` only when no delivery of these handlers is left
@@ -1046,7 +1046,7 @@ class OutboxDispatcher(Facade):
         hands the lanes back. Returns the totals of this dispatcher.
         """
         return cast(
-            "DispatchSummary",
+            "OutboxRunSummary",
             self._call(
                 "run",
                 stop_when_empty=stop_when_empty,

@@ -105,7 +105,7 @@ async def seed_tasks(db: Any) -> AsyncTaskQueue:
     now = datetime.now(UTC)
     clock = ManualClock(now - timedelta(days=10))
     queue = AsyncTaskQueue(db, "jobs", clock=clock, max_attempts=1)
-    await queue.ensure_indexes()
+    await queue.setup()
     await queue.put("old-done", {"n": 1})
     assert await queue.complete(await claimed(queue, "old-done"), {"ok": True})
     clock.set(now - timedelta(hours=1))
@@ -234,8 +234,8 @@ async def test_list_shows_every_primitive_set_up_in_the_database(
 ) -> None:
     code, out, _ = await mongoq_cmd("list")
     assert (code, out) == (0, "no mongoq primitive set up in this database\n")
-    await AsyncTaskQueue(db, "jobs").ensure_indexes()
-    await AsyncGroupTransport(db, "orders").ensure_indexes()
+    await AsyncTaskQueue(db, "jobs").setup()
+    await AsyncGroupTransport(db, "orders").setup()
     code, out, _ = await mongoq_cmd("list")
     rows = [line.split()[:2] for line in out.splitlines()]
     assert code == 0 and rows == [["PRIMITIVE", "NAME"], ["tasks", "jobs"], ["groups", "orders"]]
@@ -247,7 +247,7 @@ async def test_list_shows_every_primitive_set_up_in_the_database(
 
 async def test_tasks_schedules_lists_and_unschedule_removes(db: Any, mongoq_cmd: Mongoq) -> None:
     queue = AsyncTaskQueue(db, "jobs")
-    await queue.ensure_indexes()
+    await queue.setup()
     await queue.schedule("nightly", cron="0 3 * * *", timezone="Europe/Paris", missed="skip")
     await queue.schedule("pulse", every=90)
     code, out, _ = await mongoq_cmd("tasks", "schedules", "jobs")
@@ -287,7 +287,7 @@ async def test_tasks_purge_deletes_finished_tasks_older_than(
 async def test_tasks_reclaim_fails_or_requeues_expired_leases(db: Any, mongoq_cmd: Mongoq) -> None:
     clock = ManualClock(datetime.now(UTC) - timedelta(hours=1))
     queue = AsyncTaskQueue(db, "jobs", clock=clock, lease_ttl=60)
-    await queue.ensure_indexes()
+    await queue.setup()
     await queue.put("a")
     await queue.put("b", delay=1)
     await claimed(queue, "a")
@@ -308,7 +308,7 @@ async def seed_groups(db: Any) -> tuple[AsyncGroupTransport, int]:
     """Group "a": its head dead-lettered, one message left (ready); "b" parked; "c" in flight;
     7 never claimed (ready). Returns the transport and the dead letter's seq."""
     transport = AsyncGroupTransport(db, "orders", clock=ManualClock())
-    await transport.ensure_indexes()
+    await transport.setup()
     dead_seq = await transport.publish("a", {"n": 1})
     await transport.publish("a", {"n": 2})
     lease = await transport.claim("w1")

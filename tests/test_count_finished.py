@@ -29,7 +29,7 @@ async def test_tasks_finished_in_a_window_are_counted_once_whatever_ended_them(
     db: Any, clock: ManualClock
 ) -> None:
     queue = AsyncTaskQueue(db, "jobs", clock=clock, max_attempts=1)
-    await queue.ensure_indexes()
+    await queue.setup()
     await queue.put_many([NewTask(f"t{n}") for n in range(5)])
     start = clock.now()
     await finish(queue, "done")

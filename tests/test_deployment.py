@@ -96,8 +96,8 @@ async def test_every_collection_handle_pins_majority_writes_and_primary_reads(
             assert collection.read_concern == ReadConcern("majority"), where
 
     # And the pinned handles work end to end on that client.
-    await queue.ensure_indexes()
-    await transport.ensure_indexes()
+    await queue.setup()
+    await transport.setup()
     await outbox.setup()
     await queue.put_many([NewTask("t1", 1)])
     [task] = await queue.claim_many(5, "w")

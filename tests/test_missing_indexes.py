@@ -1,7 +1,7 @@
 """A primitive whose indexes were never created says so once, clearly, and claims nothing.
 
 Claims name their index (a hint), and a server refuses a hint to an index that does not exist.
-Before, a worker started before ``ensure_indexes()`` ran logged a driver failure on every poll,
+Before, a worker started before ``setup()`` ran logged a driver failure on every poll,
 forever; the embedded backend ignored hints, so this only ever showed in production. Now every
 hinted query raises `IndexesMissing`, naming the collection, the index and the set-up call, and a
 run loop stops with it. Runs on both embedded lanes and on a real server.
@@ -26,11 +26,11 @@ from mongoq.outbox import AsyncOutbox, DeliveryContext, Event, OutboxDispatcher
 from mongoq.testing import ManualClock
 from tests.support.helpers import read
 
-NAMES_THE_FIX = r"has no index 'claim'.*ensure_indexes\(\).*setup\(\)"
+NAMES_THE_FIX = r"has no index 'claim'.*setup\(\)"
 
 
 async def test_a_task_queue_without_indexes_refuses_to_claim(db: Any, clock: ManualClock) -> None:
-    queue = AsyncTaskQueue(db, "tasks", clock=clock)  # no ensure_indexes()
+    queue = AsyncTaskQueue(db, "tasks", clock=clock)  # no setup()
     await queue.put("t", 1)
     with pytest.raises(IndexesMissing, match=NAMES_THE_FIX):
         await queue.claim("w")
@@ -48,7 +48,7 @@ async def test_a_task_queue_without_indexes_refuses_to_claim(db: Any, clock: Man
     stored = await read(db, "t")
     assert stored is not None
     assert (stored["status"], stored["attempts"]) == ("pending", 0)
-    await queue.ensure_indexes()
+    await queue.setup()
     assert (await queue.claim("w")) is not None
 
 
@@ -71,7 +71,7 @@ async def test_a_group_transport_without_indexes_refuses_to_claim(
     assert lock is not None and lock["token"] is None  # never leased
     message = await db["mq_messages"].find_one({"group_id": "g"})
     assert message is not None and message["deliveries"] == 0
-    await transport.ensure_indexes()
+    await transport.setup()
     assert (await transport.claim("w")) is not None
 
 

@@ -15,13 +15,13 @@ from mongoq.testing import ManualClock
 async def test_every_set_up_records_its_primitive_once_and_keeps_when_it_was_first(
     db: Any, clock: ManualClock
 ) -> None:
-    await AsyncTaskQueue(db, "emails", clock=clock).ensure_indexes()
-    await AsyncGroupTransport(db, "orders", clock=clock).ensure_indexes()
+    await AsyncTaskQueue(db, "emails", clock=clock).setup()
+    await AsyncGroupTransport(db, "orders", clock=clock).setup()
     await AsyncOutbox(db, "shop_", subscriptions={"t": ["h"]}, clock=clock).setup()
     first = clock.now()
     clock.advance(60)
-    await AsyncTaskQueue(db, "emails", clock=clock).ensure_indexes()  # a worker restarting
-    await AsyncTaskQueue(db, "audio", clock=clock).ensure_indexes()
+    await AsyncTaskQueue(db, "emails", clock=clock).setup()  # a worker restarting
+    await AsyncTaskQueue(db, "audio", clock=clock).setup()
 
     found = await registered(db)
 
@@ -41,7 +41,7 @@ async def test_unregister_forgets_a_primitive_and_leaves_its_collections(
     db: Any, clock: ManualClock
 ) -> None:
     queue = AsyncTaskQueue(db, "emails", clock=clock)
-    await queue.ensure_indexes()
+    await queue.setup()
     await queue.put("t1")
     assert await unregister(db, "tasks", "emails") is True
     assert await unregister(db, "tasks", "emails") is False
@@ -70,7 +70,7 @@ async def test_a_registry_the_server_refuses_to_write_never_stops_a_set_up(
     faults = FaultInjector()
     faults.fail_before("update_one", collection=REGISTRY)
     queue = AsyncTaskQueue(instrument(db, faults), "emails", clock=clock)
-    await queue.ensure_indexes()
+    await queue.setup()
     assert len(faults.triggered) == 1
     assert await registered(db) == []
     assert any("could not record tasks 'emails'" in r.getMessage() for r in caplog.records)

@@ -105,8 +105,8 @@ def overview(summaries: Sequence[Summary]) -> str:
     )
     return legend + _table(
         ["primitive", "name", "counts", "oldest waiting", "backlog and throughput"],
-        rows, "No mongoq primitive is set up in this database: ensure_indexes() or setup() "
-        "registers one.", "overview",
+        rows, "No mongoq primitive is set up in this database: a primitive's setup() "
+        "registers it.", "overview",
     )  # fmt: skip
 
 

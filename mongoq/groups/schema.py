@@ -509,7 +509,7 @@ def messages_all() -> Filter:
     return {}
 
 
-#: Every declared index, in the order `AsyncGroupTransport.ensure_indexes` creates them.
+#: Every declared index, in the order `AsyncGroupTransport.setup` creates them.
 #: Per collection (the name after ``{prefix}_``), in creation order.
 INDEXES: dict[str, tuple[IndexSpec, ...]] = {
     LOCKS: (CLAIM, PARKED),

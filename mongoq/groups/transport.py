@@ -103,7 +103,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
     def _collection(self, name: str) -> Any:
         return _driver.collection(self.db, f"{self.prefix}_{name}")
 
-    async def ensure_indexes(self) -> None:
+    async def setup(self) -> None:
         """Create the indexes every query needs, and record the transport in the database's
         registry (`mongoq.registry`); idempotent."""
         await create_schema_indexes(self.db, schema.INDEXES, self._collection)

@@ -31,7 +31,7 @@ from mongoq._validation import (
 )
 from mongoq._validation import check_worker_id as _check_owner
 from mongoq.errors import InvalidInput, LeaseLost, PermanentError
-from mongoq.outbox.models import Delivery, DispatchSummary, Event, check_handler
+from mongoq.outbox.models import Delivery, Event, OutboxRunSummary, check_handler
 from mongoq.outbox.store import AsyncOutbox
 from mongoq.runtime import changes
 from mongoq.runtime import lease as leases
@@ -124,7 +124,7 @@ class OutboxDispatcher(WorkerHost):
         self.backoff = backoff if backoff is not None else default_backoff
         self.handler_timeout = check_timeout("handler_timeout", handler_timeout)
         self.poll_interval = check_seconds("poll_interval", poll_interval, positive=True)
-        self.summary = DispatchSummary()
+        self.summary = OutboxRunSummary()
         self._tally = Tally(self.summary, "outbox", outbox.prefix)
         #: one per running handler: cancelled when a renewal finds every lane lost
         self._guards: set[anyio.CancelScope] = set()
@@ -138,10 +138,10 @@ class OutboxDispatcher(WorkerHost):
         """`stop()` was called, and no `run` returned since."""
         return self._stop_pending
 
-    async def run_once(self) -> DispatchSummary:
+    async def run_once(self) -> OutboxRunSummary:
         """Claim one batch (up to `concurrency`), run it to the end, settle it; returns what
         this call did. Lanes stay held for the next call (see `stop`/`run`)."""
-        before = DispatchSummary(**vars(self.summary))
+        before = OutboxRunSummary(**vars(self.summary))
         try:
             # Shielded: a claim applied on the server but cancelled before its reply is read
             # would keep its lanes, unseen, for a whole lease.
@@ -163,7 +163,7 @@ class OutboxDispatcher(WorkerHost):
             # so a dead server cannot hold the caller longer than the lease would have lasted.
             with anyio.move_on_after(self.outbox.lease, shield=True):
                 await self._flush()
-        return DispatchSummary(
+        return OutboxRunSummary(
             **{name: value - getattr(before, name) for name, value in vars(self.summary).items()}
         )
 
@@ -173,7 +173,7 @@ class OutboxDispatcher(WorkerHost):
         stop_when_empty: bool = False,
         stop_when_drained: bool = False,
         handle_signals: bool = False,
-    ) -> DispatchSummary:
+    ) -> OutboxRunSummary:
         """Dispatch until `stop()`. `stop_when_empty` returns as soon as nothing is claimable
         now and nothing runs (deliveries waiting out a backoff, or behind a busy key, wait for
         a later run); `stop_when_drained` only when no delivery of these handlers is left

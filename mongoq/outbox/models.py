@@ -291,7 +291,7 @@ class DeliveryInfo:
 
 
 @dataclass(frozen=True)
-class OutboxStatistics:
+class OutboxStats:
     """Counts per status (``pending`` includes ``parked`` and running deliveries), how many run
     now, and the due time of the oldest unfinished delivery (None when there is none)."""
 
@@ -314,7 +314,7 @@ class PurgeResult:
 
 
 @dataclass
-class DispatchSummary:
+class OutboxRunSummary:
     """What an `OutboxDispatcher` did: deliveries claimed, completed, rescheduled for retry,
     buried as dead letters, released unrun on stop, found lost to another worker, and settled
     with no answer (`unknown`: the settle may have applied; if not, the delivery runs again).

@@ -20,7 +20,7 @@ from mongoq.clock import Clock, stored_instant
 from mongoq.errors import InvalidInput
 from mongoq.outbox import schema
 from mongoq.outbox.lanes import Lane, LaneStore, read_lanes
-from mongoq.outbox.models import DeliveryInfo, OutboxStatistics, PurgeResult, check_handler
+from mongoq.outbox.models import DeliveryInfo, OutboxStats, PurgeResult, check_handler
 from mongoq.outbox.schema import (
     COMPLETED,
     DEAD,
@@ -155,7 +155,7 @@ class OutboxOperators:
         )
         return int(dead) + int(completed)
 
-    async def stats(self) -> OutboxStatistics:
+    async def stats(self) -> OutboxStats:
         """Counts per status, how many deliveries run now, the oldest due time of the
         unfinished ones, and how many lanes are held; a fixed number of commands."""
         now = await self._now()
@@ -174,7 +174,7 @@ class OutboxOperators:
             )  # fmt: skip
         live = self._live(lanes[0], now)
         running = len(await self._running_ids(live))
-        return OutboxStatistics(
+        return OutboxStats(
             pending=int(pending),
             parked=int(parked),
             running=running,

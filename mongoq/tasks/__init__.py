@@ -10,11 +10,11 @@ from mongoq.tasks.models import (
     PutManyResult,
     PutOutcome,
     ReclaimResult,
-    RunSummary,
     Schedule,
     Task,
     TaskPage,
-    TaskQueueStats,
+    TaskRunSummary,
+    TaskStats,
     TaskStatus,
 )
 from mongoq.tasks.queue import AsyncTaskQueue
@@ -26,11 +26,11 @@ __all__ = [
     "PutManyResult",
     "PutOutcome",
     "ReclaimResult",
-    "RunSummary",
+    "TaskRunSummary",
     "Schedule",
     "Task",
     "TaskLease",
     "TaskPage",
-    "TaskQueueStats",
+    "TaskStats",
     "TaskStatus",
 ]

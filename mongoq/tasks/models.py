@@ -219,7 +219,7 @@ class ReclaimResult:
 
 
 @dataclass(frozen=True)
-class TaskQueueStats:
+class TaskStats:
     """Counts per status, plus the signals an operator watches.
 
     `due` of the pending tasks are claimable now; `expired` processing tasks have a lease that
@@ -243,7 +243,7 @@ class TaskPage:
 
 
 @dataclass
-class RunSummary:
+class TaskRunSummary:
     """What a `run` loop did, by outcome."""
 
     claimed: int = 0

@@ -42,7 +42,7 @@ from mongoq.tasks.models import (
     Task,
     TaskId,
     TaskPage,
-    TaskQueueStats,
+    TaskStats,
     TaskStatus,
 )
 
@@ -308,7 +308,7 @@ class TaskOperators:
             await self.collection.count_documents(schema.tasks_finished_between(since, until))
         )
 
-    async def stats(self: _Queue) -> TaskQueueStats:
+    async def stats(self: _Queue) -> TaskStats:
         """Counts per status, due, expired and the oldest due age (eight indexed commands)."""
         now = await self._now()
         count = self.collection.count_documents
@@ -326,7 +326,7 @@ class TaskOperators:
         )
         oldest_due = stored_instant(oldest[0]["lease_until"]) if oldest else None
         age = (now - oldest_due).total_seconds() if oldest_due is not None else None
-        return TaskQueueStats(counts, due, expired, age)
+        return TaskStats(counts, due, expired, age)
 
 
 def _check_status(field: str, status: Any) -> TaskStatus:

@@ -46,9 +46,9 @@ from mongoq.tasks.models import (
     NewTask,
     PutManyResult,
     PutOutcome,
-    RunSummary,
     Task,
     TaskId,
+    TaskRunSummary,
     check_new_tasks,
     new_task,
 )
@@ -126,7 +126,7 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
 
     # ------------------------------------------------------------------------------ set-up
 
-    async def ensure_indexes(self) -> None:
+    async def setup(self) -> None:
         """Create the indexes every query needs, and the retention TTL indexes `retain_done` /
         `retain_failed` / `retain_cancelled` ask for (changing the expiry of one that exists);
         idempotent. A queue without a retention setting leaves that index alone, so a
@@ -217,7 +217,7 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
 
         Due means: pending and past its not-before time, or processing with an expired lease and
         attempts to spare (a crashed holder's task is taken over). Highest priority first, then
-        the one due longest. The claim counts an attempt. Needs `ensure_indexes()` to have run
+        the one due longest. The claim counts an attempt. Needs `setup()` to have run
         once (the claim names its index).
         """
         worker = self._worker(worker_id)
@@ -299,7 +299,7 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         handler_timeout: float | None = None,
         handle_signals: bool = False,
         schedules: bool = True,
-    ) -> RunSummary:
+    ) -> TaskRunSummary:
         """Claim and process tasks with `handler` until stopped.
 
         Each task runs inside `leased`: its return value is the task's result (a result that
@@ -343,7 +343,7 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         poll = check_seconds("poll_interval", poll_interval, positive=True)
         limit = check_timeout("handler_timeout", handler_timeout)
         worker = self._worker(worker_id)
-        summary = RunSummary()
+        summary = TaskRunSummary()
         tally = Tally(summary, "tasks", self.name)
 
         holder = TaskBatch(self, handler)

@@ -131,7 +131,7 @@ class FacadeScenario:
     def main(self) -> Report:
         run, shape = self.run, self.shape
         with catching_unexpected_errors(run):
-            self.operator.ensure_indexes()
+            self.operator.setup()
             self.put_tasks([f"t{n}" for n in range(shape.upfront)])
             first = None
             if shape.every is not None:

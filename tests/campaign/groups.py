@@ -364,7 +364,7 @@ class GroupScenario:
     async def main(self) -> Report:
         run, shape = self.run, self.shape
         with catching_unexpected_errors(run):
-            await self.operator.ensure_indexes()
+            await self.operator.setup()
             rng = run.rng_for("publish")
             await self.publish([
                 NewMessage(f"g{group}", {"n": n}, rng.randint(0, 2))

@@ -49,7 +49,7 @@ from typing import Any
 import anyio
 
 from mongoq import _driver
-from mongoq.outbox import AsyncOutbox, DeliveryContext, DispatchSummary, Event, OutboxDispatcher
+from mongoq.outbox import AsyncOutbox, DeliveryContext, Event, OutboxDispatcher, OutboxRunSummary
 from mongoq.testing import memory_database
 from tests.campaign.engine import (
     Crew,
@@ -259,7 +259,7 @@ def _check_summaries(run: Run, workers: list[Worker], completions: list[Completi
     for completion in completions:
         done[completion.writer] += 1
     for worker in workers:
-        summary: DispatchSummary | None = worker.summary
+        summary: OutboxRunSummary | None = worker.summary
         if summary is None:  # crashed: its run was cancelled and returned nothing
             continue
         outcomes = {name: getattr(summary, name) for name in OUTCOMES}
@@ -346,7 +346,7 @@ class OutboxScenario:
 
     async def once(
         self, worker: Worker, dispatcher: OutboxDispatcher, poll: float
-    ) -> DispatchSummary:
+    ) -> OutboxRunSummary:
         """``run_once()`` in a loop until stopped (or hard-cancelled), then the lanes handed
         back, as a caller of ``run_once`` does."""
         with anyio.CancelScope() as scope:

@@ -322,7 +322,7 @@ class TaskScenario:
     async def main(self) -> Report:
         run, shape = self.run, self.shape
         with catching_unexpected_errors(run):
-            await self.operator.ensure_indexes()
+            await self.operator.setup()
             await self.put_tasks([f"t{n}" for n in range(shape.upfront)])
             first = None
             if shape.every is not None:

@@ -412,7 +412,7 @@ async def test_a_redrive_of_one_dead_letter_leaves_the_others(db: Any, clock: Ma
 
 async def test_ids_are_taken_as_sent_never_stripped(db: Any, clock: ManualClock) -> None:
     queue = AsyncTaskQueue(db, "emails", clock=clock)
-    await queue.ensure_indexes()
+    await queue.setup()
     await queue.put(" a")
     await queue.put("a")
     async with client(app_of(db, clock, allow_actions=True)) as http:
@@ -426,7 +426,7 @@ async def test_ids_are_taken_as_sent_never_stripped(db: Any, clock: ManualClock)
 
 async def test_a_name_with_a_slash_has_its_page_and_actions(db: Any, clock: ManualClock) -> None:
     queue = AsyncTaskQueue(db, "team/jobs", clock=clock, max_attempts=1)
-    await queue.ensure_indexes()
+    await queue.setup()
     await queue.put("j1")
     task = await queue.claim("w")
     assert task is not None

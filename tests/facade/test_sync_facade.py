@@ -152,7 +152,7 @@ def test_a_blocking_handler_longer_than_the_lease_keeps_it(
 ) -> None:
     clock = ManualClock()
     queue = mongoq_sync.TaskQueue(blocking_db, "tasks", clock=clock, lease_ttl=30)
-    queue.ensure_indexes()
+    queue.setup()
     queue.put("slow")
     started, release = threading.Event(), threading.Event()
 
@@ -186,7 +186,7 @@ def test_a_blocking_handler_longer_than_the_lease_keeps_it(
 
 def test_one_facade_object_used_from_many_threads(blocking_db: mongoq_sync.Database) -> None:
     queue = mongoq_sync.TaskQueue(blocking_db, "tasks", clock=ManualClock())
-    queue.ensure_indexes()
+    queue.setup()
     completions: list[Any] = []
     errors: list[BaseException] = []
 
@@ -260,13 +260,13 @@ def test_ctrl_c_cancels_the_blocking_call() -> None:
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_gets_a_fresh_portal(blocking_db: mongoq_sync.Database) -> None:
     queue = mongoq_sync.TaskQueue(blocking_db, "tasks", clock=ManualClock())
-    queue.ensure_indexes()
+    queue.setup()
     queue.put("parent")
     pid = os.fork()
     if pid == 0:  # the child: the parent's portal thread does not exist here
         status = 1
         try:
-            queue.ensure_indexes()
+            queue.setup()
             queue.put("child")
             task = queue.get("child")
             status = 0 if task is not None and task.status == "pending" else 2
@@ -280,7 +280,7 @@ def test_a_forked_child_gets_a_fresh_portal(blocking_db: mongoq_sync.Database) -
 def test_closing_the_database_with_an_open_lease_block_releases_the_task() -> None:
     database = mongoq_sync.connect()  # the embedded backend: its data outlives the client
     queue = mongoq_sync.TaskQueue(database, "tasks", clock=ManualClock(), backoff_base=10)
-    queue.ensure_indexes()
+    queue.setup()
     queue.put("t1")
     task = queue.claim("w")
     block = queue.leased(task)
@@ -297,7 +297,7 @@ def test_run_with_handle_signals_off_the_main_thread_explains_itself(
     blocking_db: mongoq_sync.Database,
 ) -> None:
     queue = mongoq_sync.TaskQueue(blocking_db, "tasks", clock=ManualClock())
-    queue.ensure_indexes()
+    queue.setup()
     queue.put("t1")
     errors: list[BaseException] = []
 
@@ -321,7 +321,7 @@ def test_a_forked_child_rebuilds_on_its_own_client_and_closes_cleanly(
     blocking_db: mongoq_sync.Database,
 ) -> None:
     queue = mongoq_sync.TaskQueue(blocking_db, "tasks", clock=ManualClock())
-    queue.ensure_indexes()
+    queue.setup()
     pid = os.fork()
     if pid == 0:
         signal.alarm(30)  # a hang in the child fails the test instead of stalling it
@@ -389,7 +389,7 @@ def test_the_facade_waits_cancels_and_schedules_and_a_put_wakes_its_worker(
     and `unschedule` work as in the async API."""
     clock = ManualClock()
     queue = mongoq_sync.TaskQueue(blocking_db, "tasks", clock=clock)
-    queue.ensure_indexes()
+    queue.setup()
     started = threading.Event()
 
     def handler(task: Any) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import mongoq_sync
-from mongoq import RunSummary, Task
+from mongoq import Task, TaskRunSummary
 from mongoq.testing import ManualClock
 
 
@@ -26,7 +26,7 @@ def not_handled(signum: int, frame: object) -> None:
 def queue() -> Iterator[mongoq_sync.TaskQueue]:
     database = mongoq_sync.connect()
     queue = mongoq_sync.TaskQueue(database, "signals", clock=ManualClock(), backoff_base=10)
-    queue.ensure_indexes()
+    queue.setup()
     queue.put("t1")
     queue.put("t2")
     # Never the default around these tests: a broken feature must fail a test, not end pytest.
@@ -61,7 +61,7 @@ def test_a_first_signal_lets_the_running_task_finish_and_claims_nothing_more(
 
     summary = queue.run(handler, handle_signals=True)
 
-    assert summary == RunSummary(claimed=1, completed=1)
+    assert summary == TaskRunSummary(claimed=1, completed=1)
     done, left = queue.get("t1"), queue.get("t2")
     assert done is not None and (done.status, done.result) == ("done", "done t1")
     assert left is not None and (left.status, left.attempts) == ("pending", 0)
@@ -83,7 +83,7 @@ def test_a_second_signal_stops_the_run_at_once_and_a_finished_handler_is_still_r
 
     summary = queue.run(handler, handle_signals=True)
 
-    assert summary == RunSummary(claimed=1, completed=1)
+    assert summary == TaskRunSummary(claimed=1, completed=1)
     done, left = queue.get("t1"), queue.get("t2")
     assert done is not None
     assert (done.status, done.result) == ("done", "finished under the hard stop")
@@ -97,7 +97,7 @@ def test_a_blocking_handler_past_its_time_limit_runs_to_its_end_and_still_times_
     clock = ManualClock()
     with mongoq_sync.connect() as database:
         queue = mongoq_sync.TaskQueue(database, "limits", clock=clock, backoff_base=10)
-        queue.ensure_indexes()
+        queue.setup()
         queue.put("t1")
         finished: list[str] = []
 
@@ -108,7 +108,7 @@ def test_a_blocking_handler_past_its_time_limit_runs_to_its_end_and_still_times_
 
         summary = queue.run(slow, stop_when_empty=True, handler_timeout=5)
 
-        assert summary == RunSummary(claimed=1, retried=1)
+        assert summary == TaskRunSummary(claimed=1, retried=1)
         assert finished == ["t1"]
         late = queue.get("t1")
         assert late is not None

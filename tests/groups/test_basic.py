@@ -577,14 +577,14 @@ async def test_stats_counts_groups_messages_and_dead_letters(db: Any, clock: Man
     assert stored["park"]["parked"] is True
 
 
-async def test_ensure_indexes_creates_the_claim_head_and_dead_indexes_idempotently(
+async def test_setup_creates_the_claim_head_and_dead_indexes_idempotently(
     db: Any, clock: ManualClock
 ) -> None:
     transport = AsyncGroupTransport(db, PREFIX, visibility=VISIBILITY, clock=clock)
     await transport.publish("g", "g0")
 
-    await transport.ensure_indexes()
-    await transport.ensure_indexes()
+    await transport.setup()
+    await transport.setup()
 
     lock_indexes = await db["mq_locks"].index_information()
     assert set(lock_indexes) == {"_id_", "claim", "parked"}

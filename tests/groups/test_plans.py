@@ -93,7 +93,7 @@ async def test_claim_many_reads_each_head_from_the_group_head_index_on_a_real_se
     recorder = ChainRecorder(db)
     counter = CommandCounter()
     transport = AsyncGroupTransport(instrument(recorder, counter), PREFIX, clock=ManualClock())
-    await transport.ensure_indexes()
+    await transport.setup()
     # 40 groups with 15 messages each: a scan would examine 600 messages, the index a key a
     # group. The claim takes 20; explained afterwards, the same read finds the other 20.
     await transport.publish_many(NewMessage(f"g{n % 40}", n) for n in range(600))

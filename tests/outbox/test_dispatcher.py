@@ -22,9 +22,9 @@ from mongoq.errors import LeaseLost, PermanentError
 from mongoq.outbox import (
     AsyncOutbox,
     DeliveryContext,
-    DispatchSummary,
     Event,
     OutboxDispatcher,
+    OutboxRunSummary,
     lane_of,
 )
 from mongoq.testing import FaultInjector, ManualClock, instrument
@@ -99,7 +99,7 @@ async def test_run_until_empty_runs_every_subscribed_handler_once_and_hands_lane
 
     # A dispatcher runs only its own handlers: the stats deliveries wait for another one.
     mail_only = await dispatcher(outbox, {"mail": recorder(seen, "mail")}).run(stop_when_empty=True)
-    assert mail_only == DispatchSummary(claimed=3, completed=3)
+    assert mail_only == OutboxRunSummary(claimed=3, completed=3)
     assert sorted(d["event_id"] for d in await deliveries(odb)) == ["c0", "c1", "c2", "p0"]
     assert {d["handler"] for d in await deliveries(odb)} == {"stats"}
     assert {e["_id"] for e in (await events(odb)).values() if "completed_at" in e} == {
@@ -108,7 +108,7 @@ async def test_run_until_empty_runs_every_subscribed_handler_once_and_hands_lane
 
     handlers = {"mail": recorder(seen, "mail"), "stats": recorder(seen, "stats")}
     summary = await dispatcher(outbox, handlers, owner="w2").run(stop_when_empty=True)
-    assert summary == DispatchSummary(claimed=4, completed=4)
+    assert summary == OutboxRunSummary(claimed=4, completed=4)
     assert sorted(seen) == sorted(
         [("mail", f"c{n}", 1) for n in range(3)]
         + [("stats", f"c{n}", 1) for n in range(3)]
@@ -147,7 +147,7 @@ async def test_concurrent_dispatch_keeps_per_key_order_and_never_runs_one_key_tw
     assert widest > 1, "the keys never ran side by side: the test proves nothing"
     for key in keys:
         assert [seq for k, seq in started if k == key] == [1, 2, 3, 4, 5]
-    assert summary == DispatchSummary(claimed=15, completed=15)
+    assert summary == OutboxRunSummary(claimed=15, completed=15)
     await assert_all_completed(odb, [f"e{n}" for n in range(15)])
     await assert_lanes_handed_back(odb)
 
@@ -158,7 +158,7 @@ async def test_run_once_claims_one_batch_returns_its_own_summary_and_keeps_lanes
     outbox = await holding(odb, clock, [event(n) for n in range(3)])
     seen: list[tuple[str, str, int]] = []
     worker = dispatcher(outbox, {"h": recorder(seen)}, concurrency=2)
-    assert await worker.run_once() == DispatchSummary(claimed=2, completed=2)
+    assert await worker.run_once() == OutboxRunSummary(claimed=2, completed=2)
     ran = [event_id for _, event_id, _ in seen]
     assert len(ran) == 2
     assert [d["event_id"] for d in await deliveries(odb)] == [
@@ -166,12 +166,12 @@ async def test_run_once_claims_one_batch_returns_its_own_summary_and_keeps_lanes
     ]
     assert {lane["owner"] for lane in (await lanes(odb)).values()} == {None, "w"}
 
-    assert await worker.run_once() == DispatchSummary(claimed=1, completed=1)
+    assert await worker.run_once() == OutboxRunSummary(claimed=1, completed=1)
     assert sorted(seen) == [("h", "e0", 1), ("h", "e1", 1), ("h", "e2", 1)]
-    assert worker.summary == DispatchSummary(claimed=3, completed=3)  # the running totals
+    assert worker.summary == OutboxRunSummary(claimed=3, completed=3)  # the running totals
     await assert_all_completed(odb, ["e0", "e1", "e2"])
     # Nothing left: the claim hands back the lanes that yield nothing and run nothing.
-    assert await worker.run_once() == DispatchSummary()
+    assert await worker.run_once() == OutboxRunSummary()
     await assert_lanes_handed_back(odb)
 
 
@@ -190,17 +190,17 @@ async def test_a_failure_is_rescheduled_after_the_backoff_and_then_completes(
             raise RuntimeError("flaky downstream")
 
     worker = dispatcher(outbox, {"h": flaky}, max_attempts=3)
-    assert await worker.run(stop_when_empty=True) == DispatchSummary(claimed=1, retried=1)
+    assert await worker.run(stop_when_empty=True) == OutboxRunSummary(claimed=1, retried=1)
     stored = await e1_delivery(odb)
     assert stored["status"] == "pending" and stored["attempts"] == 1
     assert utc(stored["due_at"]) == clock.now() + timedelta(seconds=10)
     assert "flaky downstream" in stored["last_error"]
 
     clock.advance(9)  # not due yet
-    assert await worker.run_once() == DispatchSummary()
+    assert await worker.run_once() == OutboxRunSummary()
     assert calls == [("e1", 1)]
     clock.advance(1)
-    assert await worker.run(stop_when_empty=True) == DispatchSummary(
+    assert await worker.run(stop_when_empty=True) == OutboxRunSummary(
         claimed=2, completed=1, retried=1
     )
     assert calls == [("e1", 1), ("e1", 2)]
@@ -222,7 +222,9 @@ async def test_a_poison_delivery_is_buried_after_max_attempts_with_its_error(
     for _ in range(3):
         await worker.run(stop_when_empty=True)
         clock.advance(10)
-    assert await worker.run(stop_when_empty=True) == DispatchSummary(claimed=3, retried=2, buried=1)
+    assert await worker.run(stop_when_empty=True) == OutboxRunSummary(
+        claimed=3, retried=2, buried=1
+    )
     assert attempts == [1, 2, 3]
     stored = await e1_delivery(odb)
     assert stored["status"] == "dead" and stored["attempts"] == 3
@@ -244,7 +246,7 @@ async def test_permanent_error_buries_at_once_and_the_key_goes_on(
             raise PermanentError("customer deleted")
 
     summary = await dispatcher(outbox, {"h": handle}, max_attempts=5).run(stop_when_empty=True)
-    assert summary == DispatchSummary(claimed=2, completed=1, buried=1)
+    assert summary == OutboxRunSummary(claimed=2, completed=1, buried=1)
     assert ran == ["e1", "e2"]
     [dead] = await deliveries(odb)
     assert (dead["event_id"], dead["status"], dead["attempts"]) == ("e1", "dead", 1)
@@ -265,8 +267,8 @@ async def test_requeue_runs_a_dead_letter_again_before_its_unclaimed_followers(
             raise RuntimeError("bug in handler")
 
     worker = dispatcher(outbox, {"h": handle}, max_attempts=1, concurrency=1)
-    assert await worker.run_once() == DispatchSummary(claimed=1, buried=1)  # e1 dead
-    assert await worker.run_once() == DispatchSummary(claimed=1, completed=1)  # e2 went on
+    assert await worker.run_once() == OutboxRunSummary(claimed=1, buried=1)  # e1 dead
+    assert await worker.run_once() == OutboxRunSummary(claimed=1, completed=1)  # e2 went on
     assert ran == [("e1", 1), ("e2", 1)]
     await outbox.publish([event(3, "k"), event(4, "k")], session=None)  # after the burial
 
@@ -325,7 +327,7 @@ async def test_a_delivery_charged_past_max_attempts_by_takeovers_is_buried_unrun
         stop_when_empty=True
     )
     assert seen == []
-    assert summary == DispatchSummary(claimed=1, buried=1)
+    assert summary == OutboxRunSummary(claimed=1, buried=1)
     stored = await e1_delivery(odb)
     assert stored["status"] == "dead"
     # the two lost attempts, plus the third that ended as the burial
@@ -350,7 +352,7 @@ async def test_stop_from_a_handler_lets_running_handlers_finish_and_claims_nothi
         ran.append(event.id)
 
     worker = dispatcher(outbox, {"h": handle}, concurrency=2)
-    assert await worker.run() == DispatchSummary(claimed=2, completed=2)
+    assert await worker.run() == OutboxRunSummary(claimed=2, completed=2)
     assert len(ran) == 2
     left = await deliveries(odb)
     assert sorted(d["event_id"] for d in left) == sorted({f"e{n}" for n in range(5)} - set(ran))
@@ -401,7 +403,7 @@ async def test_cancelling_run_releases_the_running_delivery_uncharged_and_hands_
         arm()
         group.cancel_scope.cancel()
     assert started == [1]
-    assert worker.summary == DispatchSummary(claimed=1, released=1)
+    assert worker.summary == OutboxRunSummary(claimed=1, released=1)
     stored = await e1_delivery(odb)
     assert (stored["status"], stored["attempts"], stored["claims"]) == ("pending", 0, 1)
     assert utc(stored["due_at"]) == clock.now()
@@ -452,7 +454,7 @@ async def test_a_long_handler_keeps_its_lanes_renewed_and_its_key_to_itself(
         assert [d["event_id"] for d in await deliveries(odb)] == ["e1", "e2"]
         gate.set()
     assert ran == ["e1", "e2"]
-    assert worker.summary == DispatchSummary(claimed=2, completed=2)
+    assert worker.summary == OutboxRunSummary(claimed=2, completed=2)
     await assert_all_completed(odb, ["e1", "e2"])
     await assert_lanes_handed_back(odb)
 
@@ -466,7 +468,7 @@ async def test_transactional_handler_completes_with_its_projection(
     outbox = await holding(txdb, clock, [event(1, "k"), event(2, "k")])
     projection = await projection_collection(txdb)
     summary = await dispatcher(outbox, {"h": projecting(txdb)}).run(stop_when_empty=True)
-    assert summary == DispatchSummary(claimed=2, completed=2)
+    assert summary == OutboxRunSummary(claimed=2, completed=2)
     assert await projection.find({}, sort=[("_id", 1)]).to_list(None) == [
         {"_id": "e1", "attempt": 1},
         {"_id": "e2", "attempt": 1},
@@ -483,7 +485,7 @@ async def test_transactional_handler_aborted_after_completing_is_retried_not_com
     failure = RuntimeError("validation failed after completing")
 
     worker = dispatcher(outbox, {"h": projecting(txdb, fail_first=failure)})
-    assert await worker.run(stop_when_empty=True) == DispatchSummary(claimed=1, retried=1)
+    assert await worker.run(stop_when_empty=True) == OutboxRunSummary(claimed=1, retried=1)
     assert await projection.count_documents({}) == 0
     stored = await e1_delivery(txdb)
     assert (stored["status"], stored["attempts"]) == ("pending", 1)
@@ -521,7 +523,7 @@ async def test_transactional_handler_that_lost_its_lane_raises_lease_lost_and_wr
             raise
 
     worker = dispatcher(outbox, {"h": slow}, concurrency=1)
-    assert await worker.run(stop_when_empty=True) == DispatchSummary(claimed=1, lost=1)
+    assert await worker.run(stop_when_empty=True) == OutboxRunSummary(claimed=1, lost=1)
     assert outcomes == ["lease lost"]
     assert [(d.event.id, d.attempt) for d in taken] == [("e1", 2)]
     assert await projection.count_documents({}) == 0

@@ -9,7 +9,7 @@ from typing import Any
 
 import anyio
 
-from mongoq.outbox import DeliveryContext, DispatchSummary, Event
+from mongoq.outbox import DeliveryContext, Event, OutboxRunSummary
 from mongoq.testing import FaultInjector, ManualClock, Operation, instrument
 from tests.support.helpers import wait_for
 from tests.support.outbox_helpers import (
@@ -46,7 +46,7 @@ async def test_a_claim_answered_after_its_lease_ended_starts_no_handler(
 
     a = dispatcher(outbox_a, {"h": handler}, owner="A")
     held = faults.pause_after("bulk_write", match=lane_write)
-    summaries: list[DispatchSummary] = []
+    summaries: list[OutboxRunSummary] = []
     async with anyio.create_task_group() as group:
 
         async def run_a() -> None:
@@ -88,7 +88,7 @@ async def test_a_cancelled_run_once_completes_what_finished_before_it_returns(
 
     d = dispatcher(outbox, {"h": handler}, concurrency=2)
     completing = faults.pause_before("delete_many")
-    summaries: list[DispatchSummary] = []
+    summaries: list[OutboxRunSummary] = []
     async with anyio.create_task_group() as group:
 
         async def run() -> None:
@@ -146,5 +146,5 @@ async def test_a_settle_without_an_answer_is_counted_unknown_once(
     d = dispatcher(outbox, {"h": handler}, concurrency=2)
     summary = await d.run_once()
 
-    assert summary == DispatchSummary(claimed=2, unknown=2)
+    assert summary == OutboxRunSummary(claimed=2, unknown=2)
     assert [doc["event_id"] for doc in await deliveries(odb)] == ["e2"]  # e1 completed

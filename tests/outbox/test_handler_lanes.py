@@ -15,7 +15,7 @@ import anyio.lowlevel
 import pytest
 from pymongo.errors import AutoReconnect
 
-from mongoq.outbox import DeliveryContext, DispatchSummary, Event, lane_of
+from mongoq.outbox import DeliveryContext, Event, OutboxRunSummary, lane_of
 from mongoq.testing import CommandCounter, FaultInjector, ManualClock, instrument
 from tests.support.outbox_helpers import (
     PREFIX,
@@ -77,7 +77,7 @@ async def test_dispatchers_of_disjoint_handlers_progress_side_by_side_in_one_lan
             await started.wait()
             counted = dispatcher(b, {"stats": stats}, owner="counter", concurrency=1)
             summary = await counted.run(stop_when_empty=True)
-            assert summary == DispatchSummary(claimed=3, completed=3)
+            assert summary == OutboxRunSummary(claimed=3, completed=3)
             assert ran == [("mail", "e1"), ("stats", "e1"), ("stats", "e2"), ("stats", "e3")]
             stored = await lane_docs(odb)
             assert stored[mail_lane]["owner"] == "mailer"  # running e1 all along

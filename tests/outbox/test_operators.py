@@ -15,9 +15,9 @@ from mongoq.outbox import (
     AsyncOutbox,
     Delivery,
     DeliveryContext,
-    DispatchSummary,
     Event,
-    OutboxStatistics,
+    OutboxRunSummary,
+    OutboxStats,
     PublishResult,
     PurgeResult,
 )
@@ -63,27 +63,27 @@ async def test_stats_count_pending_running_dead_and_held_lanes(
     odb: Any, clock: ManualClock
 ) -> None:
     outbox = await new_outbox(odb, clock, lease=LEASE)  # order.created: mail, stats
-    assert await outbox.stats() == OutboxStatistics(0, 0, 0, 0, 0, None, 0)
+    assert await outbox.stats() == OutboxStats(0, 0, 0, 0, 0, None, 0)
     t0 = clock.now()
     await outbox.publish([order(1), order(2, kind="order.paid")], session=None)
     clock.advance(5)
     await outbox.publish(order(3), session=None)
-    assert await outbox.stats() == OutboxStatistics(5, 0, 0, 0, 0, t0, 0)
+    assert await outbox.stats() == OutboxStats(5, 0, 0, 0, 0, t0, 0)
 
     claimed = await claim_all(outbox, "mail")
     assert sorted(claimed) == ["e1/mail", "e3/mail"]
     lanes_used = len({d.lane_id for d in claimed.values()})
-    assert await outbox.stats() == OutboxStatistics(5, 0, 2, 0, 0, t0, lanes_used)
+    assert await outbox.stats() == OutboxStats(5, 0, 2, 0, 0, t0, lanes_used)
 
     assert await outbox.bury(claimed["e1/mail"], error="bad address")
     assert await outbox.complete(claimed["e3/mail"])
     assert (await count(odb, status="pending"), await count(odb, status="dead")) == (3, 1)
     # Running means claimed and not settled; the lanes stay held until their leases end.
-    assert await outbox.stats() == OutboxStatistics(3, 0, 0, 1, 0, t0, lanes_used)
+    assert await outbox.stats() == OutboxStats(3, 0, 0, 1, 0, t0, lanes_used)
 
     clock.advance(LEASE)
     stats = await outbox.stats()
-    assert stats == OutboxStatistics(3, 0, 0, 1, 0, t0, 0)
+    assert stats == OutboxStats(3, 0, 0, 1, 0, t0, 0)
     assert stats.oldest_due_at == min(
         utc(d["due_at"]) for d in await deliveries(odb) if "due_at" in d
     )
@@ -102,7 +102,7 @@ async def test_completion_history_records_every_completion_for_statistics_and_li
         return None
 
     worker = dispatcher(outbox, {"mail": handle, "stats": handle})
-    assert await worker.run(stop_when_empty=True) == DispatchSummary(claimed=3, completed=3)
+    assert await worker.run(stop_when_empty=True) == OutboxRunSummary(claimed=3, completed=3)
     assert await deliveries(odb) == []
     records = await history(odb)
     assert [(r["event_id"], r["handler"], r["attempts"], r["owner"]) for r in records] == [
@@ -112,7 +112,7 @@ async def test_completion_history_records_every_completion_for_statistics_and_li
     ]
     assert {utc(r["completed_at"]) for r in records} == {clock.now()}
     assert {utc(r["created_at"]) for r in records} == {t0}
-    assert await outbox.stats() == OutboxStatistics(0, 0, 0, 0, 3, None, 0)
+    assert await outbox.stats() == OutboxStats(0, 0, 0, 0, 3, None, 0)
 
     listed = await outbox.list_deliveries(status="completed")
     assert [(i.event_id, i.handler, i.status, i.attempts) for i in listed] == [
@@ -136,7 +136,7 @@ async def test_without_completion_history_no_delivery_is_reported_completed(
 
     plain = await new_outbox(odb, clock)
     # Held: the lane of e1's number for each handler, mail's and stats's.
-    assert await plain.stats() == OutboxStatistics(1, 0, 0, 0, 0, clock.now(), 2)
+    assert await plain.stats() == OutboxStats(1, 0, 0, 0, 0, clock.now(), 2)
     assert [(i.event_id, i.status) for i in await plain.list_deliveries()] == [("e2", "pending")]
     assert await plain.list_deliveries(status="completed") == []
     assert len(await history(odb)) == 2
@@ -157,7 +157,7 @@ async def test_completion_history_of_a_transactional_handler_commits_or_aborts_w
     assert (await outbox.stats()).completed == 0
 
     clock.advance(10)
-    assert await worker.run(stop_when_empty=True) == DispatchSummary(
+    assert await worker.run(stop_when_empty=True) == OutboxRunSummary(
         claimed=2, completed=1, retried=1
     )
     [record] = await history(txdb)

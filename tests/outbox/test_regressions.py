@@ -23,7 +23,7 @@ from pymongo.errors import AutoReconnect, NetworkTimeout, OperationFailure, PyMo
 import mongoq.outbox.parking as parking_module
 from mongoq import _driver
 from mongoq.errors import LeaseLost
-from mongoq.outbox import AsyncOutbox, Delivery, DeliveryContext, DispatchSummary, Event, lane_of
+from mongoq.outbox import AsyncOutbox, Delivery, DeliveryContext, Event, OutboxRunSummary, lane_of
 from mongoq.testing import ManualClock, Operation, instrument
 from tests.support.helpers import nth, utc
 from tests.support.outbox_helpers import (
@@ -337,7 +337,7 @@ async def test_a_handlers_own_lease_lost_is_retried_with_backoff_then_buried(
         clock.advance(10)
     await worker.run(stop_when_empty=True)
     assert calls == [1, 2, 3]
-    assert worker.summary == DispatchSummary(claimed=3, retried=2, buried=1)
+    assert worker.summary == OutboxRunSummary(claimed=3, retried=2, buried=1)
     [doc] = await deliveries(odb)
     assert (doc["status"], doc["attempts"], "due_at" in doc) == ("dead", 3, False)
 
@@ -359,7 +359,7 @@ async def test_lease_lost_from_context_complete_counts_as_lost_and_changes_nothi
         await _driver.run_in_transaction(txdb, context.complete)
 
     summary = await dispatcher(outbox, {"h": handler}).run(stop_when_empty=True)
-    assert summary == DispatchSummary(claimed=1, lost=1)
+    assert summary == OutboxRunSummary(claimed=1, lost=1)
     assert ran(taken) == [("e1", 2)]
     [doc] = await deliveries(txdb)
     assert (doc["status"], doc["attempts"], doc["claims"]) == ("pending", 1, 1)
@@ -390,7 +390,7 @@ async def test_a_backoff_without_a_usable_delay_falls_back_to_the_default_and_ke
             raise RuntimeError("flaky downstream")
 
     worker = dispatcher(outbox, {"h": flaky}, max_attempts=3, backoff=backoff)
-    assert await worker.run(stop_when_empty=True) == DispatchSummary(claimed=1, retried=1)
+    assert await worker.run(stop_when_empty=True) == OutboxRunSummary(claimed=1, retried=1)
     first, second = await deliveries(odb)
     assert (first["status"], first["attempts"], first["claims"]) == ("pending", 1, 1)
     assert "flaky downstream" in first["last_error"]
@@ -401,7 +401,7 @@ async def test_a_backoff_without_a_usable_delay_falls_back_to_the_default_and_ke
     clock.advance(1.25)
     await worker.run(stop_when_empty=True)
     assert calls == [("e1", 1), ("e1", 2), ("e2", 1)]
-    assert worker.summary == DispatchSummary(claimed=3, completed=2, retried=1)
+    assert worker.summary == OutboxRunSummary(claimed=3, completed=2, retried=1)
     assert await deliveries(odb) == []
 
 
@@ -424,7 +424,7 @@ async def test_a_flush_holding_two_claims_of_one_delivery_completes_it_by_the_ne
     await worker._flush()
     assert worker._finished == []
     # The older claim had ended: counted lost, so that each claim is counted once.
-    assert worker.summary == DispatchSummary(completed=1, lost=1)
+    assert worker.summary == OutboxRunSummary(completed=1, lost=1)
     assert await deliveries(odb) == []
     assert (await events(odb))["e1"].get("completed_at") is not None
 
@@ -449,7 +449,7 @@ async def test_a_transactional_handler_returning_after_its_transaction_aborted_i
             await project(event, context)
 
     worker = dispatcher(outbox, {"h": swallowing})
-    assert await worker.run(stop_when_empty=True) == DispatchSummary(claimed=1, retried=1)
+    assert await worker.run(stop_when_empty=True) == OutboxRunSummary(claimed=1, retried=1)
     [doc] = await deliveries(txdb)
     assert (doc["status"], doc["attempts"], doc["claims"]) == ("pending", 1, 1)
     assert utc(doc["due_at"]) == clock.now() + timedelta(seconds=10)
@@ -459,7 +459,7 @@ async def test_a_transactional_handler_returning_after_its_transaction_aborted_i
 
     clock.advance(10)
     await worker.run(stop_when_empty=True)
-    assert worker.summary == DispatchSummary(claimed=2, completed=1, retried=1)
+    assert worker.summary == OutboxRunSummary(claimed=2, completed=1, retried=1)
     assert await projection.find({}).to_list(None) == [{"_id": "e1", "attempt": 2}]
     assert await deliveries(txdb) == []
     assert "completed_at" in (await events(txdb))["e1"]

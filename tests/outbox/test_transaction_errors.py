@@ -21,7 +21,7 @@ from typing import Any
 import bson
 
 from mongoq import _driver
-from mongoq.outbox import AsyncOutbox, Delivery, DispatchSummary, Event
+from mongoq.outbox import AsyncOutbox, Delivery, Event, OutboxRunSummary
 from mongoq.testing import ManualClock
 from tests.support.helpers import utc
 from tests.support.outbox_helpers import (
@@ -113,7 +113,7 @@ async def test_a_dispatched_handler_completing_over_an_existing_history_record_c
     assert await outbox.release(delivery)
 
     worker = dispatcher(outbox, {"h": projecting(txdb)})
-    assert await worker.run(stop_when_empty=True) == DispatchSummary(claimed=1, completed=1)
+    assert await worker.run(stop_when_empty=True) == OutboxRunSummary(claimed=1, completed=1)
     assert await projection.find({}).to_list(None) == [{"_id": "e1", "attempt": 1}]
     await assert_completed_once(txdb, clock, [delivery])
 

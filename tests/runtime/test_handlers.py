@@ -116,7 +116,7 @@ def test_the_sync_facade_refuses_a_coroutine_function() -> None:
     db = mongoq_sync.connect()
     try:
         queue = mongoq_sync.TaskQueue(db, "handlers")
-        queue.ensure_indexes()
+        queue.setup()
         queue.put("t", {"n": 1})
         for handler in (asynchronous, AsyncCallable()):
             with pytest.raises(InvalidInput, match=r"^handler: must be a plain function"):

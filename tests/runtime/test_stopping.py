@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 import pytest
 
-from mongoq import RunSummary, Task
+from mongoq import Task, TaskRunSummary
 from mongoq.runtime.loop import WORKER_STOPPED
 from mongoq.testing import ManualClock
 from tests.support.helpers import new_queue, read, wait_for
@@ -23,7 +23,7 @@ async def test_a_task_cut_short_by_a_second_signal_records_worker_stopped_and_is
     queue = await new_queue(db, clock)
     await queue.put("t", {"n": 1})
     started: list[Task] = []
-    summaries: list[RunSummary] = []
+    summaries: list[TaskRunSummary] = []
 
     async def handler(task: Task) -> None:
         started.append(task)
@@ -48,7 +48,7 @@ async def test_a_task_cut_short_by_a_second_signal_records_worker_stopped_and_is
         signal.signal(signal.SIGTERM, previous)
 
     (summary,) = summaries
-    assert summary == RunSummary(claimed=1, retried=1)
+    assert summary == TaskRunSummary(claimed=1, retried=1)
     doc = await read(db, "t")
     assert doc is not None
     assert (doc["status"], doc["attempts"], doc["error"], doc["lease_token"]) == (

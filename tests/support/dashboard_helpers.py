@@ -35,7 +35,7 @@ async def seed(db: Any, clock: ManualClock) -> Seeded:
     transport ``orders`` (a dead letter in group ``o-1``, group ``o-2`` parked by a nack)
     and an outbox ``shop_`` (the delivery of ``e1`` to ``stats`` dead)."""
     queue = AsyncTaskQueue(db, "emails", clock=clock, max_attempts=3)
-    await queue.ensure_indexes()
+    await queue.setup()
     for task_id in ("welcome-1", "bounce-2", 7, "report-4"):
         await queue.put(task_id, {"to": f"{task_id}@example.org"})
         task = await queue.claim("worker-a")
@@ -49,7 +49,7 @@ async def seed(db: Any, clock: ManualClock) -> Seeded:
     await queue.put("digest-3", {"to": "all@example.org"})
 
     transport = AsyncGroupTransport(db, "orders", clock=clock)
-    await transport.ensure_indexes()
+    await transport.setup()
     await transport.publish("o-1", {"order": 1})
     lease = await transport.claim("worker-b")
     assert lease is not None

@@ -45,7 +45,7 @@ Subject = TypeVar("Subject")
 
 
 class Indexed(Protocol):
-    async def ensure_indexes(self) -> Any: ...
+    async def setup(self) -> Any: ...
 
 
 IndexedT = TypeVar("IndexedT", bound=Indexed)
@@ -57,7 +57,7 @@ async def indexed(
     """`kind(db, name, clock=clock, **options)` (a queue or a transport) with its indexes
     created: claims name their index, and a real server refuses a hint to a missing one."""
     subject = kind(db, name, clock=clock, **options)
-    await subject.ensure_indexes()
+    await subject.setup()
     return subject
 
 

@@ -116,7 +116,7 @@ class SyncEnv(Env):
         subject = await anyio.to_thread.run_sync(
             functools.partial(kind, self.database, name, clock=self.clock, **options)
         )
-        await anyio.to_thread.run_sync(subject.ensure_indexes)
+        await anyio.to_thread.run_sync(subject.setup)
         return AsyncView(subject)
 
     async def documents(self, collection: str) -> dict[Any, dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""Index audit: every query the library issues is served by an index `ensure_indexes()` declares.
+"""Index audit: every query the library issues is served by an index `setup()` declares.
 
 The workload below drives both primitives' whole API on the embedded backend through
 ``instrument(db, counter)`` with ``counter.record = True``. Every recorded command that selects
@@ -526,7 +526,7 @@ async def exercise_tasks(db: Any, clock: ManualClock) -> None:
     queue = AsyncTaskQueue(
         db, TASKS, clock=clock, max_attempts=2, lease_ttl=30, backoff_base=1, backoff_cap=1
     )
-    await queue.ensure_indexes()
+    await queue.setup()
     assert await queue.put("a", {"n": 1}) == "inserted"
     await queue.put("cancelled-pending")
     assert await queue.cancel("cancelled-pending")
@@ -598,7 +598,7 @@ async def exercise_tasks(db: Any, clock: ManualClock) -> None:
 
 async def exercise_groups(db: Any, raw: Any, clock: ManualClock, steal: StealHeadOnce) -> None:
     transport = AsyncGroupTransport(db, PREFIX, clock=clock, visibility=30, max_deliveries=2)
-    await transport.ensure_indexes()
+    await transport.setup()
 
     async def claim(expect: str) -> GroupLease:
         lease = await transport.claim("w")
@@ -924,7 +924,7 @@ async def test_the_audit_reports_a_query_on_an_unindexed_field() -> None:
     counter.record = True
     db = instrument(ChainRecorder(raw), counter)
     queue = AsyncTaskQueue(db, TASKS, clock=ManualClock())
-    await queue.ensure_indexes()
+    await queue.setup()
     await queue.put("a", {"n": 1})
     await db[TASKS].find_one({"payload.n": 1})
     await db[TASKS].count_documents({})
@@ -1106,8 +1106,8 @@ async def test_claim_queries_do_not_scan_the_collection_on_a_real_server(
     clock = ManualClock()
     queue = AsyncTaskQueue(wrapped, TASKS, clock=clock)
     transport = AsyncGroupTransport(wrapped, PREFIX, clock=clock)
-    await queue.ensure_indexes()
-    await transport.ensure_indexes()
+    await queue.setup()
+    await transport.setup()
     # A backlog with settled work beside it, so that a scan would have something to scan.
     await queue.put_many(NewTask(f"t{i}", priority=i % 3) for i in range(200))
     for task in await queue.claim_many(50, "w"):

@@ -499,7 +499,7 @@ async def test_stats_costs_the_same_few_commands_whatever_the_queue_size(
 # --------------------------------------------------------------------------------- indexes
 
 
-async def test_ensure_indexes_creates_the_claim_lease_and_partial_ttl_indexes(
+async def test_setup_creates_the_claim_lease_and_partial_ttl_indexes(
     db: Any, clock: ManualClock
 ) -> None:
     queue = AsyncTaskQueue(db, "tasks", clock=clock)
@@ -507,8 +507,8 @@ async def test_ensure_indexes_creates_the_claim_lease_and_partial_ttl_indexes(
     before = await read_all(db)
     assert set(await db["tasks"].index_information()) == {"_id_"}
 
-    await queue.ensure_indexes()
-    await queue.ensure_indexes()  # idempotent
+    await queue.setup()
+    await queue.setup()  # idempotent
 
     indexes = await db["tasks"].index_information()
     # The claim's sort, served by one index range (see the module docstring).

@@ -31,8 +31,8 @@ from mongoq import (
     NewTask,
     PermanentError,
     ReclaimResult,
-    RunSummary,
     Task,
+    TaskRunSummary,
 )
 from mongoq._validation import MAX_BATCH
 from mongoq.runtime.loop import WORKER_STOPPED
@@ -902,7 +902,7 @@ def is_retry(op: Operation) -> bool:
     return op.name == "update_one" and "revision" in op.filter and "error" in op.args[1]["$set"]
 
 
-async def run_until_empty(queue: AsyncTaskQueue, handler: Any, **options: Any) -> RunSummary:
+async def run_until_empty(queue: AsyncTaskQueue, handler: Any, **options: Any) -> TaskRunSummary:
     options.setdefault("worker_id", "w")
     options.setdefault("schedules", False)  # its ticker's reads: tests/tasks/test_schedules.py
     return await queue.run(handler, stop_when_empty=True, **options)
@@ -953,7 +953,7 @@ async def test_concurrent_batched_slots_never_process_one_task_twice_at_once(
     flaky = set(names[::7])
     await queue.put_many([NewTask(name, priority=i % 3) for i, name in enumerate(names)])
     books = Bookkeeping(flaky)
-    summaries: list[RunSummary] = []
+    summaries: list[TaskRunSummary] = []
 
     async def worker(worker_id: str) -> None:
         summaries.append(
@@ -1145,7 +1145,7 @@ async def test_a_batch_longer_than_the_lease_keeps_every_lease_through_heartbeat
     rival = await new_queue(db, clock)  # another process
     await queue.put_many([NewTask(f"t{i}") for i in (1, 2, 3)])
     handled: list[Any] = []
-    summaries: list[RunSummary] = []
+    summaries: list[TaskRunSummary] = []
 
     async def handler(task: Task) -> Any:
         await clock.sleep(25)

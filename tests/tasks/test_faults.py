@@ -15,7 +15,7 @@ import anyio
 import pytest
 from pymongo.errors import AutoReconnect, NetworkTimeout
 
-from mongoq import AsyncTaskQueue, NewTask, ReclaimResult, RunSummary, Task
+from mongoq import AsyncTaskQueue, NewTask, ReclaimResult, Task, TaskRunSummary
 from mongoq.testing import FaultInjector, ManualClock, instrument
 from tests.support.helpers import (
     LEASE_TTL,
@@ -180,7 +180,7 @@ async def test_concurrent_run_slots_never_process_one_task_twice_at_once(
     db: Any, clock: ManualClock
 ) -> None:
     queue, ids, books = await flaky_tasks(db, clock, 40)
-    summaries: list[RunSummary] = []
+    summaries: list[TaskRunSummary] = []
 
     async def worker(worker_id: str, concurrency: int) -> None:
         summaries.append(
@@ -441,7 +441,7 @@ async def test_run_survives_transient_claim_errors(
         handled.append(task.id)
         return f"done {task.id}"
 
-    summary: list[RunSummary] = []
+    summary: list[TaskRunSummary] = []
 
     async def worker() -> None:
         summary.append(await queue.run(handler, poll_interval=5, worker_id="w", schedules=False))
@@ -467,7 +467,7 @@ async def test_run_survives_transient_claim_errors(
     assert all(doc["result"] == f"done {task_id}" for task_id, doc in docs.items())
 
 
-async def run_once(queue: AsyncTaskQueue) -> RunSummary:
+async def run_once(queue: AsyncTaskQueue) -> TaskRunSummary:
     """Process whatever is due with a handler that returns "result", then stop."""
 
     async def handler(task: Task) -> str:

@@ -45,7 +45,7 @@ async def test_a_batch_dates_its_renewal_from_before_it_was_sent(
     faults = FaultInjector()
     a = AsyncTaskQueue(instrument(db, faults), QUEUE, clock=clock, lease_ttl=LEASE)
     b = AsyncTaskQueue(db, QUEUE, clock=clock, lease_ttl=LEASE)
-    await a.ensure_indexes()
+    await a.setup()
     await b.put("t1", priority=1)
     await b.put("t2")
     started: list[tuple[str, str | None]] = []
@@ -93,7 +93,7 @@ async def test_a_claim_whose_reply_comes_after_its_lease_ended_does_not_start_th
     faults = FaultInjector()
     a = AsyncTaskQueue(instrument(db, faults), QUEUE, clock=clock, lease_ttl=LEASE)
     b = AsyncTaskQueue(db, QUEUE, clock=clock, lease_ttl=LEASE)
-    await a.ensure_indexes()
+    await a.setup()
     await b.put("t1")
     started: list[tuple[str, str | None]] = []
 
@@ -135,7 +135,7 @@ async def test_a_claim_answered_late_but_before_its_lease_ended_renews_before_it
     left: A renews it first (one heartbeat), then runs and completes the task."""
     faults = FaultInjector()
     a = AsyncTaskQueue(instrument(db, faults), QUEUE, clock=clock, lease_ttl=LEASE)
-    await a.ensure_indexes()
+    await a.setup()
     await a.put("t1")
     started: list[float] = []
     begin = clock.now()
@@ -171,7 +171,7 @@ async def test_two_renewals_in_flight_that_apply_out_of_order_never_move_the_lea
     item's can be in flight at once, and the holder starts handlers on the later one."""
     faults = FaultInjector()
     queue = AsyncTaskQueue(instrument(db, faults), QUEUE, clock=clock, lease_ttl=LEASE)
-    await queue.ensure_indexes()
+    await queue.setup()
     await queue.put("t1")
     task = await queue.claim("A")
     assert task is not None
@@ -204,7 +204,7 @@ async def test_a_completion_without_an_answer_stays_unknown_when_a_renewal_found
     faults, counter = FaultInjector(), CommandCounter()
     counter.record = True
     queue = AsyncTaskQueue(instrument(db, counter, faults), QUEUE, clock=clock, lease_ttl=LEASE)
-    await queue.ensure_indexes()
+    await queue.setup()
     await queue.put("t1")
 
     def completion(op: Operation) -> bool:

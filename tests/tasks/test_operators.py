@@ -231,12 +231,12 @@ async def test_retention_creates_partial_ttl_indexes_and_a_queue_without_it_leav
     assert list(indexes["retain_done"]["key"]) == [("updated_at", 1)]
 
     changed = AsyncTaskQueue(db, "tasks", clock=clock, retain_done=60)
-    await changed.ensure_indexes()
+    await changed.setup()
     indexes = await db["tasks"].index_information()
     assert indexes["retain_done"]["expireAfterSeconds"] == 60  # changed in place
     # A queue that does not set it (a producer's set-up) leaves the workers' index alone.
     assert indexes["retain_failed"]["expireAfterSeconds"] == 7 * 86400
-    await AsyncTaskQueue(db, "tasks", clock=clock).ensure_indexes()
+    await AsyncTaskQueue(db, "tasks", clock=clock).setup()
     after = await db["tasks"].index_information()
     assert (after["retain_done"]["expireAfterSeconds"], after["retain_failed"]
             ["expireAfterSeconds"]) == (60, 7 * 86400)  # fmt: skip

@@ -195,7 +195,7 @@ async def test_a_worker_without_schedules_sends_no_schedule_read(
 
     counter = CommandCounter()
     queue = AsyncTaskQueue(instrument(db, counter), QUEUE, clock=clock)
-    await queue.ensure_indexes()
+    await queue.setup()
     counter.reset()
 
     async def handler(task: Task) -> None:
