@@ -23,7 +23,7 @@ async def handle(lease: GroupLease) -> None:
 
 async def main() -> None:
     db = mongoq.connect()
-    orders = mongoq.AsyncGroupTransport(db, "orders", visibility=30, max_deliveries=5)
+    orders = mongoq.AsyncGroupTransport(db, "orders", lease_ttl=30, max_deliveries=5)
     await orders.setup()
 
     await orders.publish("order-1", {"type": "created"}, priority=1)  # priority: first publish

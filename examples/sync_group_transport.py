@@ -13,7 +13,7 @@ from mongoq import GroupLease, NewMessage
 
 def main() -> None:
     with mongoq_sync.connect() as db:
-        orders = mongoq_sync.GroupTransport(db, "orders", visibility=30)
+        orders = mongoq_sync.GroupTransport(db, "orders", lease_ttl=30)
         orders.setup()
         orders.publish_many(
             NewMessage(f"order-{n % 2}", {"step": step}) for n in range(2) for step in range(3)

@@ -517,7 +517,7 @@ class GroupTransport(Facade):
     allocating a ``seq`` and inserting the message are two commands, so a later ``seq`` can be
     stored, and delivered, before an earlier one. Every ack/nack/extend is fenced on the lease
     token, so a holder that lost the group changes nothing and gets ``False``; a consumer that
-    dies leaves its group claimable again after `visibility` with the same head. Delivery is at
+    dies leaves its group claimable again after `lease_ttl` with the same head. Delivery is at
     least once. Without `max_deliveries`, a head that always fails blocks its group (FIFO): set it
     to move such heads to the dead letters.
     """
@@ -527,7 +527,7 @@ class GroupTransport(Facade):
         db: Database,
         prefix: str = "mongoq",
         *,
-        visibility: float = 30,
+        lease_ttl: float = 30,
         max_deliveries: int | None = None,
         clock: Clock | None = None,
     ) -> None:
@@ -536,7 +536,7 @@ class GroupTransport(Facade):
             _AsyncGroupTransport,
             db,
             prefix,
-            visibility=visibility,
+            lease_ttl=lease_ttl,
             max_deliveries=max_deliveries,
             clock=clock,
         )
@@ -546,8 +546,8 @@ class GroupTransport(Facade):
         return cast("str", self._get("prefix"))
 
     @property
-    def visibility(self) -> float:
-        return cast("float", self._get("visibility"))
+    def lease_ttl(self) -> float:
+        return cast("float", self._get("lease_ttl"))
 
     @property
     def max_deliveries(self) -> int | None:
@@ -623,11 +623,11 @@ class GroupTransport(Facade):
     ) -> GroupRunSummary:
         """Claim groups and process their heads with `handler` until stopped.
 
-        The lease is extended every ``visibility / 3`` while the handler runs. A clean return
+        The lease is extended every ``lease_ttl / 3`` while the handler runs. A clean return
         acks; `PermanentError` dead-letters the head; any other exception nacks with
         `retry_delay` and records the error; a cancellation (a second signal) nacks it with
         "worker stopped". Orphaned
-        groups are readied every ``visibility`` (and when idle). `stop()` stops gracefully.
+        groups are readied every ``lease_ttl`` (and when idle). `stop()` stops gracefully.
         `handler_timeout` (seconds of the transport's clock) cancels a handler that runs
         longer: the head is nacked with ``HandlerTimeout: timed out after N s`` (a delivery
         spent). A handler whose group a renewal finds taken over is cancelled and counted
@@ -690,19 +690,19 @@ class GroupTransport(Facade):
         """
         return cast("bool", self._call("nack", lease, delay, error=error))
 
-    def extend(self, lease: GroupLease, visibility: float | None = None) -> bool:
-        """Keep the group for `visibility` (default: the transport's) more seconds from now,
+    def extend(self, lease: GroupLease, lease_ttl: float | None = None) -> bool:
+        """Keep the group for `lease_ttl` (default: the transport's) more seconds from now,
         the head's stamp with it. False if no longer held.
         """
-        return cast("bool", self._call("extend", lease, visibility))
+        return cast("bool", self._call("extend", lease, lease_ttl))
 
     def extend_many(
-        self, leases: Sequence[GroupLease], visibility: float | None = None
+        self, leases: Sequence[GroupLease], lease_ttl: float | None = None
     ) -> list[bool]:
         """`extend` for many leases: the locks, a read of which are still held, and the stamps
         of those heads (three commands). Returns, per lease, whether it is still held.
         """
-        return cast("list[bool]", self._call("extend_many", leases, visibility))
+        return cast("list[bool]", self._call("extend_many", leases, lease_ttl))
 
     def dead_letter(self, lease: GroupLease, error: BaseException | str | None) -> bool:
         """Move the head to the dead letters now and release the group (a permanent failure).
@@ -732,10 +732,10 @@ class GroupTransport(Facade):
     def recover_orphans(self, *, older_than: float | None = None) -> int:
         """Ready the groups of messages whose publisher died before readying the group.
 
-        Looks at messages older than `older_than` seconds (default: `visibility`) whose group
+        Looks at messages older than `older_than` seconds (default: `lease_ttl`) whose group
         has no lock document; returns how many groups it readied. One aggregation and, if any,
         one bulk upsert. After its first run, a transport looks only at the messages published
-        since the previous run (less a margin of `visibility`), through the ``published`` index.
+        since the previous run (less a margin of `lease_ttl`), through the ``published`` index.
         """
         return cast("int", self._call("recover_orphans", older_than=older_than))
 
@@ -772,7 +772,7 @@ class Outbox(Facade):
     `subscriptions` maps an event type to the names of the handlers that receive it (``"*"``
     for every type); deliveries are created from the publisher's subscriptions, so every
     process that publishes needs the same map. Workers claim deliveries by leasing lanes for
-    `lease` seconds (`OutboxDispatcher` does all of it). See `mongoq.outbox.schema` for the
+    `lease_ttl` seconds (`OutboxDispatcher` does all of it). See `mongoq.outbox.schema` for the
     layout and `mongoq.outbox` for the guarantees.
     """
 
@@ -782,7 +782,7 @@ class Outbox(Facade):
         prefix: str = "mongoq_outbox_",
         *,
         subscriptions: Mapping[str, Iterable[str]],
-        lease: float = 30,
+        lease_ttl: float = 30,
         completion_history: bool = False,
         clock: Clock | None = None,
         logger: Logger | None = None,
@@ -794,7 +794,7 @@ class Outbox(Facade):
             db,
             prefix,
             subscriptions=subscriptions,
-            lease=lease,
+            lease_ttl=lease_ttl,
             completion_history=completion_history,
             clock=clock,
             logger=logger,
@@ -806,8 +806,8 @@ class Outbox(Facade):
         return cast("str", self._get("prefix"))
 
     @property
-    def lease(self) -> float:
-        return cast("float", self._get("lease"))
+    def lease_ttl(self) -> float:
+        return cast("float", self._get("lease_ttl"))
 
     @property
     def instance(self) -> str:
@@ -842,18 +842,18 @@ class Outbox(Facade):
         return cast("PublishResult", self._call("publish", events, session=session))
 
     def claim(
-        self, owner: str, handlers: Iterable[str] | None = None, *, limit: int = 16
+        self, worker_id: str, handlers: Iterable[str] | None = None, *, limit: int = 16
     ) -> list[Delivery]:
-        """Claim up to `limit` due deliveries for `owner` (of `handlers`, or of any handler).
+        """Claim up to `limit` due deliveries for `worker_id` (of `handlers`, or of any handler).
 
-        Claims from the lanes `owner` holds on this instance, then takes free lanes (no owner,
+        Claims from the lanes `worker_id` holds on this instance, then takes free lanes (no owner,
         or an expired lease) holding the oldest due deliveries; a lane that another claimer
         takes first is skipped, never waited for. A keyed delivery is taken only when it is the
         lowest pending sequence of its handler and key and none of them runs; one claim never
         takes two deliveries of one key. Lanes that yield nothing and run nothing are handed
-        back. Claims of one owner on one instance run one after the other.
+        back. Claims of one worker on one instance run one after the other.
         """
-        return cast("list[Delivery]", self._call("claim", owner, handlers, limit=limit))
+        return cast("list[Delivery]", self._call("claim", worker_id, handlers, limit=limit))
 
     def complete(self, delivery: Delivery, *, session: Any = None) -> bool:
         """Finish `delivery`: its document is deleted and the event records the completion.
@@ -893,18 +893,18 @@ class Outbox(Facade):
         """
         return cast("bool", self._call("bury", delivery, error=error))
 
-    def extend_lease(self, owner: str) -> int:
-        """Renew the lease of every lane `owner` holds on this instance; returns how many. An
+    def extend_lease(self, worker_id: str) -> int:
+        """Renew the lease of every lane `worker_id` holds on this instance; returns how many. An
         expired lease nobody took over is renewed too; a lane taken over is not.
         """
-        return cast("int", self._call("extend_lease", owner))
+        return cast("int", self._call("extend_lease", worker_id))
 
-    def relinquish(self, owner: str) -> int:
-        """Hand back every lane `owner` holds on this instance at once (graceful stop); returns
+    def relinquish(self, worker_id: str) -> int:
+        """Hand back every lane `worker_id` holds on this instance at once (graceful stop); returns
         how many. Whatever they still list as running is charged an attempt by the next holder,
         unless it was settled meanwhile.
         """
-        return cast("int", self._call("relinquish", owner))
+        return cast("int", self._call("relinquish", worker_id))
 
     def requeue(self, event_id: str, handler: str) -> bool:
         """Make a dead delivery pending again, due now, with its attempts reset. It then comes
@@ -988,7 +988,7 @@ class OutboxDispatcher(Facade):
         outbox: Outbox,
         handlers: Mapping[str, Callable[[Event, DeliveryContext], Any]],
         *,
-        owner: str | None = None,
+        worker_id: str | None = None,
         concurrency: int = 8,
         max_attempts: int = 10,
         backoff: Callable[[int], float] | None = None,
@@ -1000,7 +1000,7 @@ class OutboxDispatcher(Facade):
             _AsyncOutboxDispatcher,
             outbox,
             {key: in_worker_thread(value, f"handlers[{key!r}]") for key, value in handlers.items()},
-            owner=owner,
+            worker_id=worker_id,
             concurrency=concurrency,
             max_attempts=max_attempts,
             backoff=backoff,
@@ -1009,8 +1009,8 @@ class OutboxDispatcher(Facade):
         )
 
     @property
-    def owner(self) -> str:
-        return cast("str", self._get("owner"))
+    def worker_id(self) -> str:
+        return cast("str", self._get("worker_id"))
 
     @property
     def concurrency(self) -> int:

@@ -462,7 +462,7 @@ async def test_group_runs_and_dispatchers_are_counted_too(
     await outbox.publish([event(1), event(2)], session=None)
 
     groups = await transport.run(handler_for(clock), stop_when_empty=True, retry_delay=10)
-    dispatch = await OutboxDispatcher(outbox, {"h": handler_for(clock)}, owner="w").run(
+    dispatch = await OutboxDispatcher(outbox, {"h": handler_for(clock)}, worker_id="w").run(
         stop_when_empty=True
     )
 

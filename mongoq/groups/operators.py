@@ -38,7 +38,7 @@ class _Transport(Protocol):
     messages: Any
     locks: Any
     dead: Any
-    visibility: float
+    lease_ttl: float
     _recovered_until: datetime | None
 
     async def _now(self) -> datetime: ...
@@ -94,17 +94,17 @@ class GroupOperators:
     async def recover_orphans(self: _Transport, *, older_than: float | None = None) -> int:
         """Ready the groups of messages whose publisher died before readying the group.
 
-        Looks at messages older than `older_than` seconds (default: `visibility`) whose group
+        Looks at messages older than `older_than` seconds (default: `lease_ttl`) whose group
         has no lock document; returns how many groups it readied. One aggregation and, if any,
         one bulk upsert. After its first run, a transport looks only at the messages published
-        since the previous run (less a margin of `visibility`), through the ``published`` index.
+        since the previous run (less a margin of `lease_ttl`), through the ``published`` index.
         """
-        seconds = self.visibility if older_than is None else check_seconds("older_than", older_than)
+        seconds = self.lease_ttl if older_than is None else check_seconds("older_than", older_than)
         now = await self._now()
         cutoff = now - timedelta(seconds=seconds)
         since = None
         if self._recovered_until is not None:
-            since = self._recovered_until - timedelta(seconds=self.visibility)
+            since = self._recovered_until - timedelta(seconds=self.lease_ttl)
         orphans = await _driver.aggregate_list(
             self.messages, schema.orphan_groups(cutoff, since, self.locks.name)
         )

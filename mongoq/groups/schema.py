@@ -15,7 +15,7 @@ Collections (names start with ``{prefix}_``):
   ``{_id: group_id, available_at, token, priority, version, last_seq, parked}``.
   ``available_at`` is when the group is next claimable: the epoch for a group never claimed,
   ``now`` after an ack or an immediate nack (round-robin: behind never-claimed groups and groups
-  already waiting), ``now + visibility`` while in flight, ``now + delay`` while parked.
+  already waiting), ``now + lease_ttl`` while in flight, ``now + delay`` while parked.
   ``priority`` (0-4) is fixed by the first publish. ``version`` counts the publishes that readied
   the group and ``last_seq`` is the largest seq they readied: together they fence the drop of a
   drained group.

@@ -33,7 +33,7 @@ class GroupSettles:
     # set by the transport's constructor
     prefix: str
     clock: Clock
-    visibility: float
+    lease_ttl: float
     messages: Any
     locks: Any
     dead: Any
@@ -181,12 +181,12 @@ class GroupSettles:
             log_attempt_end(log, attempt, "retried", error, until)
         return True
 
-    async def extend(self, lease: GroupLease, visibility: float | None = None) -> bool:
-        """Keep the group for `visibility` (default: the transport's) more seconds from now,
+    async def extend(self, lease: GroupLease, lease_ttl: float | None = None) -> bool:
+        """Keep the group for `lease_ttl` (default: the transport's) more seconds from now,
         the head's stamp with it. False if no longer held."""
         check_lease(lease)
-        seconds = self.visibility if visibility is None else check_seconds(
-            "visibility", visibility, positive=True
+        seconds = self.lease_ttl if lease_ttl is None else check_seconds(
+            "lease_ttl", lease_ttl, positive=True
         )  # fmt: skip
         now = await self._now()
         until = now + timedelta(seconds=seconds)
@@ -201,15 +201,15 @@ class GroupSettles:
         return True
 
     async def extend_many(
-        self, leases: Sequence[GroupLease], visibility: float | None = None
+        self, leases: Sequence[GroupLease], lease_ttl: float | None = None
     ) -> list[bool]:
         """`extend` for many leases: the locks, a read of which are still held, and the stamps
         of those heads (three commands). Returns, per lease, whether it is still held."""
         leases = check_batch("leases", leases)
         for lease in leases:
             check_lease(lease)
-        seconds = self.visibility if visibility is None else check_seconds(
-            "visibility", visibility, positive=True
+        seconds = self.lease_ttl if lease_ttl is None else check_seconds(
+            "lease_ttl", lease_ttl, positive=True
         )  # fmt: skip
         if not leases:
             return []

@@ -70,7 +70,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
     allocating a ``seq`` and inserting the message are two commands, so a later ``seq`` can be
     stored, and delivered, before an earlier one. Every ack/nack/extend is fenced on the lease
     token, so a holder that lost the group changes nothing and gets ``False``; a consumer that
-    dies leaves its group claimable again after `visibility` with the same head. Delivery is at
+    dies leaves its group claimable again after `lease_ttl` with the same head. Delivery is at
     least once. Without `max_deliveries`, a head that always fails blocks its group (FIFO): set it
     to move such heads to the dead letters.
     """
@@ -80,14 +80,14 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         db: Any,
         prefix: str = "mongoq",
         *,
-        visibility: float = 30,
+        lease_ttl: float = 30,
         max_deliveries: int | None = None,
         clock: Clock | None = None,
     ) -> None:
         super().__init__()
         _driver.backend_of(db)
         self.prefix = check_name("prefix", prefix)
-        self.visibility = check_seconds("visibility", visibility, positive=True)
+        self.lease_ttl = check_seconds("lease_ttl", lease_ttl, positive=True)
         if max_deliveries is not None:
             check_int("max_deliveries", max_deliveries, low=1)
         self.max_deliveries = max_deliveries
@@ -193,7 +193,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         while True:
             now = await self._now()
             token = f"{worker}:{uuid.uuid4().hex}"
-            lease_until = now + timedelta(seconds=self.visibility)
+            lease_until = now + timedelta(seconds=self.lease_ttl)
             with _driver.index_required(self.locks, schema.CLAIM.name):
                 lock = await self.locks.find_one_and_update(
                     schema.lock_due(min_priority, now, refused),
@@ -238,7 +238,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         check_priority("min_priority", min_priority)
         now = await self._now()
         token = f"{worker}:{uuid.uuid4().hex}"
-        lease_until = now + timedelta(seconds=self.visibility)
+        lease_until = now + timedelta(seconds=self.lease_ttl)
         candidates = await take_candidates(
             self.locks,
             schema.lock_due(min_priority, now),
@@ -397,11 +397,11 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
     ) -> GroupRunSummary:
         """Claim groups and process their heads with `handler` until stopped.
 
-        The lease is extended every ``visibility / 3`` while the handler runs. A clean return
+        The lease is extended every ``lease_ttl / 3`` while the handler runs. A clean return
         acks; `PermanentError` dead-letters the head; any other exception nacks with
         `retry_delay` and records the error; a cancellation (a second signal) nacks it with
         "worker stopped". Orphaned
-        groups are readied every ``visibility`` (and when idle). `stop()` stops gracefully.
+        groups are readied every ``lease_ttl`` (and when idle). `stop()` stops gracefully.
         `handler_timeout` (seconds of the transport's clock) cancels a handler that runs
         longer: the head is nacked with ``HandlerTimeout: timed out after N s`` (a delivery
         spent). A handler whose group a renewal finds taken over is cancelled and counted
@@ -440,7 +440,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
 
         async def process(leases: list[GroupLease]) -> None:
             await run_batch(
-                holder, leases, clock=self.clock, lease=self.visibility, count=tally,
+                holder, leases, clock=self.clock, lease=self.lease_ttl, count=tally,
                 describe=lambda lease: f"group {lease.group_id!r}", logger=log,
                 handler_timeout=limit, timed=tally.handler_time,
             )  # fmt: skip
@@ -453,7 +453,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
             poll_interval=poll,
             stop_when_empty=stop_when_empty,
             housekeeping=self.recover_orphans,
-            housekeeping_interval=self.visibility,
+            housekeeping_interval=self.lease_ttl,
             name=f"groups:{self.prefix}",
             next_due=partial(self._next_due, min_priority) if stop_when_drained else None,
             wake_key=self._wake_key,
@@ -476,5 +476,5 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
             projection={"available_at": 1}, hint=schema.CLAIM.name,
         )  # fmt: skip
         due = stored_instant(locks[0]["available_at"]) if locks else None
-        # Messages without a group are orphans, which housekeeping readies (every visibility).
-        return due or self.clock.now() + timedelta(seconds=self.visibility)
+        # Messages without a group are orphans, which housekeeping readies (every lease_ttl).
+        return due or self.clock.now() + timedelta(seconds=self.lease_ttl)

@@ -197,7 +197,7 @@ class Claimer:
     other), and the owners whose last claim took all it asked for (`filled`)."""
 
     def __init__(
-        self, *, lanes: LaneStore, deliveries: Any, events: Any, clock: Clock, lease: float,
+        self, *, lanes: LaneStore, deliveries: Any, events: Any, clock: Clock, lease_ttl: float,
         log: Logger,
     ) -> None:  # fmt: skip
         self.lanes = lanes
@@ -205,7 +205,7 @@ class Claimer:
         self.deliveries = deliveries
         self.events = events
         self.clock = clock
-        self.lease = lease
+        self.lease_ttl = lease_ttl
         self.log = log
         self.parking = Parking(deliveries, self._heads, log)
         self.locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -243,11 +243,11 @@ class Claimer:
         claim is no longer pending at its generation and needs no freeing."""
         for delivery in deliveries:
             doc_id, _, _, claims = parse_token(delivery)
-            issued = self.issued[delivery.owner]
+            issued = self.issued[delivery.worker_id]
             if issued.get(doc_id) == claims:  # a stale settle leaves a newer claim running
                 del issued[doc_id]
             if ended:
-                self.ended[delivery.owner].add((doc_id, claims))
+                self.ended[delivery.worker_id].add((doc_id, claims))
             self.parking.settled(delivery.handler, delivery.event.key)
 
     async def relinquish(self, owner: str, now: datetime) -> int:
@@ -302,7 +302,7 @@ class Claimer:
         # there charged its lost attempt, so the scan sees current generations. Those beyond
         # this claim's share wait for a later claim.
         if stale:
-            lease_until = now + timedelta(seconds=self.lease)
+            lease_until = now + timedelta(seconds=self.lease_ttl)
             taken = await self.lanes.take_over(owner, stale[:STALE_LANES_PER_CLAIM], lease_until)
             if taken:
                 self.log.info("took over %d lane(s) left with deliveries listed", len(taken))
@@ -488,7 +488,7 @@ class Claimer:
             lane.id: [e for e in lane.in_flight if e.delivery in running_ids]
             for lane in held.values()
         }
-        lease_until = now + timedelta(seconds=self.lease)
+        lease_until = now + timedelta(seconds=self.lease_ttl)
         epochs = await self.lanes.record(
             owner, now, lease_until, held, ground.free, running, picked
         )

@@ -28,8 +28,8 @@ from mongoq._validation import (
     check_seconds,
     check_stop_when,
     check_timeout,
+    check_worker_id,
 )
-from mongoq._validation import check_worker_id as _check_owner
 from mongoq.errors import InvalidInput, LeaseLost, PermanentError
 from mongoq.outbox.models import Delivery, Event, OutboxRunSummary, check_handler
 from mongoq.outbox.store import AsyncOutbox
@@ -98,7 +98,7 @@ class OutboxDispatcher(WorkerHost):
         outbox: AsyncOutbox,
         handlers: Mapping[str, Callable[[Event, DeliveryContext], Awaitable[Any]]],
         *,
-        owner: str | None = None,
+        worker_id: str | None = None,
         concurrency: int = 8,
         max_attempts: int = 10,
         backoff: Callable[[int], float] | None = None,
@@ -118,7 +118,11 @@ class OutboxDispatcher(WorkerHost):
         self.outbox = outbox
         self.db = outbox.db
         self.handlers = dict(handlers)
-        self.owner = _check_owner("owner", owner) if owner is not None else default_worker_id()
+        self.worker_id = (
+            check_worker_id("worker_id", worker_id)
+            if worker_id is not None
+            else default_worker_id()
+        )
         self.concurrency = check_int("concurrency", concurrency, low=1, high=1000)
         self.max_attempts = check_int("max_attempts", max_attempts, low=1)
         self.backoff = backoff if backoff is not None else default_backoff
@@ -161,7 +165,7 @@ class OutboxDispatcher(WorkerHost):
         finally:
             # Also when cancelled: what finished is completed, not left to run again. Bounded,
             # so a dead server cannot hold the caller longer than the lease would have lasted.
-            with anyio.move_on_after(self.outbox.lease, shield=True):
+            with anyio.move_on_after(self.outbox.lease_ttl, shield=True):
                 await self._flush()
         return OutboxRunSummary(
             **{name: value - getattr(before, name) for name, value in vars(self.summary).items()}
@@ -189,7 +193,7 @@ class OutboxDispatcher(WorkerHost):
             concurrency=self.concurrency,
             poll_interval=self.poll_interval,
             stop_when_empty=stop_when_empty,
-            name=f"outbox:{self.outbox.prefix} dispatcher {self.owner}",
+            name=f"outbox:{self.outbox.prefix} dispatcher {self.worker_id}",
             next_due=self._next_due if stop_when_drained else None,
             wake_key=self.outbox.wake_key,
             background=[self._renew_while_running],
@@ -201,7 +205,7 @@ class OutboxDispatcher(WorkerHost):
             with anyio.CancelScope(shield=True):
                 await self._flush()
                 try:
-                    await self.outbox.relinquish(self.owner)
+                    await self.outbox.relinquish(self.worker_id)
                 except _driver.DRIVER_ERRORS as exc:
                     log.warning("handing lanes back failed (%s); their leases will expire", exc)
         return self.summary
@@ -214,13 +218,13 @@ class OutboxDispatcher(WorkerHost):
         writes each lane it hands a delivery from with a lease dated no earlier than it was
         sent. The run loop's `claim_many`."""
         sent = self.outbox.clock.now()
-        batch = await self.outbox.claim(self.owner, list(self.handlers), limit=limit)
+        batch = await self.outbox.claim(self.worker_id, list(self.handlers), limit=limit)
         self._tally("claimed", len(batch))
-        lease_end = leases.renewed_until(sent, self.outbox.lease)
+        lease_end = leases.renewed_until(sent, self.outbox.lease_ttl)
         return [(delivery, lease_end) for delivery in batch]
 
     async def _renew_while_running(self) -> None:
-        interval = self.outbox.lease / 3
+        interval = self.outbox.lease_ttl / 3
         while True:
             await self.outbox.clock.sleep(interval)
             if not self._guards:
@@ -229,11 +233,11 @@ class OutboxDispatcher(WorkerHost):
             # was on its way is not among the lost.
             running = list(self._guards)
             try:
-                if await self.outbox.extend_lease(self.owner) == 0:
+                if await self.outbox.extend_lease(self.worker_id) == 0:
                     # Taken over: whatever runs can no longer settle; stop it. (A loss of some
                     # lanes only is found by the settles, which the lane epoch fences.)
                     log.warning("%s holds no lane any more; cancelling %d running handler(s)",
-                                self.owner, len(running))  # fmt: skip
+                                self.worker_id, len(running))  # fmt: skip
                     for guard in running:
                         guard.cancel()
             except _driver.DRIVER_ERRORS as exc:
@@ -247,7 +251,7 @@ class OutboxDispatcher(WorkerHost):
         self._guards.add(guard)
         try:
             now = self.outbox.clock.now()
-            if leases.startable(lease_end, now, self.outbox.lease):
+            if leases.startable(lease_end, now, self.outbox.lease_ttl):
                 await self._dispatch(delivery, guard)
             else:
                 # The claim answered too late to show its lanes' lease live: another worker

@@ -176,7 +176,7 @@ class Delivery:
     handler: str
     attempt: int
     lease_token: str
-    owner: str
+    worker_id: str
     sequence: int | None = None
     #: when it fell due (its first due time, or the retry's)
     due_at: datetime | None = None
@@ -192,10 +192,10 @@ class Delivery:
 
     @classmethod
     def from_documents(
-        cls, delivery: Mapping[str, Any], event: Mapping[str, Any], owner: str, epoch: int
+        cls, delivery: Mapping[str, Any], event: Mapping[str, Any], worker_id: str, epoch: int
     ) -> Delivery:
         """The delivery a claim hands out: its stored document (the claim's projection), its
-        event's, the claim's owner and the epoch of the lane it was recorded on."""
+        event's, the claiming worker and the epoch of the lane it was recorded on."""
         return cls(
             id=str(delivery["_id"]),
             event=Event(
@@ -211,7 +211,7 @@ class Delivery:
             handler=delivery["handler"],
             attempt=int(delivery["attempts"]) + 1,
             lease_token=lease_token(int(delivery["lane_id"]), epoch, int(delivery["claims"])),
-            owner=owner,
+            worker_id=worker_id,
             sequence=delivery.get("sequence"),
             due_at=stored_instant(delivery.get("due_at")),
         )

@@ -18,7 +18,7 @@ Collections (``<prefix>`` defaults to ``mongoq_outbox_``):
 - ``lanes``: 256 lane documents a handler and the slots, see
   `mongoq.outbox.lanes`;
 - ``completed_deliveries`` (with ``completion_history``): one record per completion:
-  ``{_id: the delivery's _id, event_id, event_type, handler, key?, sequence?, attempts, owner,
+  ``{_id: the delivery's _id, event_id, event_type, handler, key?, sequence?, attempts, worker_id,
   created_at, completed_at}``.
 
 Indexes (created by `setup`) and the queries they serve:
@@ -630,7 +630,7 @@ def history_record(delivery: Delivery, now: datetime) -> dict[str, Any]:
         "event_type": delivery.event.type,
         "handler": delivery.handler,
         "attempts": delivery.attempt,
-        "owner": delivery.owner,
+        "worker_id": delivery.worker_id,
         "created_at": delivery.event.created_at or now,
         "completed_at": now,
     }

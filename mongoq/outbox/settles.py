@@ -1,6 +1,6 @@
 """The lease holder's calls of `AsyncOutbox`, mixed into it: complete (one delivery, in the
 caller's transaction or not, or a batch), reschedule, release, bury, and the renewal and
-hand-back of an owner's lanes. Every settle is fenced on the claim's generation: a worker whose
+hand-back of a worker's lanes. Every settle is fenced on the claim's generation: a worker whose
 claim ended changes nothing. They write ``deliveries``, ``events`` (completions, dead letters
 listed) and ``completed_deliveries`` (with ``completion_history``); the lanes through
 `mongoq.outbox.lanes.LaneStore`. They own no collection.
@@ -15,8 +15,7 @@ from logging import Logger
 from typing import Any
 
 from mongoq import _driver
-from mongoq._validation import check_batch, check_seconds
-from mongoq._validation import check_worker_id as _check_owner
+from mongoq._validation import check_batch, check_seconds, check_worker_id
 from mongoq.clock import Clock
 from mongoq.errors import InvalidInput, LeaseLost
 from mongoq.outbox import schema
@@ -37,7 +36,7 @@ class OutboxSettles:
     prefix: str
     clock: Clock
     log: Logger
-    lease: float
+    lease_ttl: float
     completion_history: bool
     events: Any
     deliveries: Any
@@ -76,7 +75,7 @@ class OutboxSettles:
             # Still counted as running until the caller's transaction commits (the owner's next
             # claim looks it up and finds it gone). If it aborts, settle the delivery otherwise
             # (`reschedule`, `release`), as `OutboxDispatcher` does.
-            self._claimer.unsure.add(delivery.owner)
+            self._claimer.unsure.add(delivery.worker_id)
             return True
         try:
             now = await self._now()
@@ -260,7 +259,7 @@ class OutboxSettles:
         if done and failed is not None:
             outcome, error, delay = failed
             item = f"{delivery.event.id}/{delivery.handler}"
-            attempt = Attempt("outbox", self.prefix, item, delivery.attempt, delivery.owner)
+            attempt = Attempt("outbox", self.prefix, item, delivery.attempt, delivery.worker_id)
             due = now + timedelta(seconds=delay) if delay is not None else None
             log_attempt_end(self.log, attempt, outcome, error, due)
         return done
@@ -293,16 +292,16 @@ class OutboxSettles:
             listed=True,
         )
 
-    async def extend_lease(self, owner: str) -> int:
-        """Renew the lease of every lane `owner` holds on this instance; returns how many. An
+    async def extend_lease(self, worker_id: str) -> int:
+        """Renew the lease of every lane `worker_id` holds on this instance; returns how many. An
         expired lease nobody took over is renewed too; a lane taken over is not."""
-        owner = _check_owner("owner", owner)
+        owner = check_worker_id("worker_id", worker_id)
         now = await self._now()
-        return await self._lane_store.renew(owner, now + timedelta(seconds=self.lease))
+        return await self._lane_store.renew(owner, now + timedelta(seconds=self.lease_ttl))
 
-    async def relinquish(self, owner: str) -> int:
-        """Hand back every lane `owner` holds on this instance at once (graceful stop); returns
+    async def relinquish(self, worker_id: str) -> int:
+        """Hand back every lane `worker_id` holds on this instance at once (graceful stop); returns
         how many. Whatever they still list as running is charged an attempt by the next holder,
         unless it was settled meanwhile."""
-        owner = _check_owner("owner", owner)
+        owner = check_worker_id("worker_id", worker_id)
         return await self._claimer.relinquish(owner, await self._now())

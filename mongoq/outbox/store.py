@@ -18,8 +18,14 @@ from typing import Any
 
 from mongoq import _driver, registry
 from mongoq._indexes import create_schema_indexes
-from mongoq._validation import MAX_BATCH, check_batch, check_int, check_name, check_seconds
-from mongoq._validation import check_worker_id as _check_owner
+from mongoq._validation import (
+    MAX_BATCH,
+    check_batch,
+    check_int,
+    check_name,
+    check_seconds,
+    check_worker_id,
+)
 from mongoq.clock import Clock, ServerClock, stored_instant
 from mongoq.errors import InvalidInput
 from mongoq.outbox import schema
@@ -44,7 +50,7 @@ class AsyncOutbox(OutboxSettles, OutboxOperators):
     `subscriptions` maps an event type to the names of the handlers that receive it (``"*"``
     for every type); deliveries are created from the publisher's subscriptions, so every
     process that publishes needs the same map. Workers claim deliveries by leasing lanes for
-    `lease` seconds (`OutboxDispatcher` does all of it). See `mongoq.outbox.schema` for the
+    `lease_ttl` seconds (`OutboxDispatcher` does all of it). See `mongoq.outbox.schema` for the
     layout and `mongoq.outbox` for the guarantees.
     """
 
@@ -54,7 +60,7 @@ class AsyncOutbox(OutboxSettles, OutboxOperators):
         prefix: str = "mongoq_outbox_",
         *,
         subscriptions: Mapping[str, Iterable[str]],
-        lease: float = 30,
+        lease_ttl: float = 30,
         completion_history: bool = False,
         clock: Clock | None = None,
         logger: Logger | None = None,
@@ -73,7 +79,7 @@ class AsyncOutbox(OutboxSettles, OutboxOperators):
                 )
             checked = [check_handler(f"subscriptions[{event_type!r}]", n) for n in names]
             self.subscriptions[event_type] = tuple(dict.fromkeys(checked))
-        self.lease = check_seconds("lease", lease, positive=True)
+        self.lease_ttl = check_seconds("lease_ttl", lease_ttl, positive=True)
         if not isinstance(completion_history, bool):
             raise InvalidInput("completion_history", "must be a bool")
         self.completion_history = completion_history
@@ -87,14 +93,14 @@ class AsyncOutbox(OutboxSettles, OutboxOperators):
         self.sequences = self._collection(schema.SEQUENCES)
         self.lanes = self._collection(schema.LANES)
         self.history = self._collection(schema.HISTORY)
-        # Lanes are held per owner *and* per instance: a process restarted under a fixed owner
-        # name takes its predecessor's lanes over like any worker.
+        # Lanes are held per worker *and* per instance: a process restarted under a fixed worker
+        # id takes its predecessor's lanes over like any worker.
         self.instance = uuid.uuid4().hex
         self.wake_key = wakeups.key_of("outbox", db, prefix)
         self._lane_store = LaneStore(db, self.lanes, self.instance)
         self._claimer = Claimer(
             lanes=self._lane_store, deliveries=self.deliveries, events=self.events,
-            clock=self.clock, lease=self.lease, log=self.log,
+            clock=self.clock, lease_ttl=self.lease_ttl, log=self.log,
         )  # fmt: skip
         self._publisher = Publisher(
             db, events=self.events, deliveries=self.deliveries, sequences=self.sequences,
@@ -185,18 +191,18 @@ class AsyncOutbox(OutboxSettles, OutboxOperators):
     # ------------------------------------------------------------------------------- claim
 
     async def claim(
-        self, owner: str, handlers: Iterable[str] | None = None, *, limit: int = 16
+        self, worker_id: str, handlers: Iterable[str] | None = None, *, limit: int = 16
     ) -> list[Delivery]:
-        """Claim up to `limit` due deliveries for `owner` (of `handlers`, or of any handler).
+        """Claim up to `limit` due deliveries for `worker_id` (of `handlers`, or of any handler).
 
-        Claims from the lanes `owner` holds on this instance, then takes free lanes (no owner,
+        Claims from the lanes `worker_id` holds on this instance, then takes free lanes (no owner,
         or an expired lease) holding the oldest due deliveries; a lane that another claimer
         takes first is skipped, never waited for. A keyed delivery is taken only when it is the
         lowest pending sequence of its handler and key and none of them runs; one claim never
         takes two deliveries of one key. Lanes that yield nothing and run nothing are handed
-        back. Claims of one owner on one instance run one after the other.
+        back. Claims of one worker on one instance run one after the other.
         """
-        owner = _check_owner("owner", owner)
+        owner = check_worker_id("worker_id", worker_id)
         wanted = None
         if handlers is not None:
             if isinstance(handlers, str):

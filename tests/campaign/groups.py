@@ -16,7 +16,7 @@ the group's lock and the message's head stamp must both carry the lease's token 
 now; another token ending later is an overlap, anything else a late start. At the same
 instant no earlier message of the group may still be stored unless it is on its way to the
 dead letters (an order violation). It then sleeps on the clock (sometimes longer than the
-visibility), and returns, raises, or raises `PermanentError`. `GroupObserver` records which
+lease_ttl), and returns, raises, or raises `PermanentError`. `GroupObserver` records which
 lease each deletion of a message removed, and when. The checks after the drain:
 
 - lost: a message published that is still stored, or gone without being acked (deleted
@@ -223,7 +223,7 @@ def judge_start(run: Run, lease: GroupLease, worker: str) -> Execution:
 class GroupShape:
     """What a run looks like."""
 
-    visibility: float
+    lease_ttl: float
     max_deliveries: int | None
     #: clock seconds of faults before the drain
     end: float
@@ -236,7 +236,7 @@ class GroupShape:
     def draw(cls, run: Run) -> GroupShape:
         rng = run.rng
         return cls(
-            visibility=rng.choice((5.0, 8.0, 10.0)),
+            lease_ttl=rng.choice((5.0, 8.0, 10.0)),
             max_deliveries=rng.randint(3, 6) if rng.random() < 0.7 else None,
             end=round(rng.uniform(60.0, 120.0), 2),
             groups=tuple(rng.randint(2, 6) for _ in range(rng.randint(3, 6))),
@@ -245,7 +245,7 @@ class GroupShape:
 
     def transport(self, db: Any, run: Run) -> AsyncGroupTransport:
         return AsyncGroupTransport(
-            db, PREFIX, visibility=self.visibility, max_deliveries=self.max_deliveries,
+            db, PREFIX, lease_ttl=self.lease_ttl, max_deliveries=self.max_deliveries,
             clock=run.clock,
         )  # fmt: skip
 
@@ -386,7 +386,7 @@ class GroupScenario:
 
     def hire(self, crew: Crew, slot: int) -> None:
         name, worker_id = slot_names(self.run, slot, self.generations)
-        lease = self.shape.visibility
+        lease = self.shape.lease_ttl
         rates = FaultRates.draw(self.run.rng_for("rates", name), lease)
         worker = hire(crew, name, rates, worker_id, self.deletions)
         settings = Settings.draw(self.run, name, lease)
@@ -400,7 +400,7 @@ class GroupScenario:
         self.slots[slot] = worker
 
     def handler(self, worker: Worker) -> Callable[[GroupLease], Awaitable[Any]]:
-        run, lease = self.run, self.shape.visibility
+        run, lease = self.run, self.shape.lease_ttl
 
         async def handle(group_lease: GroupLease) -> Any:
             execution = judge_start(run, group_lease, worker.name)
@@ -424,7 +424,7 @@ class GroupScenario:
             message = NewMessage(group, {"late": n}, rng.randint(0, 2))
             timeline.at(rng.uniform(1, shape.end - 5), "publish", partial(self.publish, [message]))
         draw_disruptions(
-            self.run, timeline, self.SLOTS, shape.end, shape.visibility,
+            self.run, timeline, self.SLOTS, shape.end, shape.lease_ttl,
             lambda kind, slot: partial(self.disrupt, crew, kind, slot),
         )  # fmt: skip
         return timeline

@@ -121,7 +121,7 @@ class OutboxShape:
         )
 
     def outbox(self, db: Any, run: Run) -> AsyncOutbox:
-        return AsyncOutbox(db, PREFIX, subscriptions=SUBSCRIPTIONS, lease=self.lease,
+        return AsyncOutbox(db, PREFIX, subscriptions=SUBSCRIPTIONS, lease_ttl=self.lease,
                            clock=run.clock)  # fmt: skip
 
     def event(self, run: Run, number: int) -> Event:
@@ -155,7 +155,7 @@ class DispatchSettings:
         self, outbox: AsyncOutbox, handler: Callable[..., Awaitable[Any]], owner: str
     ) -> OutboxDispatcher:
         return OutboxDispatcher(
-            outbox, dict.fromkeys(HANDLERS, handler), owner=owner,
+            outbox, dict.fromkeys(HANDLERS, handler), worker_id=owner,
             concurrency=self.concurrency, max_attempts=self.max_attempts, backoff=backoff,
             poll_interval=self.poll_interval, handler_timeout=self.handler_timeout,
         )  # fmt: skip
@@ -356,7 +356,7 @@ class OutboxScenario:
                     await self.run.clock.sleep(poll)
         with anyio.CancelScope(shield=True):
             with contextlib.suppress(*_driver.DRIVER_ERRORS):  # else their leases expire
-                await dispatcher.outbox.relinquish(dispatcher.owner)
+                await dispatcher.outbox.relinquish(dispatcher.worker_id)
         return dispatcher.summary
 
     def handler(self, worker: Worker, instance: str) -> Callable[..., Awaitable[Any]]:
@@ -402,7 +402,7 @@ class OutboxScenario:
         drainer.observer.instance = outbox.instance
         dispatcher = OutboxDispatcher(
             outbox, dict.fromkeys(HANDLERS, self.handler(drainer, outbox.instance)),
-            owner="drain", concurrency=2, max_attempts=6, backoff=backoff, poll_interval=1.0,
+            worker_id="drain", concurrency=2, max_attempts=6, backoff=backoff, poll_interval=1.0,
         )  # fmt: skip
         crew.start(drainer, partial(dispatcher.run, stop_when_drained=True))
         finished = await drive(run, Timeline(), end=run.elapsed() + DRAIN, step=STEP,

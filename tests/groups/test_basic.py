@@ -445,7 +445,7 @@ async def test_extend_pushes_available_at_and_the_heads_stamp_in_two_commands(
     await assert_message(db, 1, token=lease.token, stamp_until=later(clock, VISIBILITY))
     clock.advance(15)  # past the claim's own lease
     assert await transport.claim("B") is None
-    assert await transport.extend(lease, visibility=100)
+    assert await transport.extend(lease, lease_ttl=100)
     await assert_lock(db, "g", available_at=later(clock, 100))
     await assert_message(db, 1, stamp_until=later(clock, 100))
     clock.advance(99)
@@ -580,7 +580,7 @@ async def test_stats_counts_groups_messages_and_dead_letters(db: Any, clock: Man
 async def test_setup_creates_the_claim_head_and_dead_indexes_idempotently(
     db: Any, clock: ManualClock
 ) -> None:
-    transport = AsyncGroupTransport(db, PREFIX, visibility=VISIBILITY, clock=clock)
+    transport = AsyncGroupTransport(db, PREFIX, lease_ttl=VISIBILITY, clock=clock)
     await transport.publish("g", "g0")
 
     await transport.setup()

@@ -602,7 +602,7 @@ async def test_a_claim_many_racing_a_nack_without_delay_leaves_the_group_claimab
 ) -> None:
     """nack(0) releases the lock, then clears the head's stamp. A claim_many that leases the
     released lock in between finds the head still stamped by A's live lease: it must give the
-    group back (not keep it for a visibility), so that C got g0, or a claim right after does."""
+    group back (not keep it for a lease_ttl), so that C got g0, or a claim right after does."""
 
     async def setup(transport: AsyncGroupTransport) -> Actors:
         await transport.publish("g", "g.0")
@@ -1387,7 +1387,7 @@ class Completed:
 class StalledBatch:
     """Groups a, b and c (two messages each, their first served a second apart in that order),
     so that one batch of `run` claims their heads a.1, b.1 and c.1 in that order; a.1's
-    handler stalls past the visibility the claim granted while the batch's renewal
+    handler stalls past the lease_ttl the claim granted while the batch's renewal
     (`extend_many`) is held back at `renewal`, and `rival`, another process, may take groups
     over meanwhile."""
 
@@ -1435,7 +1435,7 @@ class StalledBatch:
     async def run(
         self, caplog: pytest.LogCaptureFixture, stalled: Callable[[], Awaitable[None]]
     ) -> GroupRunSummary:
-        """Run the batch; in a.1's handler, once past the visibility with the renewal due (and
+        """Run the batch; in a.1's handler, once past the lease_ttl with the renewal due (and
         held back), call `stalled`. Nothing may be logged as an error."""
 
         async def handler(lease: GroupLease) -> None:
@@ -1661,7 +1661,7 @@ async def test_a_claim_many_beaten_to_a_candidate_never_drops_a_group_published_
         await other.publish("g", "g1")
 
     hook = Before("mq_locks", "update_many", meanwhile)
-    a = AsyncGroupTransport(instrument(db, hook), PREFIX, visibility=VISIBILITY, clock=clock)
+    a = AsyncGroupTransport(instrument(db, hook), PREFIX, lease_ttl=VISIBILITY, clock=clock)
     assert await a.claim_many(2, "A") == []
     assert hook.done
     stored = await lock(db, "g")
@@ -1686,7 +1686,7 @@ async def test_a_claim_many_never_drops_a_group_dropped_and_made_again_since_its
         await other.publish("g", "g1")
 
     hook = Before("mq_locks", "update_many", meanwhile)
-    a = AsyncGroupTransport(instrument(db, hook), PREFIX, visibility=VISIBILITY, clock=clock)
+    a = AsyncGroupTransport(instrument(db, hook), PREFIX, lease_ttl=VISIBILITY, clock=clock)
     assert await a.claim_many(1, "A") == []
     assert hook.done
     stored = await lock(db, "g")
@@ -1712,7 +1712,7 @@ async def test_a_head_given_back_after_claim_many_read_it_is_not_counted_twice(
 
     hook = Before("mq_locks", "update_many", meanwhile)
     a = AsyncGroupTransport(
-        instrument(db, hook), PREFIX, visibility=VISIBILITY, clock=clock, max_deliveries=1
+        instrument(db, hook), PREFIX, lease_ttl=VISIBILITY, clock=clock, max_deliveries=1
     )
     assert await a.claim_many(1, "A") == []
     assert hook.done

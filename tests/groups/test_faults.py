@@ -2,7 +2,7 @@
 
 A consumer may die holding a group, a command may fail before it applied or apply and lose its
 reply, a publisher may die between its commands. Each test checks the stored state right after
-the failure, then that the state recovers within one visibility: every published message is
+the failure, then that the state recovers within one lease_ttl: every published message is
 delivered at least once, in per-group order, and a stale holder changes nothing.
 """
 
@@ -57,7 +57,7 @@ async def transport(db: Any, clock: ManualClock, faults: FaultInjector) -> Async
 
 
 async def recover(transport: AsyncGroupTransport, clock: ManualClock) -> list[GroupLease]:
-    """One visibility later (and after the orphan sweep), deliver everything that is left."""
+    """One lease_ttl later (and after the orphan sweep), deliver everything that is left."""
     clock.advance(VISIBILITY + 0.001)
     await transport.recover_orphans()
     return await drain(transport, clock)
@@ -122,7 +122,7 @@ STALE_CALLS = {
     "nack-delay": lambda transport, lease: transport.nack(lease, delay=60),
     "nack-error": lambda transport, lease: transport.nack(lease, error=RuntimeError("late")),
     "extend": lambda transport, lease: transport.extend(lease),
-    "extend-long": lambda transport, lease: transport.extend(lease, visibility=600),
+    "extend-long": lambda transport, lease: transport.extend(lease, lease_ttl=600),
     "dead_letter": lambda transport, lease: transport.dead_letter(lease, "late"),
 }
 
@@ -403,7 +403,7 @@ async def test_a_publisher_that_dies_before_readying_leaves_an_orphan_the_sweep_
 
     async with unchanged(db):
         clock.advance(VISIBILITY)
-        assert await transport.recover_orphans() == 0  # not older than the visibility yet
+        assert await transport.recover_orphans() == 0  # not older than the lease_ttl yet
 
     clock.advance(0.001)
     assert await transport.recover_orphans() == 1
@@ -773,7 +773,7 @@ async def test_a_handler_longer_than_visibility_keeps_its_group_through_extensio
         await wait_for(started.is_set, "the handler to start")
         token = (await assert_lock(db, "g"))["token"]
         assert token.startswith("slow-worker:")
-        for _ in range(9):  # 90 s, three times the visibility
+        for _ in range(9):  # 90 s, three times the lease_ttl
             clock.advance(VISIBILITY / 3)
             expected = later(clock, VISIBILITY)
 
@@ -823,7 +823,7 @@ async def test_two_extends_in_flight_that_apply_out_of_order_never_move_the_leas
     db: Any, transport: AsyncGroupTransport, faults: FaultInjector, clock: ManualClock
 ) -> None:
     """An extend sent at T waits before it applies; one sent at T+5 applies first. When the
-    first applies after it, the lock and the head's stamp stay at T+5 plus the visibility."""
+    first applies after it, the lock and the head's stamp stay at T+5 plus the lease_ttl."""
     await transport.publish("g", "g0")
     lease = await claim_one(transport)
     held = faults.pause_before("update_one", collection="mq_locks")

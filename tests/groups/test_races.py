@@ -434,7 +434,7 @@ async def test_a_claim_racing_a_nack_without_delay_leaves_the_group_claimable_at
     """nack(0) releases the lock, then clears the head's token and stamp. A claim that leases
     the released lock in between finds the head still stamped by A's live lease. Whatever
     the order, the head must be claimable at once afterwards (the group is not parked for a
-    visibility behind a lease that holds nothing): C got it, or a claim right after does."""
+    lease_ttl behind a lease that holds nothing): C got it, or a claim right after does."""
 
     async def setup(transport: AsyncGroupTransport) -> Actors:
         await transport.publish("g", "g0")

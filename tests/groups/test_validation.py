@@ -246,10 +246,10 @@ async def test_run_rejects_bad_options(
 @pytest.mark.parametrize(
     ("option", "value"),
     [
-        ("visibility", 0),
-        ("visibility", -1),
-        ("visibility", math.inf),
-        ("visibility", "30"),
+        ("lease_ttl", 0),
+        ("lease_ttl", -1),
+        ("lease_ttl", math.inf),
+        ("lease_ttl", "30"),
         ("max_deliveries", 0),
         ("max_deliveries", -1),
         ("max_deliveries", 1.5),
@@ -291,17 +291,17 @@ async def test_nack_rejects_a_negative_or_bad_delay(
     assert await transport.ack(lease)  # still held
 
 
-@pytest.mark.parametrize("visibility", [0, -5, math.nan, "30"])
+@pytest.mark.parametrize("lease_ttl", [0, -5, math.nan, "30"])
 async def test_extend_rejects_a_bad_visibility(
     db: Any,
     transport: AsyncGroupTransport,
     lease: GroupLease,
     counter: CommandCounter,
     before: Any,
-    visibility: Any,
+    lease_ttl: Any,
 ) -> None:
-    with rejects("visibility"):
-        await transport.extend(lease, visibility)
+    with rejects("lease_ttl"):
+        await transport.extend(lease, lease_ttl)
 
     await assert_nothing_written(db, counter, before)
 

@@ -81,7 +81,7 @@ async def test_a_claim_hands_out_due_deliveries_oldest_first_and_records_them_on
     for delivery in batch:
         doc = docs[(delivery.event.id, delivery.handler)]
         lane = lane_of(delivery.event.id)
-        assert (delivery.id, delivery.attempt, delivery.owner) == (str(doc["_id"]), 1, "A")
+        assert (delivery.id, delivery.attempt, delivery.worker_id) == (str(doc["_id"]), 1, "A")
         assert delivery.lease_token == f"{lane}:1:0" and delivery.lane_id == lane
         assert (delivery.sequence, doc["attempts"], doc["claims"]) == (None, 0, 0)
         lane_id = await lane_ids_of(odb, delivery.handler) + lane

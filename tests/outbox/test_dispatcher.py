@@ -107,7 +107,7 @@ async def test_run_until_empty_runs_every_subscribed_handler_once_and_hands_lane
     }  # fmt: skip
 
     handlers = {"mail": recorder(seen, "mail"), "stats": recorder(seen, "stats")}
-    summary = await dispatcher(outbox, handlers, owner="w2").run(stop_when_empty=True)
+    summary = await dispatcher(outbox, handlers, worker_id="w2").run(stop_when_empty=True)
     assert summary == OutboxRunSummary(claimed=4, completed=4)
     assert sorted(seen) == sorted(
         [("mail", f"c{n}", 1) for n in range(3)]
@@ -316,7 +316,7 @@ async def test_requeued_dead_letter_waits_while_a_later_delivery_of_its_key_runs
 async def test_a_delivery_charged_past_max_attempts_by_takeovers_is_buried_unrun(
     odb: Any, clock: ManualClock
 ) -> None:
-    outbox = await holding(odb, clock, event(1), lease=LEASE)
+    outbox = await holding(odb, clock, event(1), lease_ttl=LEASE)
     # Two workers crash while running it: each takeover charges the attempt they lost.
     for crashed in ("ghost1", "ghost2"):
         [claimed] = await outbox.claim(crashed, ["h"])
@@ -361,7 +361,7 @@ async def test_stop_from_a_handler_lets_running_handlers_finish_and_claims_nothi
 
     # The next dispatcher runs the rest, each on its first attempt.
     seen: list[tuple[str, str, int]] = []
-    await dispatcher(outbox, {"h": recorder(seen)}, owner="w2").run(stop_when_empty=True)
+    await dispatcher(outbox, {"h": recorder(seen)}, worker_id="w2").run(stop_when_empty=True)
     assert sorted(seen) == sorted(("h", d["event_id"], 1) for d in left)
     await assert_all_completed(odb, [f"e{n}" for n in range(5)])
 
@@ -412,7 +412,7 @@ async def test_cancelling_run_releases_the_running_delivery_uncharged_and_hands_
     await assert_lanes_handed_back(odb)
 
     seen: list[tuple[str, str, int]] = []
-    await dispatcher(outbox, {"h": recorder(seen)}, owner="w2").run(stop_when_empty=True)
+    await dispatcher(outbox, {"h": recorder(seen)}, worker_id="w2").run(stop_when_empty=True)
     assert seen == [("h", "e1", 1)]  # the released run was not charged by the next holder
     await assert_all_completed(odb, ["e1"])
 
@@ -420,8 +420,8 @@ async def test_cancelling_run_releases_the_running_delivery_uncharged_and_hands_
 async def test_a_long_handler_keeps_its_lanes_renewed_and_its_key_to_itself(
     odb: Any, clock: ManualClock
 ) -> None:
-    outbox = await holding(odb, clock, [event(1, "k"), event(2, "k")], lease=LEASE)
-    other = await new_outbox(odb, clock, subscriptions=ONLY_H, lease=LEASE)  # another process
+    outbox = await holding(odb, clock, [event(1, "k"), event(2, "k")], lease_ttl=LEASE)
+    other = await new_outbox(odb, clock, subscriptions=ONLY_H, lease_ttl=LEASE)  # another process
     gate = anyio.Event()
     ran: list[str] = []
 
@@ -535,7 +535,7 @@ async def test_transactional_handler_that_lost_its_lane_raises_lease_lost_and_wr
 
     # The intruder crashes too; the next worker runs it a third time, once.
     clock.advance(LEASE + 1)
-    await dispatcher(other, {"h": projecting(txdb)}, owner="w2").run(stop_when_empty=True)
+    await dispatcher(other, {"h": projecting(txdb)}, worker_id="w2").run(stop_when_empty=True)
     assert await projection.find({}).to_list(None) == [{"_id": "e1", "attempt": 3}]
     await assert_all_completed(txdb, ["e1"])
 
@@ -563,7 +563,7 @@ async def test_bad_dispatcher_arguments_are_refused(
 ) -> None:
     outbox = await holding(odb, clock, event(1))
     with rejects(field):
-        OutboxDispatcher(outbox, handlers, owner="w", **options)
+        OutboxDispatcher(outbox, handlers, worker_id="w", **options)
     [stored] = await deliveries(odb)
     assert (stored["status"], stored["attempts"], stored["claims"]) == ("pending", 0, 0)
     await assert_lanes_handed_back(odb)

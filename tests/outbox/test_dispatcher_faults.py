@@ -42,9 +42,9 @@ async def test_a_claim_answered_after_its_lease_ended_starts_no_handler(
     started: list[str] = []
 
     async def handler(received: Event, context: DeliveryContext) -> None:
-        started.append(context.delivery.owner)
+        started.append(context.delivery.worker_id)
 
-    a = dispatcher(outbox_a, {"h": handler}, owner="A")
+    a = dispatcher(outbox_a, {"h": handler}, worker_id="A")
     held = faults.pause_after("bulk_write", match=lane_write)
     summaries: list[OutboxRunSummary] = []
     async with anyio.create_task_group() as group:

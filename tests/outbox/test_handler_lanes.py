@@ -72,10 +72,10 @@ async def test_dispatchers_of_disjoint_handlers_progress_side_by_side_in_one_lan
     stats_lane = await lane_ids_of(odb, "stats") + number
     with anyio.fail_after(10):  # a hang guard only: time moves by the manual clock
         async with anyio.create_task_group() as group:
-            mailer = dispatcher(a, {"mail": mail}, owner="mailer", concurrency=1)
+            mailer = dispatcher(a, {"mail": mail}, worker_id="mailer", concurrency=1)
             group.start_soon(partial(mailer.run, stop_when_empty=True))
             await started.wait()
-            counted = dispatcher(b, {"stats": stats}, owner="counter", concurrency=1)
+            counted = dispatcher(b, {"stats": stats}, worker_id="counter", concurrency=1)
             summary = await counted.run(stop_when_empty=True)
             assert summary == OutboxRunSummary(claimed=3, completed=3)
             assert ran == [("mail", "e1"), ("stats", "e1"), ("stats", "e2"), ("stats", "e3")]

@@ -188,7 +188,7 @@ async def exercise_outbox(
     db: Any, raw: Any, clock: ManualClock, take: TakeLaneFirst, publish: Publish, tx: bool
 ) -> None:
     outbox = AsyncOutbox(
-        db, PREFIX, subscriptions=SUBSCRIPTIONS, lease=30, completion_history=True,
+        db, PREFIX, subscriptions=SUBSCRIPTIONS, lease_ttl=30, completion_history=True,
         clock=clock, purge_batch_size=2,
     )  # fmt: skip
     await outbox.setup()

@@ -62,7 +62,7 @@ async def count(db: Any, **query: Any) -> int:
 async def test_stats_count_pending_running_dead_and_held_lanes(
     odb: Any, clock: ManualClock
 ) -> None:
-    outbox = await new_outbox(odb, clock, lease=LEASE)  # order.created: mail, stats
+    outbox = await new_outbox(odb, clock, lease_ttl=LEASE)  # order.created: mail, stats
     assert await outbox.stats() == OutboxStats(0, 0, 0, 0, 0, None, 0)
     t0 = clock.now()
     await outbox.publish([order(1), order(2, kind="order.paid")], session=None)
@@ -105,7 +105,7 @@ async def test_completion_history_records_every_completion_for_statistics_and_li
     assert await worker.run(stop_when_empty=True) == OutboxRunSummary(claimed=3, completed=3)
     assert await deliveries(odb) == []
     records = await history(odb)
-    assert [(r["event_id"], r["handler"], r["attempts"], r["owner"]) for r in records] == [
+    assert [(r["event_id"], r["handler"], r["attempts"], r["worker_id"]) for r in records] == [
         ("e1", "mail", 1, "w"),
         ("e1", "stats", 1, "w"),
         ("e2", "stats", 1, "w"),

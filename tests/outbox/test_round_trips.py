@@ -356,8 +356,8 @@ async def test_an_old_lane_read_landing_late_never_hides_an_own_write_from_the_v
     holds = HoldReplies()
     subscriptions = {"t1": ["h1"], "t2": ["h2"]}
     outbox = await new_outbox(instrument(odb, holds), clock, subscriptions=subscriptions,
-                              lease=0.5)  # fmt: skip
-    other = AsyncOutbox(odb, PREFIX, subscriptions=subscriptions, clock=clock, lease=0.5)
+                              lease_ttl=0.5)  # fmt: skip
+    other = AsyncOutbox(odb, PREFIX, subscriptions=subscriptions, clock=clock, lease_ttl=0.5)
     k1, k2 = keys_in_distinct_lanes(2)
     await outbox.publish(Event("a2", "t2", key=k2), session=None)
     [a2] = await outbox.claim("A", limit=1)  # A holds k2's lane

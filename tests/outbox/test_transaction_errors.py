@@ -52,7 +52,7 @@ async def plant_history_record(db: Any, delivery: Delivery, clock: ManualClock) 
             "event_type": delivery.event.type,
             "handler": delivery.handler,
             "attempts": delivery.attempt,
-            "owner": delivery.owner,
+            "worker_id": delivery.worker_id,
             "created_at": clock.now(),
             "completed_at": clock.now(),
         }

@@ -138,7 +138,7 @@ async def test_a_delivery_rescheduled_is_info_and_buried_is_warning(
     outbox = await new_outbox(db, clock, subscriptions={"*": ["h"]})
     await outbox.publish([event(1)], session=None)
     dispatcher = OutboxDispatcher(
-        outbox, {"h": boom}, owner="w", max_attempts=2, backoff=lambda attempt: 10
+        outbox, {"h": boom}, worker_id="w", max_attempts=2, backoff=lambda attempt: 10
     )
 
     await dispatcher.run(stop_when_empty=True)
@@ -177,7 +177,7 @@ async def test_a_worker_on_the_embedded_backend_says_once_that_it_is_in_process(
     with caplog.at_level(logging.WARNING, logger="mongoq.worker"):
         await queue.run(nothing, stop_when_empty=True)
         await queue.run(nothing, stop_when_empty=True)
-        await OutboxDispatcher(outbox, {"h": nothing}, owner="w").run(stop_when_empty=True)
+        await OutboxDispatcher(outbox, {"h": nothing}, worker_id="w").run(stop_when_empty=True)
 
     notes = [r for r in caplog.records if getattr(r, "mongoq_backend", None) == "embedded"]
     embedded = _driver.backend_of(db) is _driver.Backend.MEMORY

@@ -174,7 +174,7 @@ async def test_a_delivery_past_its_time_limit_is_rescheduled_with_the_reason(
     await outbox.publish([event(1)], session=None)
     stuck = Stuck()
     dispatcher = OutboxDispatcher(
-        outbox, {"h": stuck}, owner="w", backoff=lambda attempt: 60, handler_timeout=TIMEOUT
+        outbox, {"h": stuck}, worker_id="w", backoff=lambda attempt: 60, handler_timeout=TIMEOUT
     )
 
     summary = await in_background(
@@ -214,7 +214,7 @@ async def test_a_dispatcher_whose_lanes_were_all_taken_cancels_its_handlers(
     outbox = await new_outbox(db, clock, subscriptions={"*": ["h"]})
     await outbox.publish([event(1)], session=None)
     stuck = Stuck()
-    dispatcher = OutboxDispatcher(outbox, {"h": stuck}, owner="w", backoff=lambda attempt: 60)
+    dispatcher = OutboxDispatcher(outbox, {"h": stuck}, worker_id="w", backoff=lambda attempt: 60)
 
     async def take_over() -> None:
         lanes = db[f"{PREFIX_OUTBOX}lanes"]
@@ -223,7 +223,7 @@ async def test_a_dispatcher_whose_lanes_were_all_taken_cancels_its_handlers(
 
     summary = await in_background(
         clock, dispatcher.run(stop_when_empty=True),
-        started=lambda: stuck.calls, then=take_over, advance=outbox.lease / 3,
+        started=lambda: stuck.calls, then=take_over, advance=outbox.lease_ttl / 3,
     )  # fmt: skip
 
     assert [e.id for e in stuck.cancelled] == [event(1).id]

@@ -20,7 +20,7 @@ from mongoq import AsyncGroupTransport, GroupLease, NewMessage, PermanentError
 from mongoq.testing import CommandCounter, ManualClock, instrument, settle
 from tests.support.helpers import Actors, Trace, every_order, indexed, later, utc
 
-#: The visibility of the tests' transports: a lease lasts 30 s, run() renews it every 10 s.
+#: The lease_ttl of the tests' transports: a lease lasts 30 s, run() renews it every 10 s.
 VISIBILITY = 30.0
 PREFIX = "mq"
 #: `available_at` of a group nobody has claimed yet.
@@ -31,9 +31,9 @@ KINDS = ("messages", "locks", "counters", "dead")
 async def new_transport(
     db: Any, clock: ManualClock, prefix: str = PREFIX, **options: Any
 ) -> AsyncGroupTransport:
-    """A transport driven by the test's clock, with the tests' visibility, and its indexes."""
+    """A transport driven by the test's clock, with the tests' lease_ttl, and its indexes."""
     return await indexed(
-        AsyncGroupTransport, db, prefix, clock, **{"visibility": VISIBILITY, **options}
+        AsyncGroupTransport, db, prefix, clock, **{"lease_ttl": VISIBILITY, **options}
     )
 
 

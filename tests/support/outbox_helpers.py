@@ -32,14 +32,14 @@ async def new_outbox(
     clock: ManualClock,
     *,
     subscriptions: Mapping[str, Iterable[str]] | None = None,
-    lease: float = LEASE,
+    lease_ttl: float = LEASE,
     completion_history: bool = False,
 ) -> AsyncOutbox:
     outbox = AsyncOutbox(
         db,
         PREFIX,
         subscriptions=subscriptions if subscriptions is not None else SUBSCRIPTIONS,
-        lease=lease,
+        lease_ttl=lease_ttl,
         completion_history=completion_history,
         clock=clock,
     )
@@ -49,7 +49,7 @@ async def new_outbox(
 
 def another(db: Any, clock: ManualClock, subscriptions: Any = SUBSCRIPTIONS) -> AsyncOutbox:
     """Another instance (another process) on the collections `new_outbox` set up."""
-    return AsyncOutbox(db, PREFIX, subscriptions=subscriptions, lease=LEASE, clock=clock)
+    return AsyncOutbox(db, PREFIX, subscriptions=subscriptions, lease_ttl=LEASE, clock=clock)
 
 
 async def counted_outbox(
@@ -218,8 +218,8 @@ async def bury_head(outbox: AsyncOutbox, error: str | None = None) -> Delivery:
 def dispatcher(
     outbox: AsyncOutbox, handlers: dict[str, Handler], **options: Any
 ) -> OutboxDispatcher:
-    """A dispatcher owned by "w" whose retries wait 10 s, unless `options` say otherwise."""
-    options.setdefault("owner", "w")
+    """A dispatcher of worker "w" whose retries wait 10 s, unless `options` say otherwise."""
+    options.setdefault("worker_id", "w")
     options.setdefault("backoff", lambda attempt: 10)
     return OutboxDispatcher(outbox, handlers, **options)
 

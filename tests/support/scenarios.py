@@ -200,7 +200,7 @@ async def task_failures_end_failed(env: Env) -> None:
 
 
 async def group_fifo_round_robin(env: Env) -> None:
-    transport = await env.group_transport("grp", visibility=LEASE)
+    transport = await env.group_transport("grp", lease_ttl=LEASE)
     await transport.publish_many(
         [NewMessage("g1", {"i": i}) for i in range(3)] + [NewMessage("g2", {"i": 0})]
     )
@@ -215,7 +215,7 @@ async def group_fifo_round_robin(env: Env) -> None:
 
 
 async def group_poison_to_dead_letters(env: Env) -> None:
-    transport = await env.group_transport("grp", visibility=LEASE, max_deliveries=2)
+    transport = await env.group_transport("grp", lease_ttl=LEASE, max_deliveries=2)
     await transport.publish("g", "poison")
     await transport.publish("g", "fine")
     for _ in range(2):
@@ -233,7 +233,7 @@ async def group_poison_to_dead_letters(env: Env) -> None:
 
 
 async def group_run_handles_outcomes(env: Env) -> None:
-    transport = await env.group_transport("grp", visibility=LEASE)
+    transport = await env.group_transport("grp", lease_ttl=LEASE)
     await transport.publish("g", {"kind": "ok"})
     await transport.publish("g", {"kind": "permanent"})
     seen: list[str] = []

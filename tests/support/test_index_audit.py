@@ -597,7 +597,7 @@ async def exercise_tasks(db: Any, clock: ManualClock) -> None:
 
 
 async def exercise_groups(db: Any, raw: Any, clock: ManualClock, steal: StealHeadOnce) -> None:
-    transport = AsyncGroupTransport(db, PREFIX, clock=clock, visibility=30, max_deliveries=2)
+    transport = AsyncGroupTransport(db, PREFIX, clock=clock, lease_ttl=30, max_deliveries=2)
     await transport.setup()
 
     async def claim(expect: str) -> GroupLease:
