@@ -21,7 +21,7 @@ from typing import Any
 
 from benchmarks.server import ServerCommandCounter, examined_by
 from mongoq import _driver
-from mongoq.testing import CommandCounter, Operation, instrument
+from mongoq.testing import CommandCounter, InstrumentedDatabase, Operation, instrument
 
 
 @dataclass(frozen=True)
@@ -143,3 +143,32 @@ async def counted_database(uri: str | None) -> AsyncIterator[Bench]:
         if uri:
             await raw.client.drop_database(name)
             await _driver.close(raw)
+
+
+class ReplayedDatabase(InstrumentedDatabase):
+    """The commands short-circuited: the replies of one recorded pass answer every later pass,
+    in order, without running anything. Timing a replayed pass times mongoq alone (and this
+    thin wrapper), with no backend's work in between to blur it; a scenario whose every pass
+    sends the same commands, in the same order, is what it can replay."""
+
+    def __init__(self, db: Any) -> None:
+        super().__init__(db, ())
+        self.replies: list[Any] = []
+        self.replaying = False
+        self._next = 0
+
+    def replay(self) -> None:
+        """From now on, answer with the recorded replies, starting with the first."""
+        self.replaying, self._next = True, 0
+
+    async def _call(
+        self, collection: str, name: str, method: Callable[..., Any], args: Any, kwargs: Any,
+        chain: tuple[tuple[str, tuple[Any, ...]], ...] = (),
+    ) -> Any:  # fmt: skip
+        if not self.replaying:
+            reply = await super()._call(collection, name, method, args, kwargs, chain)
+            self.replies.append(reply)
+            return reply
+        reply = self.replies[self._next % len(self.replies)]
+        self._next += 1
+        return reply

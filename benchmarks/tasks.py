@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import statistics
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 
 import anyio
 
-from benchmarks.harness import Result, counted_database
-from mongoq import AsyncTaskQueue, NewTask, Task
+from benchmarks.harness import ReplayedDatabase, Result, counted_database
+from mongoq import AsyncTaskQueue, NewTask, Task, _driver
 from mongoq.clock import SystemClock
 from mongoq.testing import ManualClock
 
@@ -114,6 +115,35 @@ async def lifecycle_cpu(uri: str | None, tasks: int = 300) -> Result:
         return bench.stop("tasks: mongoq's own time per put+claim+complete", tasks, own=True)
 
 
+async def lifecycle_cpu_replayed(tasks: int = 2000) -> Result:
+    """mongoq's own time per put, claim and complete of one task with the commands
+    short-circuited: one lifecycle's replies recorded on the embedded backend answer every
+    later lifecycle (`ReplayedDatabase`), so what is timed is the library alone."""
+    raw = _driver.connect(_driver.MEMORY_SCHEME, f"mongoq_bench_{uuid.uuid4().hex[:8]}")
+    queue = await _queue(raw)
+    replayed = ReplayedDatabase(raw)
+    queue = AsyncTaskQueue(replayed, "bench_tasks", clock=ManualClock())
+    await _lifecycle(queue, "recorded")
+    replayed.replay()
+    for number in range(50):  # warm
+        await _lifecycle(queue, f"w{number}")
+    started = time.perf_counter()
+    for number in range(tasks):
+        await _lifecycle(queue, f"t{number}")
+    seconds = time.perf_counter() - started
+    return Result(
+        "tasks: own time per put+claim+complete, replayed", "memory", tasks, seconds,
+        3 * tasks, own_ms=seconds * 1000 / tasks,
+    )  # fmt: skip
+
+
+async def _lifecycle(queue: AsyncTaskQueue, task_id: str) -> None:
+    await queue.put(task_id, {"n": 1})
+    task = await queue.claim("bench")
+    assert task is not None
+    await queue.complete(task)
+
+
 async def wake_up(uri: str | None, puts: int = 20) -> Result:
     """Issue #15: from a put to its handler's start, an idle worker of 8 slots polling every
     second in the same process, on the wall clock; the commands per task (claims included)."""
@@ -152,6 +182,7 @@ def scenarios(tasks: int, backlogs: list[int]) -> list[tuple[str, Callable[[str 
         ("lifecycle put_many", lambda uri: lifecycle_put_many(uri, tasks)),
         ("lifecycle batched", lambda uri: lifecycle_batched(uri, tasks)),
         ("lifecycle own time", lambda uri: lifecycle_cpu(uri)),
+        ("lifecycle own time, replayed", lambda uri: lifecycle_cpu_replayed()),
     ]
     for backlog in backlogs:
         runs.append(

@@ -626,14 +626,13 @@ class GroupTransport(Facade):
         The lease is extended every ``lease_ttl / 3`` while the handler runs. A clean return
         acks; `PermanentError` dead-letters the head; any other exception nacks with
         `retry_delay` and records the error; a cancellation (a second signal) nacks it with
-        "worker stopped". Orphaned
-        groups are readied every ``lease_ttl`` (and when idle). `stop()` stops gracefully.
-        `handler_timeout` (seconds of the transport's clock) cancels a handler that runs
-        longer: the head is nacked with ``HandlerTimeout: timed out after N s`` (a delivery
-        spent). A handler whose group a renewal finds taken over is cancelled and counted
-        `lost`. `stop_when_empty` returns as soon as no group is claimable *now* (parked groups wait
-        for a later run); `stop_when_drained` only when no message is left at all, sleeping on
-        the transport's clock until the next group is due meanwhile.
+        "worker stopped". Orphaned groups are readied every ``lease_ttl`` (and when idle).
+        `stop()` stops gracefully. `handler_timeout` (seconds of the transport's clock) cancels
+        a handler that runs longer: the head is nacked with ``HandlerTimeout: timed out after
+        N s`` (a delivery spent). A handler whose group a renewal finds taken over is cancelled
+        and counted `lost`. `stop_when_empty` returns as soon as no group is claimable *now*
+        (parked groups wait for a later run); `stop_when_drained` only when no message is left
+        at all, sleeping on the transport's clock until the next group is due meanwhile.
 
         With `batch_size` > 1 each slot leases up to that many groups at once (`claim_many`),
         runs their heads one after another under one renewal (`extend_many`), and acks the

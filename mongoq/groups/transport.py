@@ -400,14 +400,13 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         The lease is extended every ``lease_ttl / 3`` while the handler runs. A clean return
         acks; `PermanentError` dead-letters the head; any other exception nacks with
         `retry_delay` and records the error; a cancellation (a second signal) nacks it with
-        "worker stopped". Orphaned
-        groups are readied every ``lease_ttl`` (and when idle). `stop()` stops gracefully.
-        `handler_timeout` (seconds of the transport's clock) cancels a handler that runs
-        longer: the head is nacked with ``HandlerTimeout: timed out after N s`` (a delivery
-        spent). A handler whose group a renewal finds taken over is cancelled and counted
-        `lost`. `stop_when_empty` returns as soon as no group is claimable *now* (parked groups wait
-        for a later run); `stop_when_drained` only when no message is left at all, sleeping on
-        the transport's clock until the next group is due meanwhile.
+        "worker stopped". Orphaned groups are readied every ``lease_ttl`` (and when idle).
+        `stop()` stops gracefully. `handler_timeout` (seconds of the transport's clock) cancels
+        a handler that runs longer: the head is nacked with ``HandlerTimeout: timed out after
+        N s`` (a delivery spent). A handler whose group a renewal finds taken over is cancelled
+        and counted `lost`. `stop_when_empty` returns as soon as no group is claimable *now*
+        (parked groups wait for a later run); `stop_when_drained` only when no message is left
+        at all, sleeping on the transport's clock until the next group is due meanwhile.
 
         With `batch_size` > 1 each slot leases up to that many groups at once (`claim_many`),
         runs their heads one after another under one renewal (`extend_many`), and acks the
@@ -426,25 +425,9 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         worker = self._worker(worker_id)
         summary = GroupRunSummary()
         tally = Tally(summary, "groups", self.prefix)
-
-        async def claim() -> list[GroupLease] | None:
-            if batch_size == 1:
-                lease = await self.claim(worker, min_priority=min_priority)
-                leases = [] if lease is None else [lease]
-            else:
-                leases = await self.claim_many(batch_size, worker, min_priority=min_priority)
-            tally("claimed", len(leases))
-            return leases or None
-
-        holder = GroupBatch(self, handler, retry)
-
-        async def process(leases: list[GroupLease]) -> None:
-            await run_batch(
-                holder, leases, clock=self.clock, lease=self.lease_ttl, count=tally,
-                describe=lambda lease: f"group {lease.group_id!r}", logger=log,
-                handler_timeout=limit, timed=tally.handler_time,
-            )  # fmt: skip
-
+        claim, process = self._batch_steps(
+            GroupBatch(self, handler, retry), worker, min_priority, batch_size, limit, tally
+        )
         loop: WorkerLoop[list[GroupLease]] = WorkerLoop(
             claim=claim,
             process=process,
@@ -461,6 +444,34 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         )
         await self._run_loop(loop, handle_signals=handle_signals)
         return summary
+
+    def _batch_steps(
+        self, holder: GroupBatch, worker: str, min_priority: int, batch_size: int,
+        limit: float | None, tally: Tally,
+    ) -> tuple[
+        Callable[[], Awaitable[list[GroupLease] | None]],
+        Callable[[list[GroupLease]], Awaitable[None]],
+    ]:  # fmt: skip
+        """The claim and process functions of `run`'s slots: lease up to `batch_size` groups,
+        then run their heads in the shared batch slot."""
+
+        async def claim() -> list[GroupLease] | None:
+            if batch_size == 1:
+                lease = await self.claim(worker, min_priority=min_priority)
+                leases = [] if lease is None else [lease]
+            else:
+                leases = await self.claim_many(batch_size, worker, min_priority=min_priority)
+            tally("claimed", len(leases))
+            return leases or None
+
+        async def process(leases: list[GroupLease]) -> None:
+            await run_batch(
+                holder, leases, clock=self.clock, lease=self.lease_ttl, count=tally,
+                describe=lambda lease: f"group {lease.group_id!r}", logger=log,
+                handler_timeout=limit, timed=tally.handler_time,
+            )  # fmt: skip
+
+        return claim, process
 
     async def _next_due(self, floor: int) -> datetime | None:
         """When the next group is claimable; None when no message is left (of any priority:

@@ -54,6 +54,7 @@ __all__ = [
 log = logging.getLogger("mongoq.worker")
 
 Item = TypeVar("Item")
+T = TypeVar("T")
 
 #: The error recorded for an item whose handler was cancelled: the worker stopped under it
 #: (a cancelled `run`, a second signal), not a failure of the item's own.
@@ -335,17 +336,9 @@ class WorkerLoop(Generic[Item]):
         while not self._stopping:
             await anyio.lowlevel.checkpoint_if_cancelled()  # the shield below would hide it
             wakes = self._wakes
-            try:
-                # Shielded: a claim applied on the server but cancelled before its reply is read
-                # would hold the item, unseen, for a whole lease. Once it is back, the cancellation
-                # reaches the item's processing, whose lease handling releases it.
-                with anyio.CancelScope(shield=True):
-                    assert self._claim is not None
-                    item = await self._claim()
-            except _driver.DRIVER_ERRORS as exc:
-                log.warning("%s: claim failed (%s); retrying after %.1fs", self.name, exc,
-                            self._poll_interval)  # fmt: skip
-                await self._nap()
+            assert self._claim is not None
+            claimed, item = await self._shielded(self._claim)
+            if not claimed:
                 continue
             if item is None:
                 await self._run_housekeeping(unless_recent=True)
@@ -368,6 +361,21 @@ class WorkerLoop(Generic[Item]):
             finally:
                 self.in_flight -= 1
 
+    async def _shielded(self, claim: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
+        """Run `claim`, shielded: a claim applied on the server but cancelled before its reply
+        is read would hold what it claimed, unseen, for a whole lease. Once it is back, the
+        cancellation reaches the processing, whose lease handling releases it. A driver error
+        is logged and napped on: (False, None)."""
+        try:
+            with anyio.CancelScope(shield=True):
+                result = await claim()
+        except _driver.DRIVER_ERRORS as exc:
+            log.warning("%s: claim failed (%s); retrying after %.1fs", self.name, exc,
+                        self._poll_interval)  # fmt: skip
+            await self._nap()
+            return False, None
+        return True, result
+
     async def _fill_slots(self, slots: anyio.abc.TaskGroup) -> None:
         """`claim_many` mode: claim for every free slot at once, start each item in a slot of
         its own, and claim again when an item ended, a wake-up came, or the nap is over."""
@@ -376,17 +384,12 @@ class WorkerLoop(Generic[Item]):
             await anyio.lowlevel.checkpoint_if_cancelled()  # the shield below would hide it
             free = self._concurrency - self.in_flight
             ended, wakes = self._ended, self._wakes
-            items: list[Item] = []
+            items: list[Item] | None = []
             if free > 0:
-                try:
-                    with anyio.CancelScope(shield=True):  # see `_slot`
-                        items = await self._claim_many(free)
-                except _driver.DRIVER_ERRORS as exc:
-                    log.warning("%s: claim failed (%s); retrying after %.1fs", self.name, exc,
-                                self._poll_interval)  # fmt: skip
-                    await self._nap()
+                claimed, items = await self._shielded(partial(self._claim_many, free))
+                if not claimed:
                     continue
-            for item in items:
+            for item in items or ():
                 self.in_flight += 1
                 slots.start_soon(self._process_one, item)
             if items or self._ended != ended or (free > 0 and self._wakes != wakes):
