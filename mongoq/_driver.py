@@ -1,10 +1,10 @@
 """The one place that knows how the supported drivers differ.
 
 Supported databases: PyMongo's native async API (`pymongo.AsyncMongoClient`, recommended),
-Motor (`motor.motor_asyncio.AsyncIOMotorClient`, deprecated upstream but supported), and the
-embedded in-memory backend (mongomock-motor). Classes that wrap a database (the instrumentation
-in `mongoq.testing`) set ``mongoq_wrapper = True`` and expose the wrapped database as
-``mongoq_delegate``; they are seen through.
+Motor (`motor.motor_asyncio.AsyncIOMotorClient`, which MongoDB supersedes with the former;
+still supported), and the embedded in-memory backend (mongomock-motor). Classes that wrap a
+database (the instrumentation in `mongoq.testing`) set ``mongoq_wrapper = True`` and expose the
+wrapped database as ``mongoq_delegate``; they are seen through.
 
 Differences absorbed here:
 - ``aggregate`` is awaited in PyMongo async and returns a cursor directly in Motor/mongomock-motor;

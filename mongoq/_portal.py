@@ -414,7 +414,7 @@ class Facade:
     _built_by: int
 
     @classmethod
-    def _adopt(cls: type[T], database: Database, wrapped: Any) -> T:
+    def _around(cls: type[T], database: Database, wrapped: Any) -> T:
         """A facade on an async object that already exists (e.g. a lease)."""
         facade = object.__new__(cls)
         assert isinstance(facade, Facade)
@@ -495,7 +495,7 @@ class Facade:
 
     def _wrap(self, value: Any) -> Any:
         facade = Facade.registry.get(type(value))
-        return value if facade is None else facade._adopt(self._database, value)
+        return value if facade is None else facade._around(self._database, value)
 
     def _enter(self) -> Any:
         """``__enter__`` of a facade over an async context manager."""
