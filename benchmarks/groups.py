@@ -1,7 +1,7 @@
 """Group-transport benchmarks: the lifecycle (publish, claim, ack) and claim cost against the
 number of groups.
 
-Targets (issue #3): at most 5 commands per message unbatched, at most 3.2 with
+Targets: at most 5 commands per message unbatched, at most 3.2 with
 ``publish_many`` batches of 100; commands per claim constant from 10 to 100,000 groups. Issue
 #14: at most 6 unbatched, 0.08 batched with 100 groups due. As for
 the task queue, times on the embedded backend measure mongomock's full scans.
@@ -110,7 +110,7 @@ def scenarios(
             lambda uri: lifecycle_publish_many(uri, count, count // 10),
         ),
         ("group lifecycle batched", lambda uri: lifecycle_batched(uri, count, count // 10)),
-        # Issue #14's measure: 100 groups due at every claim_many(100).
+        # The measure: 100 groups due at every claim_many(100).
         ("group lifecycle batched 100", lambda uri: lifecycle_batched(uri, 1000, 100)),
     ]
     for groups in groups_list:

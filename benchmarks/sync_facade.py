@@ -1,7 +1,7 @@
 """The blocking facade's overhead per call: the same cheap call (`TaskQueue.get` of a missing
 task) timed through `mongoq_sync` and straight on the async core, on the embedded backend.
 
-Target (issue #4): under 100 microseconds per call.
+Target: under 100 microseconds per call.
 """
 
 from __future__ import annotations

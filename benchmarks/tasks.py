@@ -1,6 +1,6 @@
 """Task-queue benchmarks: the lifecycle (put, claim, complete) and claim cost against backlog.
 
-Targets (issue #2): at most 3 commands per task unbatched; commands per claim constant as the
+Targets: at most 3 commands per task unbatched; commands per claim constant as the
 backlog grows. Timings on the embedded backend measure mongomock, which scans every document
 on every query; only a real server (``--uri``) says anything about index use.
 """
@@ -145,7 +145,7 @@ async def _lifecycle(queue: AsyncTaskQueue, task_id: str) -> None:
 
 
 async def wake_up(uri: str | None, puts: int = 20) -> Result:
-    """Issue #15: from a put to its handler's start, an idle worker of 8 slots polling every
+    """From a put to its handler's start, an idle worker of 8 slots polling every
     second in the same process, on the wall clock; the commands per task (claims included)."""
     async with counted_database(uri) as bench:
         queue = AsyncTaskQueue(bench.db, "bench_wake", clock=SystemClock())
