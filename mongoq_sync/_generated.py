@@ -1040,6 +1040,8 @@ class OutboxDispatcher(Facade):
         now and nothing runs (deliveries waiting out a backoff, or behind a busy key, wait for
         a later run); `stop_when_drained` only when no delivery of these handlers is left
         pending at all, sleeping on the outbox's clock until the next one is due meanwhile.
+        A claim that fails (a driver error: an election, a lost connection) is logged and tried
+        again after `poll_interval`; it never counts as an empty outbox.
         With `handle_signals`, SIGTERM/SIGINT stop gracefully and a second one cancels.
         Cancelling the call releases the deliveries still running (no attempt counted) and
         hands the lanes back. Returns the totals of this dispatcher.

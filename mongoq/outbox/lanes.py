@@ -445,7 +445,7 @@ async def read_lanes(
     # cursor open on a server, and draining it would be a getMore.
     docs = await _driver.find_list(collection, query, batch_size=READ_BATCH)
     slots = next((Slots.from_document(d) for d in docs if d["_id"] == schema.SLOTS), Slots())
-    return [Lane.from_document(doc) for doc in docs if doc["_id"] != schema.SLOTS], slots
+    return [Lane.from_document(doc) for doc in docs if isinstance(doc["_id"], int)], slots
 
 
 @dataclass

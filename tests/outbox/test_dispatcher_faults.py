@@ -1,6 +1,8 @@
 """OutboxDispatcher under faults: a claim answered after its lanes' lease ended starts nothing,
-a cancelled `run_once` still completes what finished, and a stop that comes before `run` is
-not lost. The documents are read back; time moves only through the manual clock.
+a cancelled `run_once` still completes what finished, a claim that fails is retried (a
+driver error is not an empty outbox), and a stop that comes before `run` is not lost, nor
+carried past the run it came during. The documents are read back; time moves only through the
+manual clock.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import anyio
 
 from mongoq.outbox import DeliveryContext, Event, OutboxRunSummary
 from mongoq.testing import FaultInjector, ManualClock, Operation, instrument
-from tests.support.helpers import wait_for
+from tests.support.helpers import in_background, napping, nth, wait_for
 from tests.support.outbox_helpers import (
     ONLY_H,
     PREFIX,
@@ -125,6 +127,60 @@ async def test_a_stop_before_run_makes_it_return_at_once_and_the_next_run_starts
     with anyio.fail_after(10):
         second = await d.run(stop_when_empty=True)
     assert (second.completed, ran, await deliveries(odb)) == (1, ["e1"], [])
+
+
+async def test_a_claim_that_fails_is_retried_after_a_nap_not_taken_for_an_empty_outbox(
+    odb: Any, clock: ManualClock
+) -> None:
+    """The first claim's scan fails (an election): `run(stop_when_empty=True)` naps
+    `poll_interval` and claims again, and e1 runs, rather than returning as if nothing were
+    there."""
+    faults = FaultInjector()
+    outbox = await new_outbox(instrument(odb, faults), clock, subscriptions=ONLY_H)
+    await outbox.publish(event(1), session=None)
+    faults.fail_before("find", collection=f"{PREFIX}deliveries", match=nth(0))
+    ran: list[str] = []
+
+    async def handler(received: Event, context: DeliveryContext) -> None:
+        ran.append(received.id)
+
+    d = dispatcher(outbox, {"h": handler}, poll_interval=5)
+    summary = await in_background(
+        clock, d.run(stop_when_empty=True), advance=5, started=lambda: napping(d)
+    )
+    assert (summary.claimed, summary.completed, ran) == (1, 1, ["e1"])
+    assert await deliveries(odb) == []
+
+
+async def test_a_stop_while_a_run_hands_its_lanes_back_does_not_stop_the_next_run(
+    odb: Any, clock: ManualClock
+) -> None:
+    """`stop()` comes while the run hands its lanes back (after its loop ended): it was for
+    that run, which is returning. The next run dispatches e2."""
+    faults = FaultInjector()
+    outbox = await new_outbox(instrument(odb, faults), clock, subscriptions=ONLY_H)
+    await outbox.publish(event(1), session=None)
+    seen: list[str] = []
+
+    async def handler(received: Event, context: DeliveryContext) -> None:
+        seen.append(received.id)
+
+    d = dispatcher(outbox, {"h": handler})
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as group:
+            group.start_soon(d.run)  # only stop() ends it
+            await wait_for(lambda: seen == ["e1"] and napping(d), "e1 to run, then a nap")
+            # The clock stands still: the next read of the lanes is the hand-back's.
+            pause = faults.pause_before("find", collection=f"{PREFIX}lanes")
+            d.stop()
+            await pause.reached.wait()  # relinquish reads the lanes it holds
+            d.stop()
+            pause.release()
+    await outbox.publish(event(2), session=None)
+    with anyio.fail_after(10):
+        second = await d.run(stop_when_empty=True)
+    assert (second.completed, seen) == (2, ["e1", "e2"])  # the dispatcher's totals
+    assert await deliveries(odb) == []
 
 
 async def test_a_settle_without_an_answer_is_counted_unknown_once(
