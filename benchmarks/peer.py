@@ -253,7 +253,8 @@ async def side_by_side(uri: str | None, tasks: int) -> list[Result | Ratio | Ski
         return [
             Skipped(
                 f"peer: {PEER}",
-                f"{PEER} is not installed (pip install 'mongoq[bench]'); side-by-side skipped",
+                f"{PEER} is not installed (pip install 'mongoq-queue[bench]'); "
+                "side-by-side skipped",
             )
         ]
     peer_single = _peer_run(uri, f"peer: {PEER} append + next + on_success", tasks, _peer_single)

@@ -213,7 +213,7 @@ def extra_required(extra: str, feature: str) -> Iterator[None]:
         yield
     except ImportError as error:
         raise MongoqError(
-            f"{feature} needs the {extra!r} extra: pip install 'mongoq[{extra}]' "
+            f"{feature} needs the {extra!r} extra: pip install 'mongoq-queue[{extra}]' "
             f"(missing: {error.name or error})"
         ) from error
 

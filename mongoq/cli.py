@@ -469,7 +469,7 @@ def _dashboard_module() -> Any:
     except ImportError as error:
         raise MongoqError(
             f"the dashboard needs the dashboard extra ({error.name} is missing): "
-            "pip install 'mongoq[dashboard]'"
+            "pip install 'mongoq-queue[dashboard]'"
         ) from None
     return dashboard
 

@@ -555,6 +555,6 @@ def test_without_prometheus_client_the_import_names_the_extra(
 
     with pytest.raises(
         MongoqError,
-        match=r"mongoq\.metrics needs the 'metrics' extra: pip install 'mongoq\[metrics\]'",
+        match=r"mongoq\.metrics needs the 'metrics' extra: pip install 'mongoq-queue\[metrics\]'",
     ):
         importlib.import_module("mongoq.metrics")

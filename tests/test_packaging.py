@@ -30,7 +30,18 @@ def test_the_base_install_is_pymongo_and_anyio_and_the_rest_are_extras() -> None
     assert _names(extras["metrics"]) == {"prometheus_client"}
     assert _names(extras["cron"]) == {"croniter"}
     assert _names(extras["dashboard"]) == {"starlette", "uvicorn"}
-    assert "mongoq[embedded,motor,metrics,cron,dashboard]" in extras["test"]
+    assert "mongoq-queue[embedded,motor,metrics,cron,dashboard]" in extras["test"]
+
+
+def test_the_distribution_is_named_apart_from_its_import_names() -> None:
+    """``mongoq`` on the package index is another project; ours installs as ``mongoq-queue``
+    and imports as ``mongoq`` and ``mongoq_sync``, and every missing-extra message says so."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["name"] == "mongoq-queue"
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]["packages"] == [
+        "mongoq", "mongoq_sync",
+    ]  # fmt: skip
+    assert "pip install mongoq-queue" in (ROOT / "README.md").read_text()
 
 
 async def test_the_dashboard_without_its_extra_names_it(
@@ -51,7 +62,7 @@ async def test_the_dashboard_without_its_extra_names_it(
     monkeypatch.setattr(cli, "_serve_dashboard", never)
     monkeypatch.delattr(mongoq, "dashboard", raising=False)
     assert await cli.run(["dashboard", "--uri", "memory://"]) == 2
-    assert "pip install 'mongoq[dashboard]'" in capsys.readouterr().err
+    assert "pip install 'mongoq-queue[dashboard]'" in capsys.readouterr().err
 
 
 async def test_a_cron_schedule_without_the_cron_extra_names_it_and_writes_nothing(
@@ -63,7 +74,7 @@ async def test_a_cron_schedule_without_the_cron_extra_names_it_and_writes_nothin
     monkeypatch.setitem(sys.modules, "croniter", None)
     db = memory_database()
     queue = AsyncTaskQueue(db, "jobs")
-    with pytest.raises(MongoqError, match=r"pip install 'mongoq\[cron\]'"):
+    with pytest.raises(MongoqError, match=r"pip install 'mongoq-queue\[cron\]'"):
         await queue.schedule("nightly", cron="0 3 * * *")
     assert await queue.schedule("pulse", every=60)  # `every` needs no extra
     assert [s.name for s in await queue.schedules()] == ["pulse"]
@@ -78,7 +89,8 @@ def without_embedded(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("without_embedded")
 def test_connect_without_the_embedded_extra_names_it() -> None:
-    with pytest.raises(MongoqError, match=r"needs the 'embedded' extra: pip install 'mongoq\["):
+    wanted = r"needs the 'embedded' extra: pip install 'mongoq-queue\["
+    with pytest.raises(MongoqError, match=wanted):
         mongoq.connect()
     with pytest.raises(MongoqError, match="'embedded' extra"):
         mongoq.connect("memory://")

@@ -33,7 +33,7 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT = ROOT / ".github" / "constraints.txt"
-PROJECT = "mongoq"
+PROJECT = "mongoq-queue"
 EXTRA = "test"
 #: The Python versions the workflows in .github/workflows set up.
 PYTHONS = ("3.11", "3.12")
@@ -67,8 +67,8 @@ def _applies(requirement: Requirement, extras: frozenset[str]) -> bool:
 
 
 def _project_requirements() -> list[Requirement]:
-    """The requirements of ``mongoq[test]`` as pyproject.toml states them, its own extras
-    (``mongoq[embedded,...]``) expanded."""
+    """The requirements of ``mongoq-queue[test]`` as pyproject.toml states them, its own extras
+    (``mongoq-queue[embedded,...]``) expanded."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     found: list[Requirement] = [Requirement(text) for text in project["dependencies"]]

@@ -352,14 +352,18 @@ class WorkerLoop(Generic[Item]):
                 continue
             self._leave_idle(number)
             self.in_flight += 1
-            try:
-                await self._process(item)
-            except Exception:
-                # The primitive's process function settles its own item; anything that still
-                # escapes is logged rather than allowed to end the slot (the lease recovers it).
-                log.exception("%s: unexpected error while processing", self.name)
-            finally:
-                self.in_flight -= 1
+            await self._process_item(item)
+
+    async def _process_item(self, item: Item) -> None:
+        """Process `item` (counted in flight by the caller); its slot is free again after."""
+        try:
+            await self._process(item)
+        except Exception:
+            # The primitive's process function settles its own item; anything that still
+            # escapes is logged rather than allowed to end the slot (the lease recovers it).
+            log.exception("%s: unexpected error while processing", self.name)
+        finally:
+            self.in_flight -= 1
 
     async def _shielded(self, claim: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
         """Run `claim`, shielded: a claim applied on the server but cancelled before its reply
@@ -406,15 +410,12 @@ class WorkerLoop(Generic[Item]):
             await self._nap()
 
     async def _process_one(self, item: Item) -> None:
-        """Process an item `_fill_slots` claimed; its slot is free again after."""
+        """Process an item `_fill_slots` claimed, then have the claimer claim for its slot."""
         try:
-            await self._process(item)
-        except Exception:
-            log.exception("%s: unexpected error while processing", self.name)
+            await self._process_item(item)
         finally:
-            self.in_flight -= 1
             self._ended += 1
-            for nap in list(self._naps):  # the claimer claims for the free slot
+            for nap in list(self._naps):
                 nap.cancel()
 
 

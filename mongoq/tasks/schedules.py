@@ -54,7 +54,9 @@ def _croniter() -> Any:
     try:
         from croniter import croniter
     except ImportError:  # pragma: no cover - the test extra has it
-        raise MongoqError("cron schedules need croniter: pip install 'mongoq[cron]'") from None
+        raise MongoqError(
+            "cron schedules need croniter: pip install 'mongoq-queue[cron]'"
+        ) from None
     return croniter
 
 
