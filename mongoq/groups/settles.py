@@ -288,7 +288,7 @@ class GroupSettles:
         return True
 
     def _attempt(self, group_id: GroupId, seq: int, number: int, worker: str | None) -> Attempt:
-        return Attempt("groups", self.prefix, f"{group_id!r}/{seq}", number, worker)
+        return Attempt("groups", self.prefix, f"{group_id}/{seq}", number, worker)
 
     async def _finish_burial(self, head: Mapping[str, Any]) -> None:
         await self.dead.replace_one(

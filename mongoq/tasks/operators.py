@@ -166,7 +166,7 @@ class TaskOperators:
             "cancelled task %r%s", task_id, " (running: its handler stops at its next renewal)"
             if running else "",
             extra={"mongoq_primitive": "tasks", "mongoq_queue": self.name,
-                   "mongoq_item": repr(task_id), "mongoq_outcome": "cancelled"},
+                   "mongoq_item": str(task_id), "mongoq_outcome": "cancelled"},
         )  # fmt: skip
         return True
 

@@ -405,7 +405,7 @@ class TaskSettles:
         error: BaseException | str | None,
         due: datetime | None = None,
     ) -> None:
-        attempt = Attempt("tasks", self.name, repr(task.id), task.attempts, task.worker_id)
+        attempt = Attempt("tasks", self.name, str(task.id), task.attempts, task.worker_id)
         log_attempt_end(log, attempt, outcome, error, due)
 
     # ---------------------------------------------------------------------------- look-ups

@@ -61,7 +61,7 @@ async def test_a_task_retried_is_info_and_failed_is_warning(
     logged_due = datetime.fromisoformat(first.mongoq_next_due)
     assert abs(logged_due - due) < timedelta(milliseconds=1)  # stored to the millisecond
     assert fields(first) == {
-        "mongoq_primitive": "tasks", "mongoq_queue": queue.name, "mongoq_item": "'t'",
+        "mongoq_primitive": "tasks", "mongoq_queue": queue.name, "mongoq_item": "t",
         "mongoq_attempt": 1, "mongoq_outcome": "retried",
         "mongoq_next_due": first.mongoq_next_due, "mongoq_worker": "w1",
         "mongoq_error": "ValueError: boom",
@@ -98,7 +98,7 @@ async def test_a_message_nacked_is_info_and_dead_lettered_is_warning(
     assert fields(nacked)["mongoq_next_due"] is not None
     assert {k: v for k, v in fields(nacked).items() if k != "mongoq_next_due"} == {
         "mongoq_primitive": "groups", "mongoq_queue": transport.prefix,
-        "mongoq_item": f"'g'/{seq}", "mongoq_attempt": 1, "mongoq_outcome": "retried",
+        "mongoq_item": f"g/{seq}", "mongoq_attempt": 1, "mongoq_outcome": "retried",
         "mongoq_worker": "w1", "mongoq_error": "ValueError: boom",
     }  # fmt: skip
     assert fields(buried) == {
@@ -124,7 +124,7 @@ async def test_a_message_out_of_deliveries_is_dead_lettered_with_a_warning(
     assert (nacked.levelno, fields(nacked)["mongoq_outcome"]) == (logging.INFO, "retried")
     assert buried.levelno == logging.WARNING
     assert {k: fields(buried)[k] for k in ("mongoq_item", "mongoq_attempt", "mongoq_outcome")} == {
-        "mongoq_item": f"'g'/{seq}",
+        "mongoq_item": f"g/{seq}",
         "mongoq_attempt": 1,
         "mongoq_outcome": "dead",
     }
