@@ -455,9 +455,32 @@ async def _demo(args: argparse.Namespace) -> int:
     config = DemoConfig(uri=args.uri, tasks=args.tasks, workers=args.workers, seed=args.seed)
     if args.dashboard:
         return await _demo_with_dashboard(args, config)
-    report = await run_demo(config, progress=lambda line: print(line, flush=True))
-    _print_report(report)
+    out = sys.stderr if args.json else sys.stdout  # --json: stdout holds the report only
+    report = await run_demo(config, progress=lambda line: print(line, file=out, flush=True))
+    if args.json:
+        print(json.dumps(_report_document(report), indent=2))
+    else:
+        _print_report(report)
     return 0 if report.ok else 1
+
+
+def _report_document(report: DemoReport) -> dict[str, Any]:
+    """The demo's report as ``demo --json`` prints it."""
+    fields = {f.name: getattr(report, f.name) for f in dataclasses.fields(report)}
+    fields["statuses"] = dict(report.statuses)
+    fields["checks"] = [{"check": label, "ok": passed} for label, passed in report.checks]
+    return {**fields, "ok": report.ok}
+
+
+def _at_least_one(text: str) -> int:
+    """An argument that counts something there must be at least one of."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 # ------------------------------------------------------------------------- dashboard
@@ -701,8 +724,8 @@ def _add_others(commands: Any) -> None:
         sub.add_argument(f"--{name}", nargs="+", default=[], metavar=metavar)
     sub = _command(commands, "demo", _demo, "run the task-queue demo (embedded backend default)")
     sub.set_defaults(connects=False)
-    sub.add_argument("--tasks", type=int, default=DemoConfig.tasks)
-    sub.add_argument("--workers", type=int, default=DemoConfig.workers)
+    sub.add_argument("--tasks", type=_at_least_one, default=DemoConfig.tasks)
+    sub.add_argument("--workers", type=_at_least_one, default=DemoConfig.workers)
     sub.add_argument("--seed", type=int, default=DemoConfig.seed)
     sub.add_argument("--dashboard", action="store_true",
                      help="serve the dashboard on the demo's database while it runs")  # fmt: skip
@@ -793,7 +816,7 @@ async def run(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     uri = _uri(args)
     try:
-        if args.json and not args.connects:
+        if args.json and not args.connects and args.command != "demo":
             raise UsageError("--json is for the operator commands", f"mongoq {args.command}")
         if not args.connects:
             return int(await args.func(args))

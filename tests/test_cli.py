@@ -476,6 +476,30 @@ async def test_the_demo_runs_as_before(capsys: pytest.CaptureFixture[str]) -> No
     assert out.count("[ok]") == 7 and "[FAILED]" not in out
 
 
+async def test_the_demo_with_json_prints_its_report_as_one_document(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``demo --json``: the rounds go to stderr, stdout holds one JSON document, the report."""
+    assert await cli.run(["demo", "--tasks", "20", "--workers", "2", "--json"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["ok"] is True and report["statuses"]["done"] >= 1
+    assert len(report["checks"]) == 7 and all(check["ok"] for check in report["checks"])
+    assert "round" in captured.err
+
+
+@pytest.mark.parametrize("flag", ["--workers", "--tasks"])
+async def test_the_demo_refuses_a_count_below_one_by_its_flag_before_writing(
+    flag: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the demo ran")
+
+    monkeypatch.setattr(cli, "run_demo", never)
+    assert await cli.run(["demo", flag, "0"]) == 2
+    assert f"argument {flag}: must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
