@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mongoq import _driver
 from mongoq._validation import MAX_BATCH, check_int, check_window
@@ -48,9 +48,9 @@ class OutboxOperators:
     history: Any
     _lane_store: LaneStore
 
-    async def _now(self) -> datetime:
-        await self.clock.refresh()
-        return self.clock.now()
+    if TYPE_CHECKING:
+
+        async def _now(self) -> datetime: ...  # the outbox's (`AsyncOutbox._now`)
 
     async def requeue(self, event_id: str, handler: str) -> bool:
         """Make a dead delivery pending again, due now, with its attempts reset. It then comes

@@ -12,7 +12,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from logging import Logger
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mongoq import _driver
 from mongoq._validation import check_batch, check_seconds, check_worker_id
@@ -44,9 +44,9 @@ class OutboxSettles:
     _claimer: Claimer
     _lane_store: LaneStore
 
-    async def _now(self) -> datetime:
-        await self.clock.refresh()
-        return self.clock.now()
+    if TYPE_CHECKING:
+
+        async def _now(self) -> datetime: ...  # the outbox's (`AsyncOutbox._now`)
 
     @staticmethod
     def _fence(delivery: Delivery, field: str = "delivery") -> dict[str, Any]:

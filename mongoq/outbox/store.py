@@ -114,6 +114,10 @@ class AsyncOutbox(OutboxSettles, OutboxOperators):
     def _collection(self, name: str) -> Any:
         return _driver.collection(self.db, f"{self.prefix}{name}")
 
+    async def _now(self) -> datetime:
+        await self.clock.refresh()
+        return self.clock.now()
+
     async def setup(self) -> None:
         """Create the collections, the indexes and 256 lane documents for each subscribed
         handler (and any lane missing from a handler that has lanes), and record the outbox
