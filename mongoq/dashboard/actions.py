@@ -23,7 +23,7 @@ from mongoq.outbox import AsyncOutbox
 from mongoq.tasks import AsyncTaskQueue
 from mongoq.tasks.schema import PURGEABLE
 
-__all__ = ["ACTIONS", "Action", "Done"]
+__all__ = ["ACTIONS", "Action", "Done", "field", "item_id"]
 
 _INTEGER = re.compile("-?[0-9]{1,19}")
 
@@ -47,7 +47,7 @@ class Action:
     run: Callable[[Any, Mapping[str, str]], Awaitable[Done]]
 
 
-def _field(form: Mapping[str, str], name: str) -> str:
+def field(form: Mapping[str, str], name: str) -> str:
     """A field as sent: ids are never stripped (``" a"`` and ``"a"`` are two tasks)."""
     value = form.get(name, "")
     if not value:
@@ -55,9 +55,9 @@ def _field(form: Mapping[str, str], name: str) -> str:
     return value
 
 
-def _item_id(form: Mapping[str, str], name: str) -> str | int:
+def item_id(form: Mapping[str, str], name: str) -> str | int:
     """An id as the list showed it: text, or an integer when the form says ``<name>_type=int``."""
-    value = _field(form, name)
+    value = field(form, name)
     if form.get(f"{name}_type", "str") == "int":
         low, high = INT64_RANGE
         if not _INTEGER.fullmatch(value) or not low <= int(value) <= high:
@@ -69,7 +69,7 @@ def _item_id(form: Mapping[str, str], name: str) -> str | int:
 
 def _age(form: Mapping[str, str], name: str) -> float:
     """Seconds from ``90``, ``30s``, ``15m``, ``12h`` or ``7d``."""
-    value = _field(form, name)
+    value = field(form, name)
     seconds = parse_age(value)
     if seconds is None:
         raise InvalidInput(name, f"must be an age such as 90, 30s, 15m, 12h or 7d, got {value!r}")
@@ -86,27 +86,27 @@ def _everything(form: Mapping[str, str]) -> bool:
 def _describe_task_requeue(name: str, form: Mapping[str, str]) -> str:
     if _everything(form):
         return f"Requeue every failed task of queue {name!r}, with fresh attempts."
-    return f"Requeue failed task {_item_id(form, 'id')!r} of queue {name!r}, with fresh attempts."
+    return f"Requeue failed task {item_id(form, 'id')!r} of queue {name!r}, with fresh attempts."
 
 
 async def _task_requeue(queue: AsyncTaskQueue, form: Mapping[str, str]) -> Done:
-    ids = None if _everything(form) else [_item_id(form, "id")]
+    ids = None if _everything(form) else [item_id(form, "id")]
     count = await queue.requeue_failed(ids)
     return Done(count, f"requeued {count} failed task(s)")
 
 
 def _describe_task_cancel(name: str, form: Mapping[str, str]) -> str:
-    task = _item_id(form, "id")
+    task = item_id(form, "id")
     return f"Cancel task {task!r} of queue {name!r} (a running handler stops at its next renewal)."
 
 
 async def _task_cancel(queue: AsyncTaskQueue, form: Mapping[str, str]) -> Done:
-    cancelled = await queue.cancel(_item_id(form, "id"))
+    cancelled = await queue.cancel(item_id(form, "id"))
     return Done(int(cancelled), "cancelled 1 task" if cancelled else "nothing to cancel")
 
 
 def _purge_status(form: Mapping[str, str]) -> str:
-    status = _field(form, "status").strip()
+    status = field(form, "status").strip()
     if status not in PURGEABLE:
         raise InvalidInput("status", f"must be one of {', '.join(PURGEABLE)}, got {status!r}")
     return status
@@ -127,7 +127,7 @@ async def _task_purge(queue: AsyncTaskQueue, form: Mapping[str, str]) -> Done:
 
 
 def _seq(form: Mapping[str, str]) -> int:
-    value = _field(form, "seq").strip()
+    value = field(form, "seq").strip()
     if not _INTEGER.fullmatch(value):
         raise InvalidInput("seq", f"must be a positive 64-bit integer, got {value!r}")
     return check_int("seq", int(value), low=1, high=INT64_RANGE[1])
@@ -137,7 +137,7 @@ def _describe_redrive(name: str, form: Mapping[str, str]) -> str:
     if _everything(form):
         return f"Publish every dead letter of {name!r} again, at the tail of its group."
     if "group" in form:
-        group = _item_id(form, "group")
+        group = item_id(form, "group")
         return f"Publish the dead letters of group {group!r} of {name!r} again."
     return f"Publish dead letter {_seq(form)} of {name!r} again, at the tail of its group."
 
@@ -148,7 +148,7 @@ REDRIVE_BATCH = 1000
 
 async def _redrive(transport: AsyncGroupTransport, form: Mapping[str, str]) -> Done:
     if _everything(form) or "group" in form:
-        group = None if _everything(form) else _item_id(form, "group")
+        group = None if _everything(form) else item_id(form, "group")
         # At most as many as there were: letters buried again while this runs (a poison
         # message its workers bury at once) wait for the next redrive, not loop here.
         there = (await transport.stats()).dead
@@ -165,12 +165,12 @@ async def _redrive(transport: AsyncGroupTransport, form: Mapping[str, str]) -> D
 
 
 def _describe_delivery_requeue(name: str, form: Mapping[str, str]) -> str:
-    event, handler = _field(form, "event_id"), _field(form, "handler")
+    event, handler = field(form, "event_id"), field(form, "handler")
     return f"Requeue the dead delivery of event {event!r} to {handler!r} in outbox {name!r}."
 
 
 async def _delivery_requeue(outbox: AsyncOutbox, form: Mapping[str, str]) -> Done:
-    done = await outbox.requeue(_field(form, "event_id"), _field(form, "handler"))
+    done = await outbox.requeue(field(form, "event_id"), field(form, "handler"))
     return Done(int(done), "requeued 1 dead delivery" if done else "no such dead delivery")
 
 

@@ -3,8 +3,11 @@ every action goes through (`mongoq.dashboard.security`), the sampler it runs whi
 and `serve`, which runs it under uvicorn.
 
 Routes: ``/`` (the overview), ``/tasks/{name}``, ``/groups/{prefix}``, ``/outbox/{prefix}``,
-``/api/overview`` and ``/api/samples`` (JSON), ``/confirm/{primitive}/{name}/{verb}`` (an
-action's confirmation page) and ``POST /actions/{primitive}/{name}/{verb}``.
+one item's page (``/task/{name}?id=``, ``/group/{prefix}?id=``,
+``/delivery/{prefix}?event_id=&handler=``), ``/api/overview`` and ``/api/samples`` (JSON),
+``/api/chart?key=`` (a chart, SVG), ``/metrics`` (Prometheus text, with the ``metrics``
+extra), ``/confirm/{primitive}/{name}/{verb}`` (an action's confirmation page) and
+``POST /actions/{primitive}/{name}/{verb}``.
 
 Owns no collections: it reads the registry and the primitives' own operator calls.
 """
@@ -18,6 +21,7 @@ import re
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
+from html import escape
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qsl, quote
@@ -32,8 +36,8 @@ from mongoq import _driver
 from mongoq._text import plain
 from mongoq._validation import check_seconds
 from mongoq.clock import Clock
-from mongoq.dashboard import pages
-from mongoq.dashboard.actions import ACTIONS, Action
+from mongoq.dashboard import chart, detail, items, pages
+from mongoq.dashboard.actions import ACTIONS, Action, field, item_id
 from mongoq.dashboard.readings import Catalog, Summary
 from mongoq.dashboard.samples import Sampler
 from mongoq.dashboard.security import SECURITY_HEADERS, Guard, new_token
@@ -41,7 +45,8 @@ from mongoq.errors import InvalidInput, MongoqError
 from mongoq.groups import AsyncGroupTransport
 from mongoq.outbox import AsyncOutbox
 from mongoq.registry import Registration
-from mongoq.tasks import AsyncTaskQueue
+from mongoq.tasks import AsyncTaskQueue, Task
+from mongoq.tasks.models import TaskId
 
 log = logging.getLogger("mongoq.dashboard")
 
@@ -186,7 +191,8 @@ def _html(
     request: Request, title: str, body: str, status: int = 200, note: str | None = None
 ) -> HTMLResponse:
     state = _state(request)
-    text = pages.page(title, body, database=state.database, actions=state.allow_actions, note=note)
+    text = pages.page(title, body, database=state.database, actions=state.allow_actions,
+                      note=note, refresh=state.sampler.interval)  # fmt: skip
     return HTMLResponse(text, status)
 
 
@@ -204,20 +210,31 @@ def _wants_json(request: Request) -> bool:
     )
 
 
-async def _registered(request: Request) -> Registration | None:
-    primitive, name = request.path_params["primitive"], request.path_params["name"]
-    return await _state(request).catalog.find(primitive, name)
+async def _registered(request: Request, primitive: str | None = None) -> Registration | None:
+    primitive = primitive or request.path_params["primitive"]
+    return await _state(request).catalog.find(primitive, request.path_params["name"])
+
+
+def _chart(state: Dashboard, key: str, size: str = "small") -> str:
+    sampler = state.sampler
+    name = key.partition(":")[2]
+    return chart.render(key, name, sampler.points(key), now=sampler.clock.now(),
+                        window=sampler.window, size=size)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------- pages
 
 
 async def _overview(request: Request) -> Response:
-    summaries = await _state(request).catalog.summaries()
-    return _html(request, "Overview", pages.overview(summaries))
+    state = _state(request)
+    summaries = await state.catalog.summaries()
+    charts = {s.key: _chart(state, s.key) for s in summaries}
+    return _html(request, "Overview", pages.overview(summaries, charts))
 
 
 async def _primitive(request: Request) -> Response:
+    if request.path_params["primitive"] not in pages.TITLES or not request.path_params["name"]:
+        return _failure(request, 404, "there is no such page on this dashboard")
     found = await _registered(request)
     if found is None:
         return _failure(request, 404, "no such primitive is registered in this database")
@@ -228,7 +245,8 @@ async def _primitive(request: Request) -> Response:
     sections = await _sections(opened, found.name, actions) if summary.error is None else []
     note = _note(request)
     title = f"{pages.TITLES[found.primitive]} {found.name}"
-    return _html(request, title, pages.primitive_page(summary, sections), note=note)
+    shown = _chart(state, summary.key, "large")
+    return _html(request, title, pages.primitive_page(summary, shown, sections), note=note)
 
 
 async def _sections(
@@ -244,21 +262,35 @@ async def _sections(
             ("Failed tasks", pages.failed_tasks(name, failed.tasks, now, actions)),
             ("Running and pending tasks",
              pages.open_tasks(name, [*running.tasks, *pending.tasks], now, actions)),
+            ("Find a task", pages.find_form("task", name, [("id", "task id")], typed=True)),
             *([("Purge finished tasks", pages.purge_form("tasks", name, purgeable))]
               if actions else []),
         ]  # fmt: skip
     if isinstance(opened, AsyncGroupTransport):
         letters = await opened.dead_letters(limit=SECTION_LIMIT)
         parked = await opened.list_groups("parked", limit=SECTION_LIMIT)
+        ready = await opened.list_groups("ready", limit=SECTION_LIMIT)
+        held = await opened.list_groups("in_flight", limit=SECTION_LIMIT)
         return [
             ("Dead letters", pages.dead_letters(name, letters, now, actions)),
-            ("Parked groups (waiting out a retry delay)", pages.parked_groups(parked.groups)),
-        ]
+            ("Parked groups (waiting out a retry delay)",
+             pages.groups_table(name, parked.groups, "No parked group.", "retried at")),
+            ("Ready and in-flight groups",
+             pages.groups_table(name, [*held.groups, *ready.groups], "No group is ready or "
+                                "in flight.", "claimable (ready) or lease ends")),
+            ("Find a group", pages.find_form("group", name, [("id", "group id")], typed=True)),
+        ]  # fmt: skip
     dead = await opened.list_deliveries(status="dead", limit=SECTION_LIMIT)
+    waiting = await opened.list_deliveries(status="pending", limit=SECTION_LIMIT)  # parked too
     return [
-        ("Dead deliveries", pages.dead_deliveries(name, dead, now, actions)),
+        ("Dead deliveries", pages.deliveries_table(name, dead, now, actions, "No dead delivery.",
+                                                   "dead for")),
+        ("Pending and parked deliveries", pages.deliveries_table(
+            name, waiting, now, actions, "No pending delivery.")),
+        ("Find a delivery", pages.find_form(
+            "delivery", name, [("event_id", "event id"), ("handler", "handler")], typed=False)),
         *([("Purge dead deliveries", pages.purge_form("outbox", name, []))] if actions else []),
-    ]
+    ]  # fmt: skip
 
 
 def _note(request: Request) -> str | None:
@@ -285,6 +317,116 @@ async def _api_overview(request: Request) -> Response:
 
 async def _api_samples(request: Request) -> Response:
     return JSONResponse(_state(request).sampler.series())
+
+
+async def _api_chart(request: Request) -> Response:
+    """One chart as SVG (``?key=tasks:emails&size=small``): what the page's script swaps in."""
+    state = _state(request)
+    key, size = request.query_params.get("key", ""), request.query_params.get("size", "small")
+    if key not in state.sampler.sampled() or size not in chart.SIZES:
+        return Response("no such chart", 404, media_type="text/plain")
+    return Response(_chart(state, key, size), media_type="image/svg+xml")
+
+
+async def _metrics(request: Request) -> Response:
+    """The registered primitives' stats in Prometheus' text format (`mongoq.metrics`'
+    `StatsCollector`), or a plain 404 without the ``metrics`` extra."""
+    try:
+        from prometheus_client import CollectorRegistry
+        from prometheus_client.exposition import choose_encoder
+
+        from mongoq.metrics import StatsCollector
+    except (ImportError, MongoqError):
+        text = ("not served: /metrics needs the 'metrics' extra: "
+                "pip install 'mongoq-queue[metrics]'")  # fmt: skip
+        return Response(text, 404, media_type="text/plain")
+    catalog = _state(request).catalog
+    primitives = [catalog.open(found) for found in await catalog.registrations()]
+    registry = CollectorRegistry()
+    # The collector reads synchronously, as a scrape thread would: it runs in a worker thread
+    # and hands each read back to this event loop.
+    registry.register(StatsCollector(primitives, call=anyio.from_thread.run))
+    # The format the scraper asks for (Prometheus' text, or OpenMetrics), as its own server
+    # answers.
+    encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+    body = await anyio.to_thread.run_sync(encoder, registry)
+    return Response(body, headers={"content-type": content_type})
+
+
+# ------------------------------------------------------------------------------ item pages
+
+
+async def _item(
+    request: Request, primitive: str, read: Callable[[Any, dict[str, str]], Awaitable[Any]],
+) -> tuple[Registration, Any] | Response:  # fmt: skip
+    """The registration of an item's page and `read` of what its query names, on the opened
+    primitive; else the response that says why not (an unregistered primitive, a bad field:
+    refused before anything is read)."""
+    found = await _registered(request, primitive)
+    if found is None:
+        text = f"no {pages.TITLES[primitive]} {request.path_params['name']!r} is registered"
+        return _failure(request, 404, f"{text} in this database")
+    try:
+        return found, await read(_state(request).catalog.open(found), dict(request.query_params))
+    except InvalidInput as error:
+        return _failure(request, 400, str(error))
+
+
+def _missing(request: Request, what: str, where: Registration) -> Response:
+    text = f"{what} was not found in {pages.TITLES[where.primitive]} {where.name!r}"
+    return _html(request, "Not found", pages.error(text) + _back(where), 404)
+
+
+def _back(where: Registration) -> str:
+    title = f"{pages.TITLES[where.primitive]} {where.name}"
+    return f'<p><a href="{pages.link(where.primitive, where.name)}">Back to {escape(title)}</a></p>'
+
+
+async def _task_item(request: Request) -> Response:
+    async def read(queue: AsyncTaskQueue, form: dict[str, str]) -> tuple[TaskId, Task | None]:
+        task_id = item_id(form, "id")
+        await queue.clock.refresh()  # the page's ages on the queue's own clock
+        return task_id, await queue.get(task_id)
+
+    got = await _item(request, "tasks", read)
+    if isinstance(got, Response):
+        return got
+    found, (task_id, task) = got
+    if task is None:
+        return _missing(request, f"task {task_id!r}", found)
+    state = _state(request)
+    now = state.catalog.open(found).clock.now()
+    body = detail.task_page(found.name, task, now, state.allow_actions)
+    return _html(request, f"task {task_id} of {found.name}", body)
+
+
+async def _group_item(request: Request) -> Response:
+    async def read(transport: AsyncGroupTransport, form: dict[str, str]) -> items.GroupView:
+        return await items.read_group(transport, item_id(form, "id"), SECTION_LIMIT)
+
+    got = await _item(request, "groups", read)
+    if isinstance(got, Response):
+        return got
+    found, view = got
+    if not view.found:
+        return _missing(request, f"group {view.group_id!r}", found)
+    body = detail.group_page(found.name, view, _state(request).allow_actions)
+    return _html(request, f"group {view.group_id} of {found.name}", body)
+
+
+async def _delivery_item(request: Request) -> Response:
+    async def read(outbox: AsyncOutbox, form: dict[str, str]) -> items.DeliveryView:
+        return await items.read_delivery(outbox, field(form, "event_id"), field(form, "handler"))
+
+    got = await _item(request, "outbox", read)
+    if isinstance(got, Response):
+        return got
+    found, view = got
+    if not view.found:
+        what = f"the delivery of event {view.event_id!r} to {view.handler!r}"
+        return _missing(request, what, found)
+    body = detail.delivery_page(found.name, view, _state(request).allow_actions)
+    return _html(request, f"delivery of {view.event_id} to {view.handler}", body)
 
 
 async def _static(request: Request) -> Response:
@@ -409,6 +551,11 @@ def _routes() -> list[Route]:
         Route("/", _overview),
         Route("/api/overview", _api_overview),
         Route("/api/samples", _api_samples),
+        Route("/api/chart", _api_chart),
+        Route("/metrics", _metrics),
+        Route("/task/{name:path}", _task_item),
+        Route("/group/{name:path}", _group_item),
+        Route("/delivery/{name:path}", _delivery_item),
         Route("/static/{file}", _static),
         # `name:path`: a queue's name may hold a "/" (it reaches the router decoded).
         Route("/confirm/{primitive}/{name:path}/{verb}", _confirm),

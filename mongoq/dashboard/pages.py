@@ -1,6 +1,8 @@
-"""The dashboard's HTML: the overview, one page per primitive (its counts and its failed
-work), the confirmation page of an action, and the error page. Everything shown is escaped;
-the pages load only the dashboard's own stylesheet and script (``/static``).
+"""The dashboard's HTML: the overview, one page per primitive (its counts, its chart, its
+failed and waiting work, every id a link to its item's page), the confirmation page of an
+action, the error page, and the pieces the item pages (`mongoq.dashboard.detail`) share.
+Everything shown is escaped; the pages load only the dashboard's own stylesheet and script
+(``/static``).
 
 Owns no collections.
 """
@@ -16,14 +18,18 @@ from urllib.parse import quote, urlencode
 from mongoq._text import format_age, one_line
 from mongoq.dashboard.readings import Summary
 
-__all__ = ["TITLES", "confirm", "error", "link", "overview", "page", "primitive_page"]
+__all__ = [
+    "TITLES", "ago", "confirm", "confirm_link", "deliveries_table", "delivery_link", "error",
+    "error_cell", "find_form", "group_link", "groups_table", "id_cell", "id_fields", "link",
+    "overview", "page", "primitive_page", "show", "table", "task_link", "waiting_age",
+]  # fmt: skip
 
 #: The widest an error is shown in a table (the whole text is in the cell's title).
 ERROR_WIDTH = 120
 TITLES = {"tasks": "task queue", "groups": "group transport", "outbox": "outbox"}
 
 
-def _text(value: Any) -> str:
+def show(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, datetime):
@@ -31,11 +37,11 @@ def _text(value: Any) -> str:
     return escape(str(value))
 
 
-def _since(now: datetime, then: datetime | None) -> str:
+def ago(now: datetime, then: datetime | None) -> str:
     return format_age(None if then is None else max(0.0, (now - then).total_seconds()))
 
 
-def _error_cell(text: str | None) -> str:
+def error_cell(text: str | None) -> str:
     if not text:
         return "<td>-</td>"
     return f'<td class="error" title="{escape(text)}">{escape(one_line(text, ERROR_WIDTH))}</td>'
@@ -45,18 +51,18 @@ def link(primitive: str, name: str) -> str:
     return f"/{primitive}/{quote(name, safe='')}"
 
 
-def _confirm_link(primitive: str, name: str, verb: str, label: str, **fields: Any) -> str:
+def confirm_link(primitive: str, name: str, verb: str, label: str, **fields: Any) -> str:
     query = urlencode({k: str(v) for k, v in fields.items()})
     href = f"/confirm/{primitive}/{quote(name, safe='')}/{verb}?{query}"
     return f'<a class="action" href="{escape(href)}">{escape(label)}</a>'
 
 
-def _id_fields(field: str, value: str | int) -> dict[str, Any]:
+def id_fields(field: str, value: str | int) -> dict[str, Any]:
     """A stored 7 and "7" are different ids: the form says which."""
     return {field: value, f"{field}_type": "int" if isinstance(value, int) else "str"}
 
 
-def _table(headers: Sequence[str], rows: Iterable[str], empty: str, css: str = "") -> str:
+def table(headers: Sequence[str], rows: Iterable[str], empty: str, css: str = "") -> str:
     body = "".join(rows)
     if not body:
         return f'<p class="empty">{escape(empty)}</p>'
@@ -64,7 +70,11 @@ def _table(headers: Sequence[str], rows: Iterable[str], empty: str, css: str = "
     return f'<table class="{css}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
-def page(title: str, body: str, *, database: str, actions: bool, note: str | None = None) -> str:
+def page(
+    title: str, body: str, *, database: str, actions: bool, note: str | None = None,
+    refresh: float = 10.0,
+) -> str:  # fmt: skip
+    """A whole page; its script refreshes the charts and counts every `refresh` seconds."""
     mode = "actions enabled" if actions else "read-only"
     banner = f'<p class="note" role="status">{escape(note)}</p>' if note else ""
     return f"""<!doctype html>
@@ -72,7 +82,7 @@ def page(title: str, body: str, *, database: str, actions: bool, note: str | Non
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{escape(title)} - mongoq</title>
 <link rel="stylesheet" href="/static/dashboard.css"></head>
-<body><header><a class="brand" href="/">mongoq</a>
+<body data-refresh="{refresh:g}"><header><a class="brand" href="/">mongoq</a>
 <span class="database">database <b>{escape(database)}</b></span>
 <span class="mode {"on" if actions else "off"}">{mode}</span></header>
 <main>{banner}<h1>{escape(title)}</h1>{body}</main>
@@ -89,38 +99,75 @@ def _counts(summary: Summary) -> str:
     )
 
 
-def overview(summaries: Sequence[Summary]) -> str:
+def waiting_age(seconds: float | None) -> str:
+    """How long the oldest due item has waited: ``-`` when nothing is due, ``<1s`` for under
+    a second (due work never reads as ``0s``, which would say nothing waits)."""
+    if seconds is None:
+        return "-"
+    return "<1s" if seconds < 1 else format_age(seconds)
+
+
+def overview(summaries: Sequence[Summary], charts: Mapping[str, str]) -> str:
+    """Every primitive: its counts, its oldest waiting item and its chart (`charts` by key)."""
     rows = [
         f'<tr><td>{TITLES[s.primitive]}</td><td><a href="{link(s.primitive, s.name)}">'
         f"{escape(s.name)}</a></td><td>{_counts(s)}</td>"
-        f'<td data-age="{escape(s.key)}">{format_age(s.oldest_age)}</td>'
-        f'<td><svg class="chart" data-key="{escape(s.key)}" viewBox="0 0 240 48" '
-        f'role="img" aria-label="backlog and throughput of {escape(s.name)}"></svg></td></tr>'
+        f'<td data-age="{escape(s.key)}">{escape(waiting_age(s.oldest_age))}</td>'
+        f"<td>{charts.get(s.key, '')}</td></tr>"
         for s in summaries
     ]
-    legend = (
-        '<p class="legend"><span class="backlog">backlog</span> '
-        '<span class="rate">finished per minute</span> (sampled while this page\'s server '
-        "runs)</p>"
-    )
-    return legend + _table(
+    return LEGEND + table(
         ["primitive", "name", "counts", "oldest waiting", "backlog and throughput"],
         rows, "No mongoq primitive is set up in this database: a primitive's setup() "
         "registers it.", "overview",
     )  # fmt: skip
 
 
+#: What the charts draw, said once above them.
+LEGEND = (
+    '<p class="legend"><span class="backlog">backlog</span> (left axis) '
+    '<span class="rate">finished per minute</span> (right axis), sampled while this '
+    "dashboard runs; times in UTC</p>"
+)
+
+
 def _summary_block(summary: Summary) -> str:
-    age = format_age(summary.oldest_age)
-    oldest = f'<span class="count">oldest waiting <b>{age}</b></span>'
+    age = escape(waiting_age(summary.oldest_age))
+    oldest = (f'<span class="count"><span class="label">oldest waiting</span> '
+              f'<b data-age="{escape(summary.key)}">{age}</b></span>')  # fmt: skip
     return f'<p class="counts">{_counts(summary)} {oldest}</p>'
 
 
-def primitive_page(summary: Summary, sections: Sequence[tuple[str, str]]) -> str:
-    """A primitive's page: its counts, then `sections` of (heading, HTML)."""
-    parts = [_summary_block(summary)]
+def primitive_page(summary: Summary, chart: str, sections: Sequence[tuple[str, str]]) -> str:
+    """A primitive's page: its counts, its `chart`, then `sections` of (heading, HTML)."""
+    parts = [_summary_block(summary), LEGEND, f'<div class="chart-large">{chart}</div>']
     parts += [f"<section><h2>{escape(title)}</h2>{html}</section>" for title, html in sections]
     return "".join(parts)
+
+
+# ---------------------------------------------------------------------------------- links
+
+
+def _query(fields: Mapping[str, Any]) -> str:
+    return urlencode({k: str(v) for k, v in fields.items()})
+
+
+def task_link(queue: str, task_id: str | int) -> str:
+    return f"/task/{quote(queue, safe='')}?{_query(id_fields('id', task_id))}"
+
+
+def group_link(prefix: str, group_id: str | int) -> str:
+    return f"/group/{quote(prefix, safe='')}?{_query(id_fields('id', group_id))}"
+
+
+def delivery_link(prefix: str, event_id: str, handler: str) -> str:
+    query = _query({"event_id": event_id, "handler": handler})
+    return f"/delivery/{quote(prefix, safe='')}?{query}"
+
+
+def id_cell(href: str, value: Any) -> str:
+    """A table cell holding an id as a link to its page."""
+    return f'<td><a class="id" href="{escape(href)}">{show(value)}</a></td>'
 
 
 # ------------------------------------------------------------------------------ sections
@@ -130,34 +177,49 @@ def _task_rows(
     name: str, tasks: Sequence[Any], actions: bool, verb: str, label: str,
     cells: Callable[[Any], str], marked: bool = False,
 ) -> list[str]:  # fmt: skip
-    """One row a task: its `cells`, then the link to `verb` it (with actions); `marked` rows
-    carry the task's id (``data-task``)."""
+    """One row a task: its id (a link to its page), its `cells`, then the link to `verb` it
+    (with actions); `marked` rows carry the task's id (``data-task``)."""
     rows = []
     for task in tasks:
-        act = _confirm_link("tasks", name, verb, label, **_id_fields("id", task.id))
+        act = confirm_link("tasks", name, verb, label, **id_fields("id", task.id))
         mark = f' data-task="{escape(str(task.id))}"' if marked else ""
-        rows.append(f"<tr{mark}>{cells(task)}<td>{act if actions else ''}</td></tr>")
+        rows.append(f"<tr{mark}>{id_cell(task_link(name, task.id), task.id)}{cells(task)}"
+                    f"<td>{act if actions else ''}</td></tr>")  # fmt: skip
     return rows
 
 
 def failed_tasks(name: str, tasks: Sequence[Any], now: datetime, actions: bool) -> str:
     rows = _task_rows(name, tasks, actions, "requeue", "Requeue", lambda task: (
-        f"<td>{_text(task.id)}</td><td>{task.attempts}</td>"
-        f"<td>{_since(now, task.updated_at)}</td>{_error_cell(task.error)}"
+        f"<td>{task.attempts}</td><td>{ago(now, task.updated_at)}</td>{error_cell(task.error)}"
     ), marked=True)  # fmt: skip
-    table = _table(["task", "attempts", "failed ago", "error", ""], rows, "No failed task.")
+    shown = table(["task", "attempts", "failed ago", "error", ""], rows, "No failed task.")
     if actions and tasks:
-        table += _confirm_link("tasks", name, "requeue", "Requeue every failed task", all=1)
-    return table
+        shown += confirm_link("tasks", name, "requeue", "Requeue every failed task", all=1)
+    return shown
 
 
 def open_tasks(name: str, tasks: Sequence[Any], now: datetime, actions: bool) -> str:
     rows = _task_rows(name, tasks, actions, "cancel", "Cancel", lambda task: (
-        f"<td>{_text(task.id)}</td><td>{escape(task.status)}</td><td>{task.attempts}</td>"
-        f"<td>{_since(now, task.updated_at)}</td><td>{_text(task.worker_id)}</td>"
+        f"<td>{escape(task.status)}</td><td>{task.attempts}</td>"
+        f"<td>{ago(now, task.updated_at)}</td><td>{show(task.worker_id)}</td>"
     ))  # fmt: skip
-    return _table(["task", "status", "attempts", "changed ago", "worker", ""], rows,
-                  "No pending or running task.")  # fmt: skip
+    return table(["task", "status", "attempts", "changed ago", "worker", ""], rows,
+                 "No pending or running task.")  # fmt: skip
+
+
+def find_form(kind: str, name: str, fields: Sequence[tuple[str, str]], typed: bool) -> str:
+    """A form that opens one item's page by its id (`fields`: name and label of each box;
+    `typed`: the first is an id stored as text or as an integer)."""
+    href = f"/{kind}/{quote(name, safe='')}"
+    boxes = "".join(
+        f'<label>{escape(label)} <input name="{escape(field)}" required size="24"></label> '
+        for field, label in fields
+    )
+    if typed:
+        boxes += ('<label>stored as <select name="id_type"><option value="str">text</option>'
+                  '<option value="int">integer</option></select></label> ')  # fmt: skip
+    return (f'<form class="find" method="get" action="{escape(href)}">{boxes}'
+            '<button type="submit">Open</button></form>')  # fmt: skip
 
 
 def purge_form(primitive: str, name: str, statuses: Sequence[str]) -> str:
@@ -177,43 +239,53 @@ def purge_form(primitive: str, name: str, statuses: Sequence[str]) -> str:
 def dead_letters(name: str, letters: Sequence[Any], now: datetime, actions: bool) -> str:
     rows = []
     for letter in letters:
-        act = _confirm_link("groups", name, "redrive", "Redrive", seq=letter.seq)
+        act = confirm_link("groups", name, "redrive", "Redrive", seq=letter.seq)
+        href = group_link(name, letter.group_id)
         rows.append(
-            f"<tr><td>{letter.seq}</td><td>{_text(letter.group_id)}</td>"
-            f"<td>{letter.deliveries}</td><td>{_since(now, letter.dead_at)}</td>"
-            f"{_error_cell(letter.error)}<td>{act if actions else ''}</td></tr>"
+            f"<tr>{id_cell(f'{href}#seq-{letter.seq}', letter.seq)}"
+            f"{id_cell(href, letter.group_id)}"
+            f"<td>{letter.deliveries}</td><td>{ago(now, letter.dead_at)}</td>"
+            f"{error_cell(letter.error)}<td>{act if actions else ''}</td></tr>"
         )
-    table = _table(["seq", "group", "deliveries", "dead for", "error", ""], rows,
-                   "No dead letter.")  # fmt: skip
+    shown = table(["seq", "group", "deliveries", "dead for", "error", ""], rows,
+                  "No dead letter.")  # fmt: skip
     if actions and letters:
-        table += _confirm_link("groups", name, "redrive", "Redrive every dead letter", all=1)
-    return table
+        shown += confirm_link("groups", name, "redrive", "Redrive every dead letter", all=1)
+    return shown
 
 
-def parked_groups(groups: Sequence[Any]) -> str:
+def groups_table(name: str, groups: Sequence[Any], empty: str, when: str) -> str:
+    """Groups as `list_groups` shows them; `when` heads the column of `available_at`."""
     rows = [
-        f"<tr><td>{_text(g.group_id)}</td><td>{_text(g.available_at)}</td>"
-        f"<td>{_text(g.head_seq)}</td><td>{format_age(g.head_age)}</td>"
-        f"<td>{_text(g.head_deliveries)}</td>{_error_cell(g.head_error)}</tr>"
+        f"<tr>{id_cell(group_link(name, g.group_id), g.group_id)}<td>{escape(g.state)}</td>"
+        f"<td>{show(g.available_at)}</td><td>{show(g.head_seq)}</td>"
+        f"<td>{format_age(g.head_age)}</td><td>{show(g.head_deliveries)}</td>"
+        f"{error_cell(g.head_error)}</tr>"
         for g in groups
     ]
-    return _table(["group", "retried at", "head", "head age", "deliveries", "error"], rows,
-                  "No parked group.")  # fmt: skip
+    return table(["group", "state", when, "head", "head age", "deliveries", "error"], rows,
+                 empty)  # fmt: skip
 
 
-def dead_deliveries(name: str, deliveries: Sequence[Any], now: datetime, actions: bool) -> str:
+def deliveries_table(
+    name: str, deliveries: Sequence[Any], now: datetime, actions: bool, empty: str,
+    changed: str = "changed ago",
+) -> str:  # fmt: skip
+    """Deliveries, each event id a link to the delivery's page; a dead one can be requeued."""
     rows = []
     for d in deliveries:
-        act = _confirm_link("outbox", name, "requeue", "Requeue", event_id=d.event_id,
-                            handler=d.handler)  # fmt: skip
+        act = ""
+        if actions and d.status == "dead":
+            act = confirm_link("outbox", name, "requeue", "Requeue", event_id=d.event_id,
+                               handler=d.handler)  # fmt: skip
         rows.append(
-            f"<tr><td>{_text(d.event_id)}</td><td>{_text(d.event_type)}</td>"
-            f"<td>{_text(d.handler)}</td><td>{d.attempts}</td><td>{_text(d.key)}</td>"
-            f"<td>{_since(now, d.updated_at)}</td>{_error_cell(d.last_error)}"
-            f"<td>{act if actions else ''}</td></tr>"
+            f"<tr>{id_cell(delivery_link(name, d.event_id, d.handler), d.event_id)}"
+            f"<td>{show(d.event_type)}</td><td>{show(d.handler)}</td>"
+            f"<td>{escape(d.status)}</td><td>{d.attempts}</td><td>{show(d.key)}</td>"
+            f"<td>{ago(now, d.updated_at)}</td>{error_cell(d.last_error)}<td>{act}</td></tr>"
         )
-    return _table(["event", "type", "handler", "attempts", "key", "dead for", "error", ""], rows,
-                  "No dead delivery.")  # fmt: skip
+    return table(["event", "type", "handler", "status", "attempts", "key", changed, "error", ""],
+                 rows, empty)  # fmt: skip
 
 
 # ---------------------------------------------------------------------- confirm, error

@@ -37,7 +37,9 @@ READ_TIMEOUT = 10.0
 @dataclass(frozen=True)
 class Summary:
     """One primitive on the overview: its counts by label, how much waits (`backlog`), how
-    long the oldest waiting item has waited in seconds (None when nothing waits), and when it
+    long the oldest due item has waited in seconds (None when nothing is due: a task queue's
+    oldest due task, a group transport's oldest message, an outbox's oldest due delivery; the
+    same read as the counts, so a due count above 0 always comes with an age), and when it
     was read on the primitive's clock (`read_at`). `finished` is how many items finished
     from the instant the read was asked about up to `counted_until` (the throughput chart's
     source; None when not asked, when that instant is not before `counted_until`, or where
@@ -165,10 +167,13 @@ class Catalog:
         counts = {"pending": outbox.pending, "parked": outbox.parked, "running": outbox.running,
                   "dead": outbox.dead, "completed": outbox.completed}  # fmt: skip
         return Summary("outbox", found.name, counts, outbox.pending,
-                       _age(now, outbox.oldest_due_at), now, finished,
+                       _due_age(now, outbox.oldest_due_at), now, finished,
                        counted_until=until)  # fmt: skip
 
 
-def _age(now: datetime, since: datetime | None) -> float | None:
-    """Seconds from `since` to `now` (0 for a time not reached yet), None without one."""
-    return None if since is None else max(0.0, (now - since).total_seconds())
+def _due_age(now: datetime, due_at: datetime | None) -> float | None:
+    """Seconds the oldest unfinished delivery has been due; None when nothing is due yet (its
+    due time is still ahead: a retry's delay), as when nothing waits at all."""
+    if due_at is None or due_at > now:
+        return None
+    return (now - due_at).total_seconds()

@@ -20,7 +20,10 @@ from mongoq.dashboard.readings import Catalog, Summary
 
 log = logging.getLogger("mongoq.dashboard")
 
-__all__ = ["Point", "Sampler"]
+__all__ = ["CHART_WINDOW", "Point", "Sampler"]
+
+#: The longest stretch the chart shows, in seconds: the last 30 minutes.
+CHART_WINDOW = 1800.0
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,19 @@ class Sampler:
                 log.warning("the dashboard's sample failed", exc_info=True)
             await self.clock.sleep(self.interval)
 
+    @property
+    def window(self) -> float:
+        """Seconds the chart shows: `CHART_WINDOW`, or less when fewer samples are kept."""
+        return min(CHART_WINDOW, self.interval * self.keep)
+
+    def sampled(self) -> set[str]:
+        """The primitives sampled (``"tasks:emails"``)."""
+        return set(self._points)
+
+    def points(self, key: str) -> list[Point]:
+        """The samples of one primitive (``"tasks:emails"``), oldest first."""
+        return list(self._points.get(key, ()))
+
     def series(self) -> dict[str, Any]:
         """Per primitive (``"tasks:emails"``), its samples oldest first: the time (ISO 8601),
         the backlog, and the items finished per minute since the sample before (None for the
@@ -101,7 +117,7 @@ class Sampler:
                   for p in points]
             for key, points in self._points.items()
         }  # fmt: skip
-        return {"interval": self.interval, "series": out}
+        return {"interval": self.interval, "window": self.window, "series": out}
 
 
 def _rate(before: datetime | None, summary: Summary) -> float | None:

@@ -1,8 +1,9 @@
 """The dashboard in a real browser: headless Chromium (Debian's ``chromium`` package, which
 ``.ci/run`` installs) driven by Playwright's Python package through ``executable_path``, never
-a browser Playwright downloads. It opens the overview, finds a failed task, requeues it with
-the token and sees the count change; the database is checked after. On failure it saves a
-screenshot and names it."""
+a browser Playwright downloads. An operator opens the overview, finds a failed task, requeues
+it with the token and sees the count change; another reads the chart's axes and follows the
+ids of a task, a group and a delivery to their pages, and requeues the delivery from its page.
+The database is checked after each. On failure it saves a screenshot and names it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import anyio
 import pytest
 
 from mongoq.dashboard import bind, serve
-from mongoq.testing import ManualClock
+from mongoq.testing import ManualClock, memory_database
 from tests.support.dashboard_helpers import TOKEN, app_of, seed
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -32,6 +33,13 @@ CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]  # fmt: skip
+
+
+@pytest.fixture
+def db() -> Any:
+    """The page is what these tests check, not the backend: the plain embedded backend only
+    (the dashboard's reads run on every lane and on a server in tests/dashboard/test_http.py)."""
+    return memory_database()
 
 
 @asynccontextmanager
@@ -105,3 +113,56 @@ async def test_an_operator_finds_a_failed_task_and_requeues_it_with_the_token(
 
     doc = await db["emails"].find_one({"_id": "bounce-2"})
     assert (doc["status"], doc["attempts"]) == ("pending", 0)
+
+
+async def test_an_operator_follows_ids_to_the_pages_of_a_task_a_group_and_a_delivery(
+    db: Any, clock: ManualClock, tmp_path: Path
+) -> None:
+    await seed(db, clock)
+    app = app_of(db, clock, allow_actions=True)
+    sampler = app.state.dashboard.sampler
+    sampler.clock = clock
+    await sampler.sample()
+    clock.advance(60)
+    await sampler.sample()
+
+    async with served(app) as url, browser_page(tmp_path) as page:
+        await page.goto(url + "/")
+        chart = page.locator('svg.chart[data-key="tasks:emails"]')
+        assert "last 30 min (UTC)" in await chart.locator("text.window").text_content()
+        assert await chart.locator("text.tick.time").count() >= 2  # a time axis, labelled
+        assert await chart.locator("text.tick.backlog").first.text_content() == "0"
+        # The script swaps in the server's fresh chart: called here, not waited for.
+        await chart.evaluate("svg => { svg.dataset.old = '1'; return refreshChart(svg); }")
+        assert await page.locator('svg.chart[data-key="tasks:emails"][data-old]').count() == 0
+        assert await page.locator('svg.chart[data-key="tasks:emails"] polyline').count() >= 1
+        assert await page.evaluate("[formatAge(0), formatAge(0.4), formatAge(75)]") == [
+            "<1s", "<1s", "1m15s",
+        ]  # fmt: skip
+
+        await page.get_by_role("link", name="emails").click()
+        await page.get_by_role("link", name="7", exact=True).click()
+        assert await page.locator("h1").inner_text() == "task 7 of emails"
+        assert "ValueError: no such template" in await page.locator("pre.error").inner_text()
+        assert "/task/emails?id=7&id_type=int" in page.url
+
+        await page.goto(url + "/groups/orders")
+        await page.get_by_role("link", name="o-1", exact=True).first.click()  # a dead letter
+        assert await page.locator("h1").inner_text() == "group o-1 of orders"
+        assert "PermanentError: card declined" in await page.locator("#seq-1").inner_text()
+
+        await page.goto(url + "/outbox/shop_")
+        await page.get_by_role("link", name="e1", exact=True).click()
+        assert await page.locator("h1").inner_text() == "delivery of e1 to stats"
+        assert "KeyError: 'amount'" in await page.locator("pre.error").inner_text()
+        await page.get_by_role("link", name="Requeue").click()
+        assert (
+            "Requeue the dead delivery of event 'e1'"
+            in await page.locator("p.confirm").inner_text()
+        )
+        await page.fill('input[name="token"]', TOKEN)
+        await page.get_by_role("button", name="Confirm").click()
+        await page.locator("p.note").wait_for()
+
+    [delivery] = await db["shop_"].database["shop_deliveries"].find({}).to_list(None)
+    assert (delivery["status"], delivery["attempts"]) == ("pending", 0)

@@ -31,6 +31,9 @@ def mongoq_cmd(db: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureF
         return None
 
     monkeypatch.setattr(_driver, "close", keep_open)
+    # The command refuses the embedded backend, new and empty in its process; this one is the
+    # test's, seeded.
+    monkeypatch.setattr(cli, "_fresh_embedded", lambda db: False)
 
     async def invoke(*argv: str) -> tuple[int, str, str]:
         capsys.readouterr()
@@ -141,6 +144,26 @@ async def test_a_configured_token_is_used_and_never_printed(
     code, _, err = await mongoq_cmd("dashboard", "--allow-actions", "--token", "short",
                                     "--uri", "memory://")  # fmt: skip
     assert code == 2 and "token: must be a text of at least 16 characters" in err
+
+
+@pytest.mark.parametrize("options", [[], ["--uri", "memory://"]], ids=["no-uri", "memory"])
+async def test_the_dashboard_refuses_the_embedded_backend_it_would_show_nothing_of(
+    options: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without a server the command opens the embedded backend afresh: an empty dashboard
+    would make misspelt or missing primitives look idle. ``demo --dashboard`` fills it."""
+    monkeypatch.delenv("MONGOQ_URI", raising=False)
+
+    async def never(app: Any, sock: socket.socket) -> None:
+        raise AssertionError("an empty dashboard was served")
+
+    monkeypatch.setattr(cli, "_serve_dashboard", never)
+    code = await cli.run(["dashboard", "--port", "0", *options])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "")
+    [line] = err.splitlines()
+    assert line.startswith("mongoq: error: ") and "embedded backend" in line
+    assert "nothing to show" in line and "--uri mongodb://" in line and "MONGOQ_URI" in line
 
 
 async def test_a_port_in_use_is_one_error_line(db: Any, mongoq_cmd: Run) -> None:

@@ -1,42 +1,11 @@
-// The mongoq dashboard's only script: draws each primitive's chart from /api/samples and
-// refreshes the overview's counts from /api/overview. Pages work without it.
+// The mongoq dashboard's only script: every few seconds (the page's data-refresh) it swaps
+// each chart for a fresh copy drawn by the server (/api/chart) and refreshes the overview's
+// counts from /api/overview. Pages work without it: they are whole as served.
 "use strict";
-
-const SVG = "http://www.w3.org/2000/svg";
-
-function line(svg, values, css, top) {
-  const known = values.map((v, i) => [i, v]).filter(([, v]) => v !== null);
-  if (known.length === 0) return;
-  const width = 240, height = 48, pad = 3;
-  const step = values.length > 1 ? (width - 2 * pad) / (values.length - 1) : 0;
-  const scale = top > 0 ? (height - 2 * pad) / top : 0;
-  const points = known.map(([i, v]) => `${pad + i * step},${height - pad - v * scale}`);
-  if (points.length === 1) points.push(`${width - pad},${points[0].split(",")[1]}`);
-  const polyline = document.createElementNS(SVG, "polyline");
-  polyline.setAttribute("class", css);
-  polyline.setAttribute("points", points.join(" "));
-  svg.appendChild(polyline);
-}
-
-function draw(samples) {
-  for (const svg of document.querySelectorAll("svg.chart")) {
-    const rows = samples.series[svg.dataset.key] || [];
-    svg.replaceChildren();
-    const backlog = rows.map((r) => r.backlog);
-    const rates = rows.map((r) => r.per_minute);
-    const title = document.createElementNS(SVG, "title");
-    const last = rows[rows.length - 1];
-    title.textContent = last
-      ? `backlog ${last.backlog}, ${last.per_minute ?? "-"} finished/min (${rows.length} samples)`
-      : "no samples yet";
-    svg.appendChild(title);
-    line(svg, backlog, "backlog", Math.max(1, ...backlog));
-    line(svg, rates, "rate", Math.max(1, ...rates.filter((r) => r !== null)));
-  }
-}
 
 function formatAge(seconds) {
   if (seconds === null) return "-";
+  if (seconds < 1) return "<1s"; // due work never reads as 0s
   let left = Math.floor(seconds);
   const parts = [];
   for (const [unit, size] of [["d", 86400], ["h", 3600], ["m", 60]]) {
@@ -47,6 +16,15 @@ function formatAge(seconds) {
   }
   parts.push(`${left}s`);
   return parts.slice(0, 2).join("");
+}
+
+async function refreshChart(svg) {
+  const query = new URLSearchParams({ key: svg.dataset.key, size: svg.dataset.size || "small" });
+  const response = await fetch(`/api/chart?${query}`);
+  if (!response.ok) return; // not sampled yet: the page's own copy stays
+  const parsed = new DOMParser().parseFromString(await response.text(), "image/svg+xml");
+  const fresh = parsed.documentElement;
+  if (fresh.nodeName === "svg") svg.replaceWith(document.importNode(fresh, true));
 }
 
 function refreshCounts(overview) {
@@ -61,16 +39,16 @@ function refreshCounts(overview) {
 }
 
 async function tick() {
+  const every = Math.max(2, Number(document.body.dataset.refresh) || 10) * 1000;
   try {
-    const samples = await (await fetch("/api/samples")).json();
-    draw(samples);
+    await Promise.all([...document.querySelectorAll("svg.chart")].map(refreshChart));
     if (document.querySelector("table.overview")) {
       refreshCounts(await (await fetch("/api/overview")).json());
     }
-    setTimeout(tick, Math.max(2, samples.interval) * 1000);
   } catch (error) {
-    setTimeout(tick, 10000);
+    // the dashboard restarting, the network away: try again at the next tick
   }
+  setTimeout(tick, every);
 }
 
-if (document.querySelector("svg.chart, table.overview")) tick();
+if (document.querySelector("svg.chart, table.overview")) setTimeout(tick, 1000);
