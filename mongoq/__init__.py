@@ -19,7 +19,9 @@ from mongoq.errors import (
     InvalidInput,
     LeaseLost,
     MongoqError,
+    NotFound,
     PermanentError,
+    ServerUnavailable,
 )
 from mongoq.groups import (
     AsyncGroupTransport,
@@ -80,9 +82,11 @@ __all__ = [
     "MongoqError",
     "NewMessage",
     "NewTask",
+    "NotFound",
     "OutboxDispatcher",
     "OutboxStats",
     "PermanentError",
+    "ServerUnavailable",
     "PublishResult",
     "PurgeResult",
     "PutManyResult",
@@ -122,17 +126,25 @@ def connect(
     database: str = "mongoq",
     *,
     driver: Literal["pymongo", "motor"] = "pymongo",
+    timeout: float | None = _driver.DEFAULT_TIMEOUT,
 ) -> Database:
-    """An async database handle for the primitives.
+    """An async database handle for the primitives. Returns at once: the first call that
+    needs the server connects.
 
-    - `uri` absent (and ``MONGOQ_URI`` unset) or ``"memory://"``: the embedded in-memory backend
-      (no server needed; data lives as long as the process);
+    - `uri` absent and ``MONGOQ_URI`` unset, or ``"memory://"``: the embedded in-memory backend
+      (no server needed; data lives as long as the process). ``MONGOQ_URI``, when set, is the
+      URI of a call that gives none;
     - ``mongodb://`` / ``mongodb+srv://``: PyMongo's native async client (recommended), or Motor
       with ``driver="motor"``.
-    Clients are created with PyMongo's defaults (dates read back naive UTC on every backend).
-    Every primitive also accepts a database you built yourself with either driver.
+
+    `timeout` is how many seconds a call waits for a server before it raises
+    `ServerUnavailable` (naming the hosts and the wait; default 5): the client's
+    ``serverSelectionTimeoutMS`` and ``connectTimeoutMS``, unless the URI sets them. None keeps
+    the driver's defaults (30 s and 20 s). Otherwise clients are created with PyMongo's
+    defaults (dates read back naive UTC on every backend). Every primitive also accepts a
+    database you built yourself with either driver.
     """
-    return cast(Database, _driver.connect(uri, database, driver=driver))
+    return cast(Database, _driver.connect(uri, database, driver=driver, timeout=timeout))
 
 
 async def close(db: Any) -> None:

@@ -45,11 +45,14 @@ from pymongo.errors import (
     ExecutionTimeout,
     OperationFailure,
     PyMongoError,
+    ServerSelectionTimeoutError,
     WTimeoutError,
 )
 from pymongo.read_concern import ReadConcern
 from pymongo.write_concern import WriteConcern
 
+from mongoq._unreachable import server_unavailable
+from mongoq._validation import check_timeout
 from mongoq.errors import IndexesMissing, InvalidInput, MongoqError
 
 __all__ = ["TRANSIENT_ERRORS", "Backend", "backend_of", "connect"]
@@ -84,6 +87,10 @@ _NAMESPACE_EXISTS = 48
 T = TypeVar("T")
 
 MEMORY_SCHEME = "memory://"
+#: Seconds a client waits for a server before a call fails (`connect`'s `timeout`): a server
+#: that is not there is said within seconds, and a replica set's election (about 12 s at
+#: most) is waited out by a run loop's retries, not by each call.
+DEFAULT_TIMEOUT = 5.0
 
 
 class Backend(enum.Enum):
@@ -176,13 +183,15 @@ def connect(
     database: str = "mongoq",
     *,
     driver: str = "pymongo",
+    timeout: float | None = DEFAULT_TIMEOUT,
     client_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """Build an async database handle; see `mongoq.connect`. `client_options` go to a server
-    client's constructor (e.g. ``event_listeners`` for command monitoring)."""
-    options = dict(client_options or {})
+    client's constructor (e.g. ``event_listeners`` for command monitoring) and win over
+    `timeout`, as the URI's own options do."""
     if not isinstance(database, str) or not database:
         raise InvalidInput("database", "must be a non-empty string")
+    check_timeout("timeout", timeout)
     if uri is None:
         uri = os.environ.get("MONGOQ_URI") or None
     if uri is None or uri == MEMORY_SCHEME:
@@ -194,6 +203,7 @@ def connect(
         return embedded_database(database)
     if not isinstance(uri, str) or not uri.startswith(("mongodb://", "mongodb+srv://")):
         raise InvalidInput("uri", "must start with mongodb://, mongodb+srv:// or memory://")
+    options = {**_timeouts(uri, timeout), **(client_options or {})}
     if driver == "pymongo":
         from pymongo import AsyncMongoClient
 
@@ -204,6 +214,21 @@ def connect(
 
         return AsyncIOMotorClient(uri, **options)[database]
     raise InvalidInput("driver", f"must be 'pymongo' or 'motor', got {driver!r}")
+
+
+def _timeouts(uri: str, timeout: float | None) -> dict[str, int]:
+    """The client options of `connect`'s `timeout`: how long to wait for a server to be
+    selected and for a connection to open. An option the URI sets itself is left to it."""
+    seconds = check_timeout("timeout", timeout)
+    if seconds is None:
+        return {}
+    query = uri.partition("?")[2].lower()
+    ms = max(1, round(seconds * 1000))
+    return {
+        option: ms
+        for option in ("serverSelectionTimeoutMS", "connectTimeoutMS")
+        if f"{option.lower()}=" not in query
+    }
 
 
 @contextlib.contextmanager
@@ -468,6 +493,14 @@ async def close(db: Any) -> None:
     outcome = unwrap(db).client.close()
     if inspect.isawaitable(outcome):
         await outcome
+
+
+async def ping(db: Any) -> None:
+    """Ask the server to answer (``ping``); `ServerUnavailable` when none does in time."""
+    try:
+        await db.command("ping")
+    except ServerSelectionTimeoutError as error:
+        raise server_unavailable(error) from None
 
 
 async def server_local_time(db: Any) -> datetime | None:

@@ -22,7 +22,8 @@ metrics, run the demo.
     mongoq metrics [--port 9108] [--addr A] [--tasks NAME ...] [--groups P ...] [--outbox P ...]
     mongoq dashboard [--host 127.0.0.1] [--port 8188] [--allow-actions] [--token T]
                      [--allowed-host NAME ...] [--sample-interval S]
-    mongoq demo [--tasks N] [--workers N] [--seed N] [--dashboard [--host H] [--port P]]
+    mongoq demo [--tasks N] [--workers N] [--batch-size N] [--seed N]
+                [--dashboard [--host H] [--port P]]
 
 Global options, before or after the command: ``--uri`` (``MONGOQ_URI``; else the embedded
 backend), ``--database`` (``MONGOQ_DATABASE``, mongoq), ``--timeout`` (``MONGOQ_TIMEOUT``, 5 s),
@@ -48,12 +49,13 @@ from typing import Any, NoReturn
 from urllib.parse import unquote, unquote_plus
 
 import anyio
-from pymongo.errors import ConnectionFailure, PyMongoError
+from pymongo.errors import PyMongoError
 
 from mongoq import __version__, _driver, registry
 from mongoq._text import format_age as _age
 from mongoq._text import one_line, parse_age
 from mongoq._text import plain as _plain
+from mongoq._validation import MAX_BATCH
 from mongoq.clock import ManualClock
 from mongoq.demo import (
     DEMO_DATABASE,
@@ -151,17 +153,6 @@ def scrub(text: str, uri: str | None) -> str:
     for secret in sorted((s for s in secrets if len(s) >= 4), key=len, reverse=True):
         text = text.replace(secret, "***")
     return text
-
-
-def _unreachable(uri: str, error: ConnectionFailure, timeout: float) -> str:
-    """One line: the hosts (with the default port; an SRV name as it is) and why."""
-    scheme, _, hosts, _ = _split(uri)
-    if scheme == "mongodb":
-        hosts = ",".join(h if re.search(r":\d+$", h) else f"{h}:27017" for h in hosts.split(","))
-    reason = str(error).split(", Timeout:")[0]
-    reason = re.sub(r"\s*\(configured timeouts:[^)]*\)", "", reason)
-    reason = re.sub(r"^\S+:\d+: ", "", reason).strip() or type(error).__name__
-    return f"cannot reach the server at {hosts} ({reason}; gave up after {timeout:g} s)"
 
 
 # ---------------------------------------------------------------------------- printing
@@ -413,8 +404,7 @@ async def _serve_until_stopped(url: str) -> None:
 async def _metrics(args: argparse.Namespace) -> int:
     from mongoq import metrics  # the metrics extra: imported only when asked for
 
-    _note_if_embedded(_uri(args))
-    try:
+    try:  # the embedded backend is refused there: the exporter opens it new and empty
         server = metrics.serve(
             args.port, uri=args.uri, database=args.database, tasks=args.tasks,
             groups=args.groups, outbox=args.outbox, addr=args.addr,
@@ -452,7 +442,10 @@ def _print_report(report: DemoReport) -> None:
 
 
 async def _demo(args: argparse.Namespace) -> int:
-    config = DemoConfig(uri=args.uri, tasks=args.tasks, workers=args.workers, seed=args.seed)
+    config = DemoConfig(
+        uri=args.uri, tasks=args.tasks, workers=args.workers, batch_size=args.batch_size,
+        seed=args.seed,
+    )  # fmt: skip
     if args.dashboard:
         return await _demo_with_dashboard(args, config)
     out = sys.stderr if args.json else sys.stdout  # --json: stdout holds the report only
@@ -480,6 +473,14 @@ def _at_least_one(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _batch_size(text: str) -> int:
+    """The demo's ``--batch-size``: what `AsyncTaskQueue.run` accepts, refused by the parser."""
+    value = _at_least_one(text)
+    if value > MAX_BATCH:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_BATCH}, got {value}")
     return value
 
 
@@ -542,6 +543,7 @@ def _dashboard_app(args: argparse.Namespace, db: Any, **options: Any) -> tuple[A
 
 
 async def _dashboard(args: argparse.Namespace) -> int:
+    _dashboard_module()  # a missing extra is said first, before the database is opened
     async with _database(args) as db:
         app, sock = _dashboard_app(args, db, sample_interval=args.sample_interval)
         await _serve_dashboard(app, sock)
@@ -571,7 +573,7 @@ async def _demo_with_dashboard(args: argparse.Namespace, config: DemoConfig) -> 
     clock, name = ManualClock(), demo_queue_name()
     report: DemoReport | None = None
     started = False
-    async with _database(args) as db:
+    async with _database(args, demo=True) as db:
         try:
             app, sock = _dashboard_app(args, db, clock=clock, sample_interval=1.0)
             async with anyio.create_task_group() as group:
@@ -726,6 +728,9 @@ def _add_others(commands: Any) -> None:
     sub.set_defaults(connects=False)
     sub.add_argument("--tasks", type=_at_least_one, default=DemoConfig.tasks)
     sub.add_argument("--workers", type=_at_least_one, default=DemoConfig.workers)
+    sub.add_argument("--batch-size", type=_batch_size, default=DemoConfig.batch_size,
+                     help="tasks a worker claims at once (default: %(default)s; 1: one "
+                     "claim a task, slower on the embedded backend)")  # fmt: skip
     sub.add_argument("--seed", type=int, default=DemoConfig.seed)
     sub.add_argument("--dashboard", action="store_true",
                      help="serve the dashboard on the demo's database while it runs")  # fmt: skip
@@ -775,25 +780,35 @@ def _uri(args: argparse.Namespace) -> str | None:
     return args.uri or os.environ.get("MONGOQ_URI") or None
 
 
-def _note_if_embedded(uri: str | None) -> None:
-    if uri is None:  # `--uri memory://` asks for it: no note
-        print("mongoq: note: no --uri nor MONGOQ_URI: the embedded backend, an empty "
-              "in-process database", file=sys.stderr)  # fmt: skip
+def _fresh_embedded(db: Any) -> bool:
+    """Whether `db` is the embedded backend, which a command opens new and empty in its own
+    process: nothing there is anyone's data. (Tests that hand a command an embedded database
+    they seeded replace this.)"""
+    return _driver.backend_of(db) is _driver.Backend.MEMORY
+
+
+def _embedded_refused(uri: str | None) -> MongoqError:
+    given = uri if uri is not None else "no --uri nor MONGOQ_URI"
+    return MongoqError(
+        f"{given}: the embedded backend is a new, empty database in this process, with nothing "
+        "to show; point mongoq at your server with --uri mongodb://HOST or MONGOQ_URI"
+    )
 
 
 @contextlib.asynccontextmanager
-async def _database(args: argparse.Namespace) -> AsyncIterator[Any]:
+async def _database(args: argparse.Namespace, *, demo: bool = False) -> AsyncIterator[Any]:
+    """The database of one command. The embedded backend is refused (its zeros would make a
+    misspelt queue look healthy and empty), except for the demo, which fills it."""
     uri = _uri(args)
-    _note_if_embedded(uri)
-    ms = max(1, int(args.timeout * 1000))
-    options = {"serverSelectionTimeoutMS": ms, "connectTimeoutMS": ms}
     try:
-        db = _driver.connect(uri, args.database, client_options=options)
+        db = _driver.connect(uri, args.database, timeout=args.timeout)
     except ValueError as error:  # PyMongo's refusal of a malformed URI (InvalidInput is ours)
         raise error if isinstance(error, MongoqError) else MongoqError(f"uri: {error}") from None
     try:
+        if not demo and _fresh_embedded(db):
+            raise _embedded_refused(uri)
         if _driver.backend_of(db) is not _driver.Backend.MEMORY:
-            await db.command("ping")  # an unreachable server: one error now, not a clock warning
+            await _driver.ping(db)  # an unreachable server: `ServerUnavailable` now
         yield db
     finally:
         await _driver.close(db)
@@ -828,8 +843,6 @@ async def run(argv: Sequence[str] | None = None) -> int:
         return _fail(f"{error.prog}: error: {error}")
     except MongoqError as error:  # a missing extra, a refused argument: said plainly
         return _fail(f"mongoq: error: {scrub(str(error), uri)}")
-    except ConnectionFailure as error:
-        return _fail(f"mongoq: error: {scrub(_unreachable(uri or '', error, args.timeout), uri)}")
     except PyMongoError as error:  # a refused login, a malformed URI: the first line, scrubbed
         return _fail(f"mongoq: error: {_line(scrub(str(error), uri), 300)}")
     except Exception as error:  # anything else (a malformed URI, an overflowing age): one line

@@ -27,8 +27,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import anyio
 import anyio.lowlevel
+from pymongo.errors import ServerSelectionTimeoutError
 
 from mongoq import _driver
+from mongoq._unreachable import server_unavailable
 
 __all__ = [
     "Clock",
@@ -104,7 +106,9 @@ class ServerClock(SystemClock):
     The offset is measured from ``hello``'s ``localTime`` (midpoint of the round trip) on the first
     `refresh()` and again every `resync_interval` seconds. Where the server cannot tell (the
     embedded backend has no ``hello``), it falls back to the system clock once and for all; after a
-    network error it keeps the last offset and tries again at the next refresh.
+    network error it keeps the last offset and tries again at the next refresh. With no server
+    to select at all, `refresh()` raises `ServerUnavailable`: the command it precedes would
+    only wait out the same timeout again.
     """
 
     def __init__(self, db: Any, *, resync_interval: float = 300.0) -> None:
@@ -141,6 +145,10 @@ class ServerClock(SystemClock):
         before = datetime.now(UTC)
         try:
             server_time = await _driver.server_local_time(self._db)
+        except ServerSelectionTimeoutError as exc:
+            # No server at all: the caller's own command would wait out the same timeout a
+            # second time. Say so now; the next refresh measures again.
+            raise server_unavailable(exc) from None
         except _driver.TRANSIENT_ERRORS as exc:
             log.warning("could not measure the server clock (%s); keeping the last offset", exc)
             self._measured_at = time.monotonic()

@@ -10,6 +10,13 @@ then a pool of well-behaved workers drains everything due. Handlers fail transie
 a few tasks are poison (fail every time) and a few fail permanently. At the end the demo checks
 the invariants and prints them; it exits non-zero if one does not hold. Owns the collection
 ``demo_tasks_<random>``.
+
+Progress comes as it happens, not only per round: the first round alone drains most tasks (all
+are due at once), which on the embedded backend takes seconds of wall time. So a ticker beside
+the work prints a line a second (tasks put, then done, retried, dead and to go, counted as the
+handlers settle them, at no command's cost), and a line as each round ends (the queue's own
+counts). The workers claim in batches (`DemoConfig.batch_size`): the embedded backend scans the
+whole collection for each claim, so a claim a task was most of the demo's time.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import random
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -37,6 +44,11 @@ __all__ = ["DEMO_DATABASE", "DemoConfig", "DemoReport", "demo_queue_name", "drop
 DEMO_DATABASE = "mongoq_demo"
 #: Rounds a zombie stalls: past its lease (two rounds) and the round that takes the task over.
 ZOMBIE_STALL_ROUNDS = 4
+#: Seconds of wall time between two progress lines.
+PROGRESS_INTERVAL = 1.0
+#: Tasks put per command: on the embedded backend a put scans the collection, so a command of
+#: a few hundred takes seconds; between two of these the progress ticker gets its turn.
+PUT_CHUNK = 50
 
 
 class TransientError(Exception):
@@ -48,6 +60,8 @@ class DemoConfig:
     uri: str | None = None
     tasks: int = 1000
     workers: int = 8
+    #: tasks a worker claims at once (`AsyncTaskQueue.run`'s `batch_size`; 1: a claim a task)
+    batch_size: int = 16
     transient_rate: float = 0.15
     poison_rate: float = 0.005
     permanent_rate: float = 0.005
@@ -82,6 +96,57 @@ class DemoReport:
         return all(passed for _, passed in self.checks)
 
 
+@dataclass
+class _Tally:
+    """What the progress lines say between two reads of the queue: counted by the demo's own
+    code as tasks are put and handled, so a line costs no command; each round's end sets
+    `done` and `dead` to the queue's counts (tasks a reclaim failed are only seen there)."""
+
+    total: int
+    started: float
+    progress: Callable[[str], None]
+    round: int = 0
+    put: int = 0
+    done: int = 0
+    retried: int = 0
+    dead: int = 0
+    last: str = ""
+
+    def say(self, text: str) -> None:
+        """A progress line: `text` after the wall time the demo has run."""
+        self.last = text
+        self.progress(f"{time.perf_counter() - self.started:6.1f} s  {text}")
+
+    def tell(self) -> None:
+        """What is put, or where the draining stands; not when the line before said just
+        that (the ticker and the end of the put can meet)."""
+        if not self.round:
+            text = f"put {self.put:6d} of {self.total}"
+        else:
+            left = self.total - self.done - self.dead
+            text = (
+                f"round {self.round:<3d}{self.done:6d} done {self.retried:5d} retried "
+                f"{self.dead:4d} dead {left:6d} to go"
+            )
+        if text != self.last:
+            self.say(text)
+
+
+def _every(seconds: float) -> Callable[[], Awaitable[None]]:
+    """A tick on a grid of wall time, `seconds` after the first call and every `seconds`
+    after that: a line the busy event loop lets out late does not push the later ones back
+    (after a stall the grid starts again)."""
+    due: float | None = None
+
+    async def tick() -> None:
+        nonlocal due
+        now = anyio.current_time()
+        due = max((now if due is None else due) + seconds, now)
+        await anyio.sleep(due - now)
+
+    return tick
+
+
 async def run_demo(
     config: DemoConfig,
     progress: Callable[[str], None] = lambda line: None,
@@ -89,11 +154,14 @@ async def run_demo(
     db: Any = None,
     clock: ManualClock | None = None,
     name: str | None = None,
+    tick: Callable[[], Awaitable[None]] | None = None,
 ) -> DemoReport:
-    """Run the demo; `progress` receives one line per round. With `db` (and its `clock`:
-    ``demo --dashboard`` shows both) the caller owns the queue's collection and drops it
-    with `drop_demo` (`name`, from `demo_queue_name`, lets it do so even when the demo is
-    stopped midway); otherwise the demo connects to `config.uri` and drops it at the end."""
+    """Run the demo; `progress` receives a line at the start, one each time `tick` returns
+    (by default every `PROGRESS_INTERVAL` seconds of wall time) and one as each round ends.
+    With `db` (and its `clock`: ``demo --dashboard`` shows both) the caller owns the queue's
+    collection and drops it with `drop_demo` (`name`, from `demo_queue_name`, lets it do so
+    even when the demo is stopped midway); otherwise the demo connects to `config.uri` and
+    drops it at the end."""
     rng = random.Random(config.seed)
     started = time.perf_counter()
     clock = clock if clock is not None else ManualClock()
@@ -105,8 +173,22 @@ async def run_demo(
         backoff_base=5, backoff_cap=120,
     )  # fmt: skip
     report = DemoReport(queue=name)
+    tally = _Tally(config.tasks, started, progress)
+    claims = "a task" if config.batch_size == 1 else f"up to {config.batch_size} tasks"
+    progress(
+        f"putting {config.tasks} tasks into {name}; {config.workers} workers drain them, "
+        f"{claims} a claim (a line a second, and one a round)"
+    )
+
+    wait = tick if tick is not None else _every(PROGRESS_INTERVAL)
+
+    async def ticker() -> None:
+        while True:
+            await wait()
+            tally.tell()
+
     try:
-        await _play(queue, clock, config, rng, report, progress)
+        await _beside(lambda: _play(queue, clock, config, rng, report, tally), ticker)
         await _check(queue, config, report)
     finally:
         report.wall_seconds = time.perf_counter() - started
@@ -136,56 +218,106 @@ def _fate(task_id: str, config: DemoConfig) -> str:
     return "ok"
 
 
-async def _play(
-    queue: AsyncTaskQueue,
-    clock: ManualClock,
-    config: DemoConfig,
-    rng: random.Random,
-    report: DemoReport,
-    progress: Callable[[str], None],
+async def _beside(
+    work: Callable[[], Awaitable[None]], ticker: Callable[[], Awaitable[None]]
 ) -> None:
-    await queue.setup()
+    """Run `work` with `ticker` beside it until `work` ends. The first error of either stops
+    both and is raised as itself, not in an exception group: the CLI tells a connection
+    failure or a closed pipe by its class."""
+    failures: list[Exception] = []
+    async with anyio.create_task_group() as group:
+
+        async def guarded(call: Callable[[], Awaitable[None]]) -> None:
+            try:
+                await call()
+            except Exception as error:
+                failures.append(error)
+            group.cancel_scope.cancel()
+
+        group.start_soon(guarded, ticker)
+        await guarded(work)
+    if failures:
+        raise failures[0]
+
+
+async def _put(
+    queue: AsyncTaskQueue, config: DemoConfig, rng: random.Random, tally: _Tally
+) -> None:
     ids = [f"task-{number:05d}" for number in range(config.tasks)]
-    for start in range(0, len(ids), 500):
-        await queue.put_many(
+    for start in range(0, len(ids), PUT_CHUNK):
+        result = await queue.put_many(
             NewTask(task_id, {"n": int(task_id[5:])}, priority=rng.choice((0, 0, 0, 1, 2)))
-            for task_id in ids[start : start + 500]
+            for task_id in ids[start : start + PUT_CHUNK]
         )
-    progress(f"put {len(ids)} tasks into {queue.name}")
-    began = clock.now()
+        tally.put += result.inserted
+        # The embedded backend's commands never yield: without this the ticker would wait
+        # for the whole put.
+        await anyio.lowlevel.checkpoint()
+
+
+def _handler(
+    config: DemoConfig, rng: random.Random, report: DemoReport, tally: _Tally
+) -> Callable[[Task], Awaitable[dict[str, Any]]]:
+    """The well-behaved workers' handler: flaky, with the tasks' fixed fates; it counts what
+    it does for the report and the progress lines."""
     active: set[Any] = set()
-    zombies: list[tuple[int, Task]] = []  # (round it wakes up in, the task it holds)
 
     async def handler(task: Task) -> dict[str, Any]:
         report.handler_runs += 1
         if task.id in active:
             report.concurrent_violations += 1
         active.add(task.id)
+        last_try = task.attempts >= config.max_attempts  # a failure now fails the task
         try:
             await anyio.lowlevel.checkpoint()  # let the other workers interleave
             fate = _fate(str(task.id), config)
-            if fate == "poison":
-                raise TransientError("poison: fails every time")
             if fate == "permanent":
+                tally.dead += 1
                 raise PermanentError("malformed input")
-            if rng.random() < config.transient_rate:
-                report.transient_errors += 1
-                raise TransientError("upstream timed out")
+            flaky = fate != "poison" and rng.random() < config.transient_rate
+            if fate == "poison" or flaky:
+                report.transient_errors += flaky
+                tally.dead += last_try
+                tally.retried += not last_try
+                raise TransientError("upstream timed out" if flaky else "poison: fails every time")
+            tally.done += 1
             return {"doubled": task.payload["n"] * 2, "by": "worker"}
         finally:
             active.discard(task.id)
 
+    return handler
+
+
+async def _play(
+    queue: AsyncTaskQueue,
+    clock: ManualClock,
+    config: DemoConfig,
+    rng: random.Random,
+    report: DemoReport,
+    tally: _Tally,
+) -> None:
+    await queue.setup()
+    await _put(queue, config, rng, tally)
+    tally.tell()
+    began = clock.now()
+    handler = _handler(config, rng, report, tally)
+    zombies: list[tuple[int, Task]] = []  # (round it wakes up in, the task it holds)
     while True:
         report.rounds += 1
+        tally.round = report.rounds
         zombies = await _wake_zombies(queue, zombies, config, report)
         if report.rounds <= config.crash_rounds:  # a bad deploy: workers die mid-task
             zombies += await _crash(queue, config, report)
-        await queue.run(handler, concurrency=config.workers, stop_when_empty=True)
+        await queue.run(
+            handler, concurrency=config.workers, batch_size=config.batch_size,
+            stop_when_empty=True,
+        )  # fmt: skip
         await queue.reclaim_expired()
         stats = await queue.stats()
+        tally.done, tally.dead = stats.counts["done"], stats.counts["failed"]
         elapsed = (clock.now() - began).total_seconds()
-        progress(
-            f"round {report.rounds:3d}  t=+{elapsed:7.0f}s  "
+        tally.say(
+            f"round {report.rounds:<3d}ends at simulated t=+{elapsed:.0f} s: "
             + "  ".join(f"{status} {count}" for status, count in stats.counts.items() if count)
         )
         if not stats.counts["pending"] and not stats.counts["processing"] and not zombies:

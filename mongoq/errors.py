@@ -2,10 +2,16 @@
 
 Every error the library raises on purpose derives from `MongoqError`. Driver errors
 (`pymongo.errors.PyMongoError`: lost connections, timeouts) are not wrapped: they mean "the
-outcome is unknown", and every primitive is built so that such an outcome is recoverable.
+outcome is unknown", and every primitive is built so that such an outcome is recoverable. The
+one exception is no server at all: `ServerUnavailable` says so in one line, and is still the
+driver's `ServerSelectionTimeoutError`, so code that retries on driver errors retries on it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pymongo.errors import ServerSelectionTimeoutError
 
 __all__ = [
     "HandlerTimeout",
@@ -13,7 +19,9 @@ __all__ = [
     "InvalidInput",
     "LeaseLost",
     "MongoqError",
+    "NotFound",
     "PermanentError",
+    "ServerUnavailable",
 ]
 
 
@@ -57,3 +65,29 @@ class IndexesMissing(MongoqError):
 class HandlerTimeout(MongoqError, TimeoutError):
     """A handler ran past the `timeout` its run loop was given and was cancelled; the attempt
     counts as failed (retried with backoff, given up after the last attempt)."""
+
+
+class NotFound(MongoqError, LookupError):
+    """What a call needs to exist does not, and waiting would not bring it: e.g. `wait` for a
+    task id the queue does not have (never put, or deleted for good). A `LookupError`, as
+    ``KeyError`` is; the message names the item and where it was looked for."""
+
+
+class ServerUnavailable(MongoqError, ServerSelectionTimeoutError):
+    """No server answered within the client's timeout (`mongoq.connect`'s `timeout`): one line
+    naming the hosts (never credentials) and the seconds waited, e.g. ``cannot reach the
+    MongoDB server at 127.0.0.1:27017 (connection refused; gave up after 5 s)``. Raised by the
+    first call that needs the server; a run loop raises it only when given `give_up_after`."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        hosts: Sequence[str] = (),
+        waited: float | None = None,
+        driver_error: BaseException | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.hosts = tuple(hosts)
+        self.driver_error = driver_error  # the driver's own error, whole topology included
+        self.waited = waited  # seconds (PyMongo's errors have a `timeout` flag of their own)

@@ -418,6 +418,20 @@ def _close_portal(portal: Portal, db: Any) -> None:
         portal.close()
 
 
+def _fresh_embedded(db: Any) -> bool:
+    """Whether `db` is the embedded backend, which `serve` opens new and empty in its own
+    client: nothing there is anyone's data. (Tests that export an embedded database they
+    seeded replace this.)"""
+    return _driver.backend_of(db) is _driver.Backend.MEMORY
+
+
+_EMBEDDED_REFUSED = (
+    "is the embedded backend (none given and no MONGOQ_URI, or memory://): a new, empty "
+    "database in the exporter's own process, with nothing to export; name your server with a "
+    "mongodb:// URI (--uri mongodb://HOST on the command line) or MONGOQ_URI"
+)
+
+
 def _names(field_name: str, names: Iterable[str]) -> list[str]:
     if isinstance(names, str) or not isinstance(names, Iterable):
         raise InvalidInput(field_name, f"must be a list of names, got {names!r}")
@@ -437,11 +451,13 @@ def serve(
     """Export the stats of the named primitives on ``http://addr:port/metrics``.
 
     `tasks` are task-queue names, `groups` group-transport prefixes, `outbox` outbox prefixes
-    (e.g. ``"mongoq_outbox_"``). `uri` as for `mongoq.connect` (None: ``MONGOQ_URI``, else the
-    embedded backend). The client lives in an event-loop thread of its own; each scrape reads
-    every primitive's ``stats()`` there (see `StatsCollector`), and nothing else: no index is
-    created and nothing is written. Returns once the server listens; `MetricsServer.close()`
-    stops it.
+    (e.g. ``"mongoq_outbox_"``). `uri` as for `mongoq.connect` (None: ``MONGOQ_URI``); the
+    embedded backend is refused (`InvalidInput` naming ``uri``): opened here, in the
+    exporter's own client, it is new and empty, and its ``mongoq_up 1`` and zeros would make
+    a misspelt queue look healthy and idle. The client lives in an event-loop thread of its
+    own; each scrape reads every primitive's ``stats()`` there (see `StatsCollector`), and
+    nothing else: no index is created and nothing is written. Returns once the server
+    listens; `MetricsServer.close()` stops it.
     """
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise InvalidInput("port", f"must be an int from 0 to 65535, got {port!r}")
@@ -455,6 +471,8 @@ def serve(
     db: Any = None
     try:
         db = portal.call(_driver.connect, uri, database)
+        if _fresh_embedded(db):
+            raise InvalidInput("uri", _EMBEDDED_REFUSED)
 
         # Built in the portal, as mongoq_sync builds its objects: whatever a primitive sets
         # up belongs to the loop it will run in.

@@ -17,9 +17,57 @@ What differs from the async API:
   released); ``stop()`` from another thread stops gracefully;
 - completing an outbox delivery inside the handler's own transaction needs the async
   API (a handler's context has `delivery` and `attempt`).
+
+The types the methods take and return (`Task`, `NewTask`, `TaskStats`...) and the
+errors are mongoq's own, exported here too: ``mongoq_sync.Task is mongoq.Task``.
 """
 
 from mongoq._portal import Database, connect
+from mongoq.clock import Clock
+from mongoq.errors import (
+    HandlerTimeout,
+    IndexesMissing,
+    InvalidInput,
+    LeaseLost,
+    MongoqError,
+    NotFound,
+    PermanentError,
+    ServerUnavailable,
+)
+from mongoq.groups.models import (
+    DeadLetter,
+    GroupId,
+    GroupInfo,
+    GroupLease,
+    GroupPage,
+    GroupRunSummary,
+    GroupStats,
+    NewMessage,
+)
+from mongoq.outbox.dispatcher import DeliveryContext
+from mongoq.outbox.models import (
+    Delivery,
+    DeliveryInfo,
+    Event,
+    OutboxRunSummary,
+    OutboxStats,
+    PublishResult,
+    PurgeResult,
+)
+from mongoq.tasks.models import (
+    MissedTicks,
+    NewTask,
+    PutManyResult,
+    PutOutcome,
+    ReclaimResult,
+    Schedule,
+    Task,
+    TaskId,
+    TaskPage,
+    TaskRunSummary,
+    TaskStats,
+    TaskStatus,
+)
 from mongoq_sync._generated import GroupTransport, Outbox, OutboxDispatcher, TaskLease, TaskQueue
 
 __all__ = [
@@ -30,4 +78,41 @@ __all__ = [
     "GroupTransport",
     "Outbox",
     "OutboxDispatcher",
+    "Clock",
+    "DeadLetter",
+    "Delivery",
+    "DeliveryContext",
+    "DeliveryInfo",
+    "Event",
+    "GroupId",
+    "GroupInfo",
+    "GroupLease",
+    "GroupPage",
+    "GroupRunSummary",
+    "GroupStats",
+    "HandlerTimeout",
+    "IndexesMissing",
+    "InvalidInput",
+    "LeaseLost",
+    "MissedTicks",
+    "MongoqError",
+    "NewMessage",
+    "NewTask",
+    "NotFound",
+    "OutboxRunSummary",
+    "OutboxStats",
+    "PermanentError",
+    "PublishResult",
+    "PurgeResult",
+    "PutManyResult",
+    "PutOutcome",
+    "ReclaimResult",
+    "Schedule",
+    "ServerUnavailable",
+    "Task",
+    "TaskId",
+    "TaskPage",
+    "TaskRunSummary",
+    "TaskStats",
+    "TaskStatus",
 ]

@@ -193,6 +193,7 @@ class TaskQueue(Facade):
         handler_timeout: float | None = None,
         handle_signals: bool = False,
         schedules: bool = True,
+        give_up_after: float | None = None,
     ) -> TaskRunSummary:
         """Claim and process tasks with `handler` until stopped.
 
@@ -229,6 +230,11 @@ class TaskQueue(Facade):
         per task, for short tasks whose latency matters less than throughput. A worker that
         crashes mid-batch costs every task of the batch an attempt (the claim counts them):
         size `max_attempts` with that in mind.
+
+        A claim that cannot reach the server is retried with a growing backoff (the poll
+        interval, doubled each time, at most 30 s); one warning says the server is lost and one
+        that it is back. With `give_up_after` (seconds) the call raises `ServerUnavailable` once
+        the server has been gone that long; by default it waits for the server forever.
         """
         return cast(
             "TaskRunSummary",
@@ -244,6 +250,7 @@ class TaskQueue(Facade):
                 handler_timeout=handler_timeout,
                 handle_signals=handle_signals,
                 schedules=schedules,
+                give_up_after=give_up_after,
             ),
         )
 
@@ -375,7 +382,9 @@ class TaskQueue(Facade):
     ) -> Task:
         """The task once it has finished (``done``, ``failed``, ``cancelled``, or removed:
         ``tombstone``); `TimeoutError` if it has not within `timeout` seconds of the queue's
-        clock (None: no limit). A task that does not exist yet is waited for too.
+        clock (None: no limit). `NotFound` at once for a task the queue does not have (never
+        put, or its document deleted: a purge, an expired tombstone), and at the next read for
+        one deleted meanwhile: it can never finish. Put the task before waiting for it.
 
         One read, then one more each time the task's end is heard of: at once from a worker
         of this process, through a change stream on a replica set (one per queue and process,
@@ -412,9 +421,10 @@ class TaskQueue(Facade):
     ) -> Schedule:
         """Define (or redefine) the periodic task `name`: a task ``"<name>@<tick>"`` with
         `payload` and `priority` at every tick of `cron` (read in `timezone`, an IANA name;
-        needs the ``cron`` extra) or every `every` seconds from now. Any number of workers
-        (`run`) tick it, one task a tick. Ticks missed while no worker ran: ``missed="once"``
-        puts the latest of them once, ``"skip"`` none older than `grace` seconds.
+        needs the ``cron`` extra) or every `every` seconds from now: at least 1 second, in
+        whole milliseconds (else `InvalidInput`). Any number of workers (`run`) tick it, one
+        task a tick. Ticks missed while no worker ran: ``missed="once"`` puts the latest of
+        them once, ``"skip"`` none older than `grace` seconds (at least 1 second).
 
         Idempotent: the same definition again keeps its next tick (call it at every start);
         a changed one starts from the next tick after now. Two commands, three when new.
@@ -620,6 +630,7 @@ class GroupTransport(Facade):
         batch_size: int = 1,
         handler_timeout: float | None = None,
         handle_signals: bool = False,
+        give_up_after: float | None = None,
     ) -> GroupRunSummary:
         """Claim groups and process their heads with `handler` until stopped.
 
@@ -639,6 +650,11 @@ class GroupTransport(Facade):
         successful ones together (`ack_many`): a few commands per batch instead of four per
         message. A worker that crashes mid-batch costs every head of the batch a delivery:
         size `max_deliveries` with that in mind.
+
+        A claim that cannot reach the server is retried with a growing backoff (the poll
+        interval, doubled each time, at most 30 s); one warning says the server is lost and one
+        that it is back. With `give_up_after` (seconds) the call raises `ServerUnavailable` once
+        the server has been gone that long; by default it waits for the server forever.
         """
         return cast(
             "GroupRunSummary",
@@ -655,6 +671,7 @@ class GroupTransport(Facade):
                 batch_size=batch_size,
                 handler_timeout=handler_timeout,
                 handle_signals=handle_signals,
+                give_up_after=give_up_after,
             ),
         )
 
@@ -1035,13 +1052,18 @@ class OutboxDispatcher(Facade):
         stop_when_empty: bool = False,
         stop_when_drained: bool = False,
         handle_signals: bool = False,
+        give_up_after: float | None = None,
     ) -> OutboxRunSummary:
         """Dispatch until `stop()`. `stop_when_empty` returns as soon as nothing is claimable
         now and nothing runs (deliveries waiting out a backoff, or behind a busy key, wait for
         a later run); `stop_when_drained` only when no delivery of these handlers is left
         pending at all, sleeping on the outbox's clock until the next one is due meanwhile.
-        A claim that fails (a driver error: an election, a lost connection) is logged and tried
-        again after `poll_interval`; it never counts as an empty outbox.
+        A claim that fails (a driver error: an election, a lost connection) never counts as an
+        empty outbox. One that cannot reach the server is retried with a growing backoff (the
+        poll interval, doubled each time, at most 30 s); one warning says the server is lost
+        and one that it is back. With `give_up_after` (seconds) the call raises
+        `ServerUnavailable` once the server has been gone that long; by default it waits for
+        the server forever.
         With `handle_signals`, SIGTERM/SIGINT stop gracefully and a second one cancels.
         Cancelling the call releases the deliveries still running (no attempt counted) and
         hands the lanes back. Returns the totals of this dispatcher.
@@ -1053,6 +1075,7 @@ class OutboxDispatcher(Facade):
                 stop_when_empty=stop_when_empty,
                 stop_when_drained=stop_when_drained,
                 handle_signals=handle_signals,
+                give_up_after=give_up_after,
             ),
         )
 

@@ -54,6 +54,9 @@ LATENCY_SAMPLE = 0.05
 #: The latency lane's longest delay, before and after a command, in milliseconds.
 LATENCY_MS = float(os.environ.get("MONGOQ_TEST_LATENCY_MS") or 2)
 RUN_SEED = int(os.environ.get("MONGOQ_TEST_SEED") or random.randrange(1 << 30))
+# Set for the processes pytest-xdist starts: each must draw the same sample of the latency lane,
+# or their collections differ and the run stops.
+os.environ["MONGOQ_TEST_SEED"] = str(RUN_SEED)
 SERVERS = [d for d in ("pymongo", "motor") if d in TEST_DRIVERS] if TEST_URI else []
 BACKENDS = [*EMBEDDED, *SERVERS]
 

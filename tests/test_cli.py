@@ -64,7 +64,17 @@ def opened(db: Any, monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
 
     monkeypatch.setattr(_driver, "connect", connect)
     monkeypatch.setattr(_driver, "close", close_but_the_tests)
+    seeded_embedded(monkeypatch)
     return calls
+
+
+def seeded_embedded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let the commands and the exporter use the embedded backend, which they refuse (new and
+    empty in each command's process, it holds nothing): here it is the test's, seeded."""
+    from mongoq import metrics
+
+    monkeypatch.setattr(cli, "_fresh_embedded", lambda db: False)
+    monkeypatch.setattr(metrics, "_fresh_embedded", lambda db: False)
 
 
 @pytest.fixture(params=["run", "main"])
@@ -132,8 +142,7 @@ async def claimed(queue: AsyncTaskQueue, task_id: Any) -> Any:
 async def test_tasks_stats_in_a_table_and_in_json(db: Any, mongoq_cmd: Mongoq) -> None:
     await seed_tasks(db)
     code, out, err = await mongoq_cmd("tasks", "stats", "jobs")
-    assert code == 0
-    assert "embedded backend" in err  # no --uri, no MONGOQ_URI: said on stderr
+    assert (code, err) == (0, "")
     lines = dict(line.rsplit(None, 1) for line in out.splitlines() if line[0] != "o")
     assert lines == {"pending": "2", "processing": "0", "done": "2", "failed": "2",
                      "cancelled": "0", "tombstone": "0", "due": "2", "expired": "0"}  # fmt: skip
@@ -460,14 +469,12 @@ async def test_global_options_go_before_or_after_the_command(
     assert [json.loads(out)["counts"]["failed"] for _, out, _ in outputs] == [2, 2, 2]
     assert [call[:2] for call in opened] == [(None, "app"), (None, "app"), ("memory://", "app")]
     assert outputs[2][2] == ""  # memory:// named: no note
-    assert opened[0][2] == {
-        "client_options": {"serverSelectionTimeoutMS": 5000, "connectTimeoutMS": 5000}
-    }
+    assert opened[0][2] == {"timeout": 5.0}
     monkeypatch.setenv("MONGOQ_DATABASE", "env_db")
     monkeypatch.setenv("MONGOQ_TIMEOUT", "2")
     await mongoq_cmd("tasks", "stats", "jobs")
     assert opened[-1][1] == "env_db"
-    assert opened[-1][2]["client_options"]["serverSelectionTimeoutMS"] == 2000
+    assert opened[-1][2]["timeout"] == 2.0
 
 
 async def test_the_demo_runs_as_before(capsys: pytest.CaptureFixture[str]) -> None:
@@ -569,6 +576,54 @@ async def test_bad_input_is_one_line_and_exit_code_2(
     assert one_error_line(err).startswith(message)
 
 
+OPERATOR_COMMANDS = [
+    ["list"], ["tasks", "stats", "jobs"], ["tasks", "list", "jobs", "--json"],
+    ["tasks", "requeue", "jobs", "--all-failed"], ["tasks", "schedules", "jobs"],
+    ["groups", "stats", "orders"], ["groups", "dead-letters", "orders"], ["outbox", "stats"],
+    ["outbox", "list"],
+]  # fmt: skip
+
+
+def assert_refuses_the_embedded_backend(code: int, out: str, err: str, exports: str) -> None:
+    """Exit 2, nothing on stdout, one line: what the database is and how to name a server."""
+    assert (code, out) == (2, ""), err
+    line = one_error_line(err)
+    assert line.startswith("mongoq: error: "), line
+    for words in ("embedded backend", "new, empty database", f"nothing to {exports}",
+                  "--uri mongodb://", "MONGOQ_URI"):  # fmt: skip
+        assert words in line, line
+
+
+@pytest.mark.parametrize("argv", OPERATOR_COMMANDS, ids=" ".join)
+@pytest.mark.parametrize("given", ["nothing", "--uri memory://", "MONGOQ_URI=memory://"])
+async def test_an_operator_command_on_the_embedded_backend_refuses_instead_of_showing_zeros(
+    argv: list[str], given: str, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Without a server each command opens the embedded backend afresh: its zeros would make
+    a misspelt queue look healthy and empty."""
+    if given.startswith("MONGOQ_URI"):
+        monkeypatch.setenv("MONGOQ_URI", "memory://")
+    options = ["--uri", "memory://"] if given.startswith("--uri") else []
+    code = await cli.run([*argv, *options])
+    out, err = capsys.readouterr()
+    assert_refuses_the_embedded_backend(code, out, err, "show")
+    assert ("memory://" in err) is (given != "nothing")
+
+
+async def test_metrics_on_the_embedded_backend_refuses_before_serving(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def never(url: str) -> None:
+        raise AssertionError(f"the exporter served {url}")
+
+    monkeypatch.setattr(cli, "_serve_until_stopped", never)
+    for options in ([], ["--uri", "memory://"]):
+        code = await cli.run(["metrics", "--port", "0", "--tasks", "jobs", *options])
+        out, err = capsys.readouterr()
+        assert_refuses_the_embedded_backend(code, out, err, "export")
+
+
 def closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -584,7 +639,7 @@ def test_an_unreachable_server_is_one_line_without_credentials(
     assert cli.main(["tasks", "stats", "jobs", "--timeout", "0.2"]) == 2
     assert time.monotonic() - started < 5
     line = one_error_line(capsys.readouterr().err)
-    assert line.startswith(f"mongoq: error: cannot reach the server at 127.0.0.1:{port} (")
+    assert line.startswith(f"mongoq: error: cannot reach the MongoDB server at 127.0.0.1:{port} (")
     assert line.endswith("; gave up after 0.2 s)")
     assert not any(secret in line for secret in ("alice", "s3cr", "%40", "s3cr@t"))
 
@@ -644,10 +699,11 @@ def test_scrub_removes_credentials_from_a_driver_message() -> None:
     ids=["overflowing-age", "malformed-uri-for-metrics", "cursor-past-year-9999"],
 )
 def test_any_other_failure_is_one_line_with_exit_2_and_no_secret(
-    argv: list[str], capsys: pytest.CaptureFixture[str]
+    argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    seeded_embedded(monkeypatch)  # the failure itself, not the embedded backend's refusal
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("mongoq") and "Traceback" not in err
-    assert len(err.strip().splitlines()) <= 2  # the error (and an embedded-backend note)
+    assert "embedded" not in err and len(err.strip().splitlines()) == 1
     assert "pa/ss" not in err

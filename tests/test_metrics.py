@@ -501,6 +501,14 @@ def get(url: str) -> str:
         return str(reply.read().decode())
 
 
+@pytest.fixture
+def embedded_as_a_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let `serve` export from the embedded backend, which it refuses (new and empty in the
+    exporter's process, it holds nothing): these tests serve over HTTP, with no server."""
+    monkeypatch.setattr(serve.__module__ + "._fresh_embedded", lambda db: False)
+
+
+@pytest.mark.usefixtures("embedded_as_a_server")
 def test_serve_exports_over_http_until_closed() -> None:
     server = serve(
         0, uri="memory://", tasks=["emails"], groups=["orders"], outbox=["ob_"], addr="127.0.0.1"
@@ -523,6 +531,7 @@ def test_serve_exports_over_http_until_closed() -> None:
         get(server.url)
 
 
+@pytest.mark.usefixtures("embedded_as_a_server")
 def test_serve_on_a_port_in_use_raises_and_leaves_no_thread_behind() -> None:
     before = set(threading.enumerate())
     with socket.socket() as taken:
@@ -530,6 +539,25 @@ def test_serve_on_a_port_in_use_raises_and_leaves_no_thread_behind() -> None:
         taken.listen()
         with pytest.raises(OSError):
             serve(taken.getsockname()[1], uri="memory://", tasks=["emails"], addr="127.0.0.1")
+    assert set(threading.enumerate()) <= before  # the portal's thread was stopped
+
+
+@pytest.mark.parametrize("uri", [None, "memory://"])
+def test_serve_refuses_the_embedded_backend_and_says_how_to_name_a_server(
+    uri: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedded backend is a new, empty database in the exporter's own process: its
+    ``mongoq_up 1`` and zeros would make a misspelt queue look healthy and idle."""
+    monkeypatch.delenv("MONGOQ_URI", raising=False)
+    before = set(threading.enumerate())
+    with pytest.raises(InvalidInput) as error:
+        serve(0, uri=uri, tasks=["emails"], addr="127.0.0.1")
+    assert error.value.field == "uri"
+    message = str(error.value)
+    assert "\n" not in message
+    for words in ("embedded backend", "new, empty database", "nothing to export", "mongodb://",
+                  "MONGOQ_URI"):  # fmt: skip
+        assert words in message, message
     assert set(threading.enumerate()) <= before  # the portal's thread was stopped
 
 

@@ -30,7 +30,8 @@ def test_the_base_install_is_pymongo_and_anyio_and_the_rest_are_extras() -> None
     assert _names(extras["metrics"]) == {"prometheus_client"}
     assert _names(extras["cron"]) == {"croniter"}
     assert _names(extras["dashboard"]) == {"starlette", "uvicorn"}
-    assert "mongoq-queue[embedded,motor,metrics,cron,dashboard]" in extras["test"]
+    assert _names(extras["docs"]) == {"mkdocs", "mkdocs-material", "mkdocstrings"}
+    assert "mongoq-queue[embedded,motor,metrics,cron,dashboard,docs]" in extras["test"]
 
 
 def test_the_distribution_is_named_apart_from_its_import_names() -> None:
@@ -145,3 +146,31 @@ def test_a_users_script_is_type_checked_against_mongoq(tmp_path: Path) -> None:
         'script.py:7: error: Argument "priority" to "put" of "AsyncTaskQueue" has incompatible '
         'type "str"; expected "int"  [arg-type]'
     ], result.stdout + result.stderr
+
+
+def test_the_project_metadata_names_its_authors_links_and_classifiers() -> None:
+    """What the package index shows beside the name: who wrote it, where its source, docs,
+    changelog and issues are, and what it is for. The licence is the SPDX expression alone:
+    setuptools refuses a licence classifier beside it."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["authors"] == [{"name": "The mongoq developers"}]
+    assert project["license"] == "MIT"
+    home = "https://github.com/mongoq/mongoq"
+    urls = project["urls"]
+    assert set(urls) == {"Homepage", "Documentation", "Source", "Changelog", "Issues"}
+    assert all(url.startswith(home) for url in urls.values()), urls
+    assert {"mongodb", "queue", "outbox"} <= set(project["keywords"])
+    classifiers = project["classifiers"]
+    assert {
+        "Development Status :: 3 - Alpha",
+        "Framework :: AsyncIO",
+        "Intended Audience :: Developers",
+        "Operating System :: OS Independent",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Programming Language :: Python :: 3.13",
+        "Topic :: System :: Distributed Computing",
+        "Typing :: Typed",
+    } <= set(classifiers)
+    assert not [c for c in classifiers if c.startswith("License ::")]
+    assert len(set(classifiers)) == len(classifiers)

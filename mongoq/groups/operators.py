@@ -11,6 +11,7 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from mongoq import _driver
+from mongoq._unreachable import names_unreachable_server
 from mongoq._validation import check_id, check_int, check_seconds, id_token, parse_id_token
 from mongoq.clock import stored_instant
 from mongoq.errors import InvalidInput
@@ -46,6 +47,7 @@ class _Transport(Protocol):
     async def publish_many(self, messages: Iterable[NewMessage]) -> list[int]: ...
 
 
+@names_unreachable_server
 class GroupOperators:
     """`list_groups`, `dead_letters`, `redrive`, `recover_orphans` and `stats` of
     `AsyncGroupTransport`."""

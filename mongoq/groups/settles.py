@@ -15,6 +15,7 @@ from typing import Any
 from pymongo import DeleteOne, ReturnDocument
 
 from mongoq import _driver
+from mongoq._unreachable import names_unreachable_server
 from mongoq._validation import check_batch, check_seconds
 from mongoq.clock import Clock
 from mongoq.groups import schema
@@ -26,6 +27,7 @@ __all__ = ["GroupSettles"]
 log = logging.getLogger("mongoq.groups")
 
 
+@names_unreachable_server
 class GroupSettles:
     """`ack`, `ack_many`, `nack`, `extend`, `extend_many` and `dead_letter` of
     `AsyncGroupTransport`, and the fenced helpers its claims use."""

@@ -21,6 +21,7 @@ from pymongo import ReturnDocument
 
 from mongoq import _driver, registry
 from mongoq._indexes import create_schema_indexes
+from mongoq._unreachable import names_unreachable_server
 from mongoq._validation import (
     MAX_BATCH,
     check_async_handler,
@@ -59,6 +60,7 @@ log = logging.getLogger("mongoq.groups")
 _REFUSED = object()
 
 
+@names_unreachable_server
 class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
     """Per-group FIFO over MongoDB (see `mongoq.groups.schema` for the layout).
 
@@ -394,6 +396,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         batch_size: int = 1,
         handler_timeout: float | None = None,
         handle_signals: bool = False,
+        give_up_after: float | None = None,
     ) -> GroupRunSummary:
         """Claim groups and process their heads with `handler` until stopped.
 
@@ -413,6 +416,11 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         successful ones together (`ack_many`): a few commands per batch instead of four per
         message. A worker that crashes mid-batch costs every head of the batch a delivery:
         size `max_deliveries` with that in mind.
+
+        A claim that cannot reach the server is retried with a growing backoff (the poll
+        interval, doubled each time, at most 30 s); one warning says the server is lost and one
+        that it is back. With `give_up_after` (seconds) the call raises `ServerUnavailable` once
+        the server has been gone that long; by default it waits for the server forever.
         """
         check_async_handler("handler", handler)
         check_stop_when(stop_when_empty, stop_when_drained)
@@ -422,6 +430,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         poll = check_seconds("poll_interval", poll_interval, positive=True)
         retry = check_seconds("retry_delay", retry_delay)
         limit = check_timeout("handler_timeout", handler_timeout)
+        give_up = check_timeout("give_up_after", give_up_after)
         worker = self._worker(worker_id)
         summary = GroupRunSummary()
         tally = Tally(summary, "groups", self.prefix)
@@ -441,6 +450,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
             next_due=partial(self._next_due, min_priority) if stop_when_drained else None,
             wake_key=self._wake_key,
             changes=(self.locks, changes.GROUPS_READY),
+            give_up_after=give_up,
         )
         await self._run_loop(loop, handle_signals=handle_signals)
         return summary

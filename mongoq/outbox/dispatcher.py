@@ -22,6 +22,7 @@ import anyio
 import anyio.lowlevel
 
 from mongoq import _driver
+from mongoq._unreachable import names_unreachable_server
 from mongoq._validation import (
     check_async_handler,
     check_int,
@@ -79,6 +80,7 @@ class DeliveryContext:
 Handler = Callable[[Event, DeliveryContext], Awaitable[Any]]
 
 
+@names_unreachable_server
 class OutboxDispatcher(WorkerHost):
     """Runs `handlers` (handler name -> ``async def handler(event, context)``) for `outbox`.
 
@@ -177,17 +179,23 @@ class OutboxDispatcher(WorkerHost):
         stop_when_empty: bool = False,
         stop_when_drained: bool = False,
         handle_signals: bool = False,
+        give_up_after: float | None = None,
     ) -> OutboxRunSummary:
         """Dispatch until `stop()`. `stop_when_empty` returns as soon as nothing is claimable
         now and nothing runs (deliveries waiting out a backoff, or behind a busy key, wait for
         a later run); `stop_when_drained` only when no delivery of these handlers is left
         pending at all, sleeping on the outbox's clock until the next one is due meanwhile.
-        A claim that fails (a driver error: an election, a lost connection) is logged and tried
-        again after `poll_interval`; it never counts as an empty outbox.
+        A claim that fails (a driver error: an election, a lost connection) never counts as an
+        empty outbox. One that cannot reach the server is retried with a growing backoff (the
+        poll interval, doubled each time, at most 30 s); one warning says the server is lost
+        and one that it is back. With `give_up_after` (seconds) the call raises
+        `ServerUnavailable` once the server has been gone that long; by default it waits for
+        the server forever.
         With `handle_signals`, SIGTERM/SIGINT stop gracefully and a second one cancels.
         Cancelling the call releases the deliveries still running (no attempt counted) and
         hands the lanes back. Returns the totals of this dispatcher."""
         check_stop_when(stop_when_empty, stop_when_drained)
+        give_up = check_timeout("give_up_after", give_up_after)
         loop: WorkerLoop[tuple[Delivery, datetime]] = WorkerLoop(
             claim_many=self._claim_batch,
             process=self._run_one,
@@ -200,6 +208,7 @@ class OutboxDispatcher(WorkerHost):
             wake_key=self.outbox.wake_key,
             background=[self._renew_while_running],
             changes=(self.outbox.deliveries, changes.DELIVERIES_READY),
+            give_up_after=give_up,
         )
         try:
             await self._run_loop(loop, handle_signals=handle_signals)

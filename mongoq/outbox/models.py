@@ -119,6 +119,20 @@ class Event:
     causation_id: str | None = None
     created_at: datetime | None = None
 
+    @classmethod
+    def from_document(cls, doc: Mapping[str, Any]) -> Event:
+        """The event an events document stores."""
+        return cls(
+            id=doc["_id"],
+            type=doc["type"],
+            payload=doc.get("payload"),
+            key=doc.get("key"),
+            headers=doc.get("headers") or {},
+            correlation_id=doc.get("correlation_id"),
+            causation_id=doc.get("causation_id"),
+            created_at=stored_instant(doc.get("created_at")),
+        )
+
     def checked(self, field_name: str = "event") -> Event:
         """This event validated and normalized, or `InvalidInput` naming the field."""
         if not isinstance(self, Event):
@@ -198,16 +212,7 @@ class Delivery:
         event's, the claiming worker and the epoch of the lane it was recorded on."""
         return cls(
             id=str(delivery["_id"]),
-            event=Event(
-                id=event["_id"],
-                type=event["type"],
-                payload=event.get("payload"),
-                key=event.get("key"),
-                headers=event.get("headers") or {},
-                correlation_id=event.get("correlation_id"),
-                causation_id=event.get("causation_id"),
-                created_at=stored_instant(event.get("created_at")),
-            ),
+            event=Event.from_document(event),
             handler=delivery["handler"],
             attempt=int(delivery["attempts"]) + 1,
             lease_token=lease_token(int(delivery["lane_id"]), epoch, int(delivery["claims"])),

@@ -15,6 +15,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from mongoq import _driver
+from mongoq._unreachable import names_unreachable_server
 from mongoq._validation import MAX_BATCH, check_int, check_window
 from mongoq.clock import Clock, stored_instant
 from mongoq.errors import InvalidInput
@@ -34,6 +35,7 @@ from mongoq.outbox.schema import (
 __all__ = ["OutboxOperators"]
 
 
+@names_unreachable_server
 class OutboxOperators:
     """`requeue`, `list_deliveries`, `stats`, `count_finished` and `purge` of `AsyncOutbox`."""
 

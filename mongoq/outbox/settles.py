@@ -15,6 +15,7 @@ from logging import Logger
 from typing import TYPE_CHECKING, Any
 
 from mongoq import _driver
+from mongoq._unreachable import names_unreachable_server
 from mongoq._validation import check_batch, check_seconds, check_worker_id
 from mongoq.clock import Clock
 from mongoq.errors import InvalidInput, LeaseLost
@@ -27,6 +28,7 @@ from mongoq.runtime.report import Attempt, error_text, log_attempt_end
 __all__ = ["OutboxSettles"]
 
 
+@names_unreachable_server
 class OutboxSettles:
     """`complete`, `complete_many`, `reschedule`, `release`, `bury`, `extend_lease` and
     `relinquish` of `AsyncOutbox`."""

@@ -18,6 +18,7 @@ from typing import Any
 
 from mongoq import _driver, registry
 from mongoq._indexes import create_schema_indexes
+from mongoq._unreachable import names_unreachable_server
 from mongoq._validation import (
     MAX_BATCH,
     check_batch,
@@ -43,6 +44,7 @@ __all__ = ["AsyncOutbox"]
 log = logging.getLogger("mongoq.outbox")
 
 
+@names_unreachable_server
 class AsyncOutbox(OutboxSettles, OutboxOperators):
     """Events written in the caller's MongoDB transaction, delivered at least once to each
     subscribed handler separately, in per-key order, with retries and dead letters.

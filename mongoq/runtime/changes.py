@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+from pymongo.errors import ConnectionFailure
 
 from mongoq import _driver
 from mongoq.clock import Clock
@@ -197,7 +198,10 @@ async def watch(
             if _driver.no_change_streams(exc):  # Motor opens the stream at its first read
                 log.info("%s: no change streams here (%s); polling only", name, exc)
                 return
-            (log.warning if failures == 0 else log.debug)(
+            # A lost server is the run loop's to say (once); a stream failing on its own is
+            # said here, once per run of failures.
+            lost = isinstance(exc, ConnectionFailure)
+            (log.warning if failures == 0 and not lost else log.debug)(
                 "%s: the change stream failed (%s); polling meanwhile", name, exc
             )
         await clock.sleep(min(retry * 2**failures, MAX_RETRY))

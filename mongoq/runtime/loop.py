@@ -39,6 +39,7 @@ from mongoq._validation import check_worker_id
 from mongoq.clock import Clock
 from mongoq.errors import MongoqError
 from mongoq.runtime import changes, wakeups
+from mongoq.runtime.outage import Outage
 
 __all__ = [
     "WORKER_STOPPED",
@@ -138,6 +139,7 @@ class WorkerLoop(Generic[Item]):
         wake_key: wakeups.Key | None = None,
         background: Sequence[Callable[[], Coroutine[Any, Any, Any]]] = (),
         changes: tuple[Any, Sequence[Mapping[str, Any]]] | None = None,
+        give_up_after: float | None = None,
     ) -> None:
         if (claim is None) == (claim_many is None):
             raise ValueError("a WorkerLoop claims with one of claim and claim_many")
@@ -154,6 +156,7 @@ class WorkerLoop(Generic[Item]):
         self._housekeeping_interval = housekeeping_interval
         self._housekept_at: datetime | None = None
         self.name = name
+        self._outage = Outage(name, clock, poll_interval=poll_interval, give_up_after=give_up_after)
         self._stopping = False
         self._naps: set[anyio.CancelScope] = set()
         self._scope: anyio.CancelScope | None = None
@@ -269,15 +272,19 @@ class WorkerLoop(Generic[Item]):
         try:
             await self._housekeeping()
         except _driver.DRIVER_ERRORS as exc:
-            log.warning("%s: housekeeping failed (%s)", self.name, exc)
+            self._outage.failed(exc, "housekeeping", backs_off=False)  # tried at its next turn
+        else:
+            self._outage.succeeded()
 
-    async def _nap(self, until: datetime | None = None) -> None:
-        """Sleep `poll_interval`, or until `until` if that comes first; `stop()` wakes it."""
+    async def _nap(self, until: datetime | None = None, *, seconds: float | None = None) -> None:
+        """Sleep `seconds` (default `poll_interval`), or until `until` if that comes first;
+        `stop()` wakes it."""
         with anyio.CancelScope() as scope:
             self._naps.add(scope)
             try:
                 if not self._stopping:
-                    wake = self._clock.now() + timedelta(seconds=self._poll_interval)
+                    length = self._poll_interval if seconds is None else seconds
+                    wake = self._clock.now() + timedelta(seconds=length)
                     await self._clock.sleep_until(wake if until is None else min(until, wake))
             finally:
                 self._naps.discard(scope)
@@ -290,8 +297,8 @@ class WorkerLoop(Generic[Item]):
         try:
             due = await self._next_due()
         except _driver.DRIVER_ERRORS as exc:
-            log.warning("%s: reading what is left failed (%s)", self.name, exc)
-            due = self._clock.now() + timedelta(seconds=self._poll_interval)
+            delay = self._outage.failed(exc, "reading what is left")
+            due = self._clock.now() + timedelta(seconds=delay)
         if due is None and self.in_flight == 0:
             self.stop()  # wakes the other slots' naps: they find the same
             return True
@@ -369,15 +376,15 @@ class WorkerLoop(Generic[Item]):
         """Run `claim`, shielded: a claim applied on the server but cancelled before its reply
         is read would hold what it claimed, unseen, for a whole lease. Once it is back, the
         cancellation reaches the processing, whose lease handling releases it. A driver error
-        is logged and napped on: (False, None)."""
+        is noted (`Outage`: logged once while the server is lost, backed off, given up on
+        after `give_up_after`) and napped on: (False, None)."""
         try:
             with anyio.CancelScope(shield=True):
                 result = await claim()
         except _driver.DRIVER_ERRORS as exc:
-            log.warning("%s: claim failed (%s); retrying after %.1fs", self.name, exc,
-                        self._poll_interval)  # fmt: skip
-            await self._nap()
+            await self._nap(seconds=self._outage.failed(exc, "claim"))
             return False, None
+        self._outage.succeeded()
         return True, result
 
     async def _fill_slots(self, slots: anyio.abc.TaskGroup) -> None:

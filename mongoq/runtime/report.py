@@ -12,8 +12,10 @@ Fields (in ``extra``, so a JSON formatter emits them as keys): ``mongoq_primitiv
 outbox's prefix), ``mongoq_item`` (the task id; ``group/seq``; ``event id/handler``),
 ``mongoq_attempt``, ``mongoq_outcome`` (``retried``, ``failed``, ``dead``, ``buried``),
 ``mongoq_next_due`` (ISO 8601 UTC, or None), ``mongoq_worker``, ``mongoq_error`` (the error's
-last line). A record of a failure given up carries the traceback; a retry is one line (the
-item's stored error has the traceback).
+last line). A retry is one line (the item's stored error has the traceback). So is a failure
+given up by a verdict: the handler's `PermanentError`, a `HandlerTimeout`. A failure given up
+on an unexpected exception carries its traceback from the handler's frame on, without the run
+loop's frames that called it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ import logging
 import traceback
 from dataclasses import dataclass
 from datetime import datetime
+from types import TracebackType
 from typing import Any
+
+from mongoq.errors import HandlerTimeout, PermanentError
 
 __all__ = ["ERROR_LIMIT", "GIVEN_UP", "Attempt", "error_line", "error_text", "log_attempt_end"]
 
@@ -30,6 +35,10 @@ __all__ = ["ERROR_LIMIT", "GIVEN_UP", "Attempt", "error_line", "error_text", "lo
 GIVEN_UP = frozenset({"failed", "dead", "buried"})
 #: How much of an error's text is stored: the end, where the exception's own line is.
 ERROR_LIMIT = 2000
+#: Errors that end an attempt as a verdict, not a fault: their line says it all.
+_VERDICTS = (PermanentError, HandlerTimeout)
+#: The packages of the frames that call a handler (the run loops, the facade's worker thread).
+_CALLERS = frozenset({"mongoq", "mongoq_sync", "anyio", "asyncio", "concurrent", "threading"})
 
 
 def error_text(error: BaseException | str | None) -> str | None:
@@ -102,6 +111,25 @@ def log_attempt_end(
         line or "no error recorded",
         extra=fields,
         # A retry is one line (its traceback is stored with the item); a failure given up
-        # carries the traceback with it.
-        exc_info=error if given_up and isinstance(error, Exception) else None,
+        # carries the traceback with it, unless it is a verdict.
+        exc_info=_traceback(error) if given_up else None,
     )
+
+
+def _traceback(
+    error: BaseException | str | None,
+) -> tuple[type[BaseException], BaseException, TracebackType | None] | None:
+    """What a record of `error` given up carries: nothing for a verdict (or a text); for an
+    exception, its traceback from the first frame outside the code that calls handlers (the
+    handler's), or whole when every frame is mongoq's own (a fault of mongoq's)."""
+    if not isinstance(error, Exception) or isinstance(error, _VERDICTS):
+        return None
+    start = error.__traceback__
+    while start is not None and _is_caller(start):
+        start = start.tb_next
+    return type(error), error, start if start is not None else error.__traceback__
+
+
+def _is_caller(entry: TracebackType) -> bool:
+    module = entry.tb_frame.f_globals.get("__name__")
+    return isinstance(module, str) and module.partition(".")[0] in _CALLERS

@@ -17,6 +17,7 @@ import anyio
 from pymongo import ReturnDocument
 
 from mongoq import _driver
+from mongoq._unreachable import names_unreachable_server
 from mongoq._validation import (
     check_batch,
     check_id,
@@ -28,7 +29,7 @@ from mongoq._validation import (
     parse_id_token,
 )
 from mongoq.clock import Clock, stored_instant, to_millis
-from mongoq.errors import InvalidInput
+from mongoq.errors import InvalidInput, NotFound
 from mongoq.runtime import changes, wakeups
 from mongoq.tasks import schema
 from mongoq.tasks.models import (
@@ -99,6 +100,7 @@ def _parse_cursor(cursor: Any) -> tuple[datetime, TaskId]:
     return at, parse_id_token("after", token, _PROBLEM)
 
 
+@names_unreachable_server
 class TaskOperators:
     """`list_tasks`, `get`, `requeue`, `requeue_failed`, `remove`, `purge`, `reclaim_expired`,
     `count_finished` and `stats` of `AsyncTaskQueue`."""
@@ -253,7 +255,9 @@ class TaskOperators:
     ) -> Task:
         """The task once it has finished (``done``, ``failed``, ``cancelled``, or removed:
         ``tombstone``); `TimeoutError` if it has not within `timeout` seconds of the queue's
-        clock (None: no limit). A task that does not exist yet is waited for too.
+        clock (None: no limit). `NotFound` at once for a task the queue does not have (never
+        put, or its document deleted: a purge, an expired tombstone), and at the next read for
+        one deleted meanwhile: it can never finish. Put the task before waiting for it.
 
         One read, then one more each time the task's end is heard of: at once from a worker
         of this process, through a change stream on a replica set (one per queue and process,
@@ -270,6 +274,7 @@ class TaskOperators:
             ended.set()
 
         finished: Task | None = None
+        missing = False
         async with anyio.create_task_group() as group:
             # On a replica set the ends of this queue's tasks in any process come through one
             # change stream this process shares among its waits (told by task id).
@@ -282,8 +287,11 @@ class TaskOperators:
                 while True:
                     ended = anyio.Event()  # before the read: an end told during it counts
                     doc = await self.collection.find_one(schema.task_by_id(task_id))
-                    task = None if doc is None else Task.from_document(doc)
-                    if task is not None and task.status in FINISHED:
+                    if doc is None:
+                        missing = True
+                        break
+                    task = Task.from_document(doc)
+                    if task.status in FINISHED:
                         finished = task
                         break
                     now = await self._now()
@@ -294,7 +302,10 @@ class TaskOperators:
                         self.clock, until if deadline is None else min(until, deadline), ended
                     )
             group.cancel_scope.cancel()  # its part in the stream
-        if finished is None:  # raised out here: inside, the task group would wrap it
+        # Raised out here: inside, the task group would wrap them.
+        if missing:
+            raise NotFound(f"no task {task_id!r} in the queue {self.name!r}")
+        if finished is None:
             raise TimeoutError(f"task {task_id!r} did not finish within {limit} s")
         return finished
 

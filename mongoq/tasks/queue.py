@@ -22,6 +22,7 @@ from pymongo import ReturnDocument
 
 from mongoq import _driver, registry
 from mongoq._indexes import create_indexes
+from mongoq._unreachable import names_unreachable_server
 from mongoq._validation import (
     MAX_BATCH,
     check_async_handler,
@@ -78,6 +79,7 @@ def _retention(field: str, seconds: float | None) -> int | None:
     return None if seconds is None else max(1, int(check_seconds(field, seconds, positive=True)))
 
 
+@names_unreachable_server
 class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
     """A durable task queue in one MongoDB collection (its layout: `mongoq.tasks.schema`).
 
@@ -299,6 +301,7 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         handler_timeout: float | None = None,
         handle_signals: bool = False,
         schedules: bool = True,
+        give_up_after: float | None = None,
     ) -> TaskRunSummary:
         """Claim and process tasks with `handler` until stopped.
 
@@ -335,6 +338,11 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         per task, for short tasks whose latency matters less than throughput. A worker that
         crashes mid-batch costs every task of the batch an attempt (the claim counts them):
         size `max_attempts` with that in mind.
+
+        A claim that cannot reach the server is retried with a growing backoff (the poll
+        interval, doubled each time, at most 30 s); one warning says the server is lost and one
+        that it is back. With `give_up_after` (seconds) the call raises `ServerUnavailable` once
+        the server has been gone that long; by default it waits for the server forever.
         """
         check_async_handler("handler", handler)
         check_stop_when(stop_when_empty, stop_when_drained)
@@ -342,6 +350,7 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         check_int("batch_size", batch_size, low=1, high=MAX_BATCH)
         poll = check_seconds("poll_interval", poll_interval, positive=True)
         limit = check_timeout("handler_timeout", handler_timeout)
+        give_up = check_timeout("give_up_after", give_up_after)
         worker = self._worker(worker_id)
         summary = TaskRunSummary()
         tally = Tally(summary, "tasks", self.name)
@@ -354,7 +363,7 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         )
         loop = self._worker_loop(
             steps, concurrency=concurrency, poll=poll, stop_when_empty=stop_when_empty,
-            stop_when_drained=stop_when_drained, schedules=schedules,
+            stop_when_drained=stop_when_drained, schedules=schedules, give_up_after=give_up,
         )  # fmt: skip
         await self._run_loop(loop, handle_signals=handle_signals)
         return summary
@@ -368,6 +377,7 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         stop_when_empty: bool,
         stop_when_drained: bool,
         schedules: bool,
+        give_up_after: float | None,
     ) -> WorkerLoop[Any]:
         """`run`'s loop around its claim and process `steps`: expired leases reclaimed every
         ``lease_ttl / 3``, woken by this process's puts and the collection's change stream,
@@ -386,6 +396,7 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
             wake_key=self._wake_key,
             background=[partial(self._scheduler.run, poll)] if schedules else [],
             changes=(self.collection, changes.TASKS_DUE),
+            give_up_after=give_up_after,
         )
 
     async def _next_due(self) -> datetime | None:

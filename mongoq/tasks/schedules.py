@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import anyio
-from pymongo.errors import DuplicateKeyError
+from pymongo.errors import ConnectionFailure, DuplicateKeyError
 
 from mongoq import _driver
+from mongoq._unreachable import names_unreachable_server
 from mongoq._validation import check_int, check_name, check_payload, check_seconds
 from mongoq.clock import stored_instant, to_millis
 from mongoq.errors import InvalidInput, MongoqError
@@ -47,6 +48,8 @@ log = logging.getLogger("mongoq.tasks")
 RECHECK = 60.0
 #: Due schedules one tick handles; more wait for the next (at once: one is still due).
 TICK_BATCH = 100
+#: The shortest `every` a schedule takes, in seconds (`_checked_every`).
+MIN_EVERY = 1.0
 _MAX_NAME = 200
 
 
@@ -89,6 +92,7 @@ class _Rule:
         return to_millis(_croniter()(self.cron, local).get_next(datetime).astimezone(UTC))
 
 
+@names_unreachable_server
 class TaskSchedules:
     """`schedule`, `schedules` and `unschedule` of `AsyncTaskQueue`, which it mixes in."""
 
@@ -108,9 +112,10 @@ class TaskSchedules:
     ) -> Schedule:
         """Define (or redefine) the periodic task `name`: a task ``"<name>@<tick>"`` with
         `payload` and `priority` at every tick of `cron` (read in `timezone`, an IANA name;
-        needs the ``cron`` extra) or every `every` seconds from now. Any number of workers
-        (`run`) tick it, one task a tick. Ticks missed while no worker ran: ``missed="once"``
-        puts the latest of them once, ``"skip"`` none older than `grace` seconds.
+        needs the ``cron`` extra) or every `every` seconds from now: at least 1 second, in
+        whole milliseconds (else `InvalidInput`). Any number of workers (`run`) tick it, one
+        task a tick. Ticks missed while no worker ran: ``missed="once"`` puts the latest of
+        them once, ``"skip"`` none older than `grace` seconds (at least 1 second).
 
         Idempotent: the same definition again keeps its next tick (call it at every start);
         a changed one starts from the next tick after now. Two commands, three when new."""
@@ -262,7 +267,11 @@ class Scheduler:
                 try:
                     upcoming = await self.tick()
                 except _driver.DRIVER_ERRORS as exc:
-                    log.warning("ticking the schedules failed (%s); retrying", exc)
+                    # A lost server is the run loop's to say, once; anything else, each time.
+                    lost = isinstance(exc, ConnectionFailure)
+                    (log.debug if lost else log.warning)(
+                        "ticking the schedules failed (%s); retrying", exc
+                    )
                     upcoming = clock.now() + timedelta(seconds=poll_interval)
                 recheck = clock.now() + timedelta(seconds=RECHECK)
                 until = recheck if upcoming is None else min(upcoming, recheck)
@@ -274,6 +283,17 @@ def _checked_name(name: Any) -> str:
     if len(checked) > _MAX_NAME:
         raise InvalidInput("name", f"must be at most {_MAX_NAME} characters")
     return checked
+
+
+def _checked_every(every: Any) -> float:
+    """`every`, at least `MIN_EVERY` seconds and in whole milliseconds: ticks are computed in
+    integer milliseconds, so that none drifts, doubles or spins the ticker."""
+    if isinstance(every, int | float) and not isinstance(every, bool) and every < MIN_EVERY:
+        raise InvalidInput("every", f"must be at least {MIN_EVERY:g} second, got {every!r}")
+    seconds = check_seconds("every", every)
+    if abs(seconds * 1000 - round(seconds * 1000)) > 1e-6:
+        raise InvalidInput("every", f"must be whole milliseconds, got {every!r}")
+    return seconds
 
 
 def _checked(
@@ -288,9 +308,7 @@ def _checked(
         if not isinstance(cron, str) or not _croniter().is_valid(cron):
             raise InvalidInput("cron", f"is not a cron expression: {cron!r}")
     else:
-        every = check_seconds("every", every, positive=True)
-        if every < 1 or abs(every * 1000 - round(every * 1000)) > 1e-6:
-            raise InvalidInput("every", "must be at least 1 second, in whole milliseconds")
+        every = _checked_every(every)
     if not isinstance(timezone, str):
         raise InvalidInput("timezone", "must be an IANA time zone name such as 'Europe/Paris'")
     try:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 import anyio
 
 from mongoq import _driver
+from mongoq._unreachable import names_unreachable_server
 from mongoq._validation import check_batch, check_seconds
 from mongoq.clock import Clock
 from mongoq.errors import InvalidInput, LeaseLost, PermanentError
@@ -193,6 +194,7 @@ class TaskLease:
                     self.queue._leases.pop(self.task.lease_token or "", None)
 
 
+@names_unreachable_server
 class TaskSettles:
     """`leased`, `heartbeat`, `heartbeat_many`, `complete`, `complete_many`,
     `release_for_retry`, `release_not_an_attempt`, `fail` and `backoff` of `AsyncTaskQueue`,

@@ -541,9 +541,9 @@ async def test_random_faults_never_hand_out_a_delivery_or_key_twice_at_once_and_
             elif roll < 0.85 and mine:
                 delivery = mine.pop(rng.randrange(len(mine)))
                 unsettled.pop(delivery.id, None)  # its settle is attempted from here on
-                [(_, settle)] = rng.choices(SETTLES, [weight for weight, _ in SETTLES])
+                [(_, way)] = rng.choices(SETTLES, [weight for weight, _ in SETTLES])
                 with contextlib.suppress(PyMongoError):
-                    await settle(outbox, delivery)
+                    await way(outbox, delivery)
             elif roll < 0.9:
                 with contextlib.suppress(PyMongoError):
                     await outbox.extend_lease(owner)

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from mongoq import OutboxDispatcher, PermanentError, _driver
-from mongoq.runtime import loop
+from mongoq import HandlerTimeout, OutboxDispatcher, PermanentError, _driver
+from mongoq.runtime import loop, report
 from mongoq.testing import ManualClock
 from tests.support.group_helpers import dead, messages, new_transport
 from tests.support.helpers import new_queue, read, utc
@@ -185,3 +185,110 @@ async def test_a_worker_on_the_embedded_backend_says_once_that_it_is_in_process(
     if embedded:
         assert f"tasks:{queue.name} runs on the embedded in-memory backend" in notes[0].message
         assert "workers in other processes do not see it" in notes[0].message
+
+
+async def permanent(item: Any, *context: Any) -> None:
+    raise PermanentError("the address is malformed")
+
+
+def one_line_without_traceback(record: logging.LogRecord) -> None:
+    assert record.exc_info is None and record.exc_text is None
+    assert "\n" not in logging.Formatter().format(record)
+
+
+async def test_a_permanent_error_is_one_warning_line_naming_the_item_and_the_error(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`PermanentError` is the handler's deliberate verdict, not a fault: the record says which
+    item and why, without a traceback (the item's stored error keeps it)."""
+    caplog.set_level(logging.DEBUG, logger="mongoq")
+    queue = await new_queue(db, clock, max_attempts=5)
+    await queue.put("t", {"n": 1})
+
+    await queue.run(permanent, stop_when_empty=True, worker_id="w1")
+
+    doc = await read(db, "t")
+    assert doc is not None and (doc["status"], doc["attempts"]) == ("failed", 1)
+    assert doc["error"].endswith("PermanentError: the address is malformed")
+    [record] = reports(caplog)
+    assert (record.levelno, record.mongoq_outcome) == (logging.WARNING, "failed")
+    assert record.getMessage() == (
+        f"tasks:{queue.name} t failed after attempt 1: PermanentError: the address is malformed"
+    )
+    one_line_without_traceback(record)
+
+
+async def test_a_permanent_error_buries_a_message_and_a_delivery_in_one_line(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="mongoq")
+    transport = await new_transport(db, clock)
+    seq = await transport.publish("g", {"n": 1})
+    outbox = await new_outbox(db, clock, subscriptions={"*": ["h"]})
+    await outbox.publish([event(1)], session=None)
+
+    await transport.run(permanent, stop_when_empty=True, worker_id="w")
+    await OutboxDispatcher(outbox, {"h": permanent}, worker_id="w").run(stop_when_empty=True)
+
+    assert list(await dead(db)) == [seq]
+    [stored] = await deliveries(db)
+    assert stored["status"] == "dead"
+    dead_letter, buried = reports(caplog)
+    assert [(r.levelno, r.mongoq_outcome, r.mongoq_item) for r in (dead_letter, buried)] == [
+        (logging.WARNING, "dead", f"g/{seq}"), (logging.WARNING, "buried", f"{event(1).id}/h"),
+    ]  # fmt: skip
+    for record in (dead_letter, buried):
+        assert record.getMessage().endswith(": PermanentError: the address is malformed")
+        one_line_without_traceback(record)
+
+
+async def test_an_unexpected_error_given_up_carries_the_handlers_frames_only(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The traceback of a handler's bug starts at the handler: the run loop's frames that
+    called it say nothing about the bug."""
+    caplog.set_level(logging.DEBUG, logger="mongoq")
+    queue = await new_queue(db, clock, max_attempts=1)
+    await queue.put("t", {"n": 1})
+
+    async def handler(task: Any) -> None:
+        await boom(task)
+
+    await queue.run(handler, stop_when_empty=True, worker_id="w1")
+
+    [record] = reports(caplog)
+    assert record.levelno == logging.WARNING and record.exc_info is not None
+    assert record.exc_info[1] is not None
+    text = logging.Formatter().format(record)
+    assert text.endswith("ValueError: boom") and "in handler" in text and "in boom" in text
+    assert "mongoq/" not in text and "mongoq\\" not in text, text
+    traceback = record.exc_info[2]
+    assert traceback is not None and traceback.tb_frame.f_code is handler.__code__
+    doc = await read(db, "t")  # what is stored keeps the whole traceback
+    assert doc is not None and doc["status"] == "failed"
+
+
+def test_a_handler_timeout_given_up_is_one_line_and_an_internal_error_keeps_its_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A time limit reached is the run loop's verdict (one line); an error raised in mongoq's
+    own frames, with no handler frame to start from, keeps its whole traceback."""
+    caplog.set_level(logging.DEBUG, logger="mongoq")
+    logger = logging.getLogger("mongoq.tasks")
+    attempt = report.Attempt("tasks", "q", "t", 3, "w")
+    try:
+        raise HandlerTimeout("timed out after 30 s")
+    except HandlerTimeout as error:
+        report.log_attempt_end(logger, attempt, "failed", error)
+    try:
+        report.error_line(object())  # type: ignore[arg-type]
+    except AttributeError as error:  # raised inside mongoq.runtime.report
+        assert error.__traceback__ is not None
+        internal = error.with_traceback(error.__traceback__.tb_next)  # mongoq's frames only
+    report.log_attempt_end(logger, attempt, "failed", internal)
+    timed_out, failed = reports(caplog)
+    assert timed_out.getMessage() == (
+        "tasks:q t failed after attempt 3: HandlerTimeout: timed out after 30 s"
+    )
+    one_line_without_traceback(timed_out)
+    assert failed.exc_info is not None and failed.exc_info[2] is internal.__traceback__

@@ -188,6 +188,29 @@ async def test_a_bad_schedule_is_refused_naming_the_field_before_anything_is_wri
     assert await db[SCHEDULES].count_documents({}) == 0
 
 
+@pytest.mark.parametrize("every", [0, 0.5, 0.999, -5])
+async def test_an_every_under_the_minimum_is_refused_with_the_minimum_named(
+    db: Any, clock: ManualClock, every: float
+) -> None:
+    queue = await new_queue(db, clock)
+    with pytest.raises(InvalidInput) as error:
+        await queue.schedule("s", every=every)
+    assert (error.value.field, str(error.value)) == (
+        "every",
+        f"every: must be at least 1 second, got {every!r}",
+    )
+    with pytest.raises(InvalidInput) as drifting:  # at least a second, but not whole ms
+        await queue.schedule("s", every=1.0005)
+    assert str(drifting.value) == "every: must be whole milliseconds, got 1.0005"
+    assert await queue.schedule("s", every=1)  # the minimum itself is taken
+    assert [s.every for s in await queue.schedules()] == [1.0]
+
+
+def test_the_schedule_docstring_states_the_minimum_every() -> None:
+    doc = AsyncTaskQueue.schedule.__doc__ or ""
+    assert "at least 1 second" in " ".join(doc.split())
+
+
 async def test_a_worker_without_schedules_sends_no_schedule_read(
     db: Any, clock: ManualClock
 ) -> None:

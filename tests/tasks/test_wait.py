@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 import pytest
 
-from mongoq import InvalidInput, NewTask, PermanentError, Task
+from mongoq import InvalidInput, MongoqError, NewTask, NotFound, PermanentError, Task
 from mongoq.runtime import changes
 from mongoq.testing import ManualClock
 from tests.support.helpers import QUEUE, claim_one, counted_queue, new_queue, wait_for
@@ -184,3 +184,58 @@ async def test_waits_share_one_change_stream_and_hand_it_over(db: Any, clock: Ma
         await wait_for(lambda: waited == ["t1", "t2"], "t2's wait to return")
     assert watch.streams[1].closed
     assert reads(counter) == 4  # a read each at the start and at its end: no poll
+
+
+async def test_wait_for_a_task_that_does_not_exist_raises_not_found_at_once(
+    db: Any, clock: ManualClock
+) -> None:
+    queue, counter = await counted_queue(db, clock)
+    await queue.put("t1")
+    outcomes: list[BaseException] = []
+    async with anyio.create_task_group() as group:
+
+        async def waiter() -> None:
+            try:
+                await queue.wait("t2", timeout=3600, poll_interval=60)
+            except Exception as error:
+                outcomes.append(error)
+
+        group.start_soon(waiter)
+        # The clock never moves here: a wait that sleeps instead of raising is caught asleep.
+        await wait_for(lambda: bool(outcomes) or clock.sleeping_until(clock.now() + timedelta(
+            seconds=60)) == 1, "the wait to raise or to sleep")  # fmt: skip
+        group.cancel_scope.cancel()
+    assert outcomes, "the wait slept instead of raising"
+    [error] = outcomes
+    assert isinstance(error, NotFound), error
+    assert isinstance(error, LookupError) and isinstance(error, MongoqError)
+    assert str(error) == f"no task 't2' in the queue {QUEUE!r}"
+    assert reads(counter) == 1  # one read, no poll
+    assert await db[QUEUE].count_documents({}) == 1  # nothing written
+
+
+async def test_wait_for_a_task_removed_for_good_meanwhile_raises_not_found(
+    db: Any, clock: ManualClock
+) -> None:
+    """A task deleted while it is waited for (its tombstone gone too: a purge, a hand's
+    delete) can never finish: the next read says so instead of waiting out the timeout."""
+    from tests.runtime.test_changes import FakeWatch
+
+    queue, counter = await counted_queue(db, clock)
+    queue.collection.watch = FakeWatch()  # another process deletes it: nothing is told here
+    await queue.put("t1")
+    errors: list[BaseException] = []
+    async with anyio.create_task_group() as group:
+
+        async def waiter() -> None:
+            try:
+                await queue.wait("t1", timeout=3600, poll_interval=5)
+            except NotFound as error:
+                errors.append(error)
+
+        group.start_soon(waiter)
+        await asleep(clock, 5)
+        await db[QUEUE].delete_one({"_id": "t1"})
+        clock.advance(5)
+        await wait_for(lambda: bool(errors), "the wait to raise")
+    assert reads(counter) == 2 and "no task 't1'" in str(errors[0])
