@@ -137,12 +137,14 @@ def connect(
     - ``mongodb://`` / ``mongodb+srv://``: PyMongo's native async client (recommended), or Motor
       with ``driver="motor"``.
 
-    `timeout` is how many seconds a call waits for a server before it raises
-    `ServerUnavailable` (naming the hosts and the wait; default 5): the client's
-    ``serverSelectionTimeoutMS`` and ``connectTimeoutMS``, unless the URI sets them. None keeps
-    the driver's defaults (30 s and 20 s). Otherwise clients are created with PyMongo's
-    defaults (dates read back naive UTC on every backend). Every primitive also accepts a
-    database you built yourself with either driver.
+    `timeout` is how many seconds the first call waits for the server before it raises
+    `ServerUnavailable`, naming the hosts and the wait (default 5; each call is a first one
+    until one reaches the server). Later calls keep the driver's server selection timeout
+    (``serverSelectionTimeoutMS``, 30 s unless the URI says otherwise), which rides out a
+    replica set's election; past it they raise `ServerUnavailable` too. None: the first call
+    waits as long as later ones. Clients are created with PyMongo's defaults (dates read back
+    naive UTC on every backend). Every primitive also accepts a database you built yourself
+    with either driver (no first-call bound then).
     """
     return cast(Database, _driver.connect(uri, database, driver=driver, timeout=timeout))
 

@@ -51,7 +51,7 @@ from pymongo.errors import (
 from pymongo.read_concern import ReadConcern
 from pymongo.write_concern import WriteConcern
 
-from mongoq._unreachable import server_unavailable
+from mongoq._unreachable import expect_first_contact, reach, server_unavailable
 from mongoq._validation import check_timeout
 from mongoq.errors import IndexesMissing, InvalidInput, MongoqError
 
@@ -87,9 +87,9 @@ _NAMESPACE_EXISTS = 48
 T = TypeVar("T")
 
 MEMORY_SCHEME = "memory://"
-#: Seconds a client waits for a server before a call fails (`connect`'s `timeout`): a server
-#: that is not there is said within seconds, and a replica set's election (about 12 s at
-#: most) is waited out by a run loop's retries, not by each call.
+#: Seconds the first call through a client `connect` made waits for its server (`connect`'s
+#: `timeout`): a server that is not there is said within seconds. Later calls keep the driver's
+#: server selection timeout (30 s), which rides out a replica set's election (about 12 s).
 DEFAULT_TIMEOUT = 5.0
 
 
@@ -187,8 +187,7 @@ def connect(
     client_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """Build an async database handle; see `mongoq.connect`. `client_options` go to a server
-    client's constructor (e.g. ``event_listeners`` for command monitoring) and win over
-    `timeout`, as the URI's own options do."""
+    client's constructor (e.g. ``event_listeners`` for command monitoring)."""
     if not isinstance(database, str) or not database:
         raise InvalidInput("database", "must be a non-empty string")
     check_timeout("timeout", timeout)
@@ -203,32 +202,21 @@ def connect(
         return embedded_database(database)
     if not isinstance(uri, str) or not uri.startswith(("mongodb://", "mongodb+srv://")):
         raise InvalidInput("uri", "must start with mongodb://, mongodb+srv:// or memory://")
-    options = {**_timeouts(uri, timeout), **(client_options or {})}
+    options = dict(client_options or {})
     if driver == "pymongo":
         from pymongo import AsyncMongoClient
 
-        return AsyncMongoClient(uri, **options)[database]
-    if driver == "motor":
+        client: Any = AsyncMongoClient(uri, **options)
+    elif driver == "motor":
         with extra_required("motor", 'driver="motor"'):
             from motor.motor_asyncio import AsyncIOMotorClient
 
-        return AsyncIOMotorClient(uri, **options)[database]
-    raise InvalidInput("driver", f"must be 'pymongo' or 'motor', got {driver!r}")
-
-
-def _timeouts(uri: str, timeout: float | None) -> dict[str, int]:
-    """The client options of `connect`'s `timeout`: how long to wait for a server to be
-    selected and for a connection to open. An option the URI sets itself is left to it."""
-    seconds = check_timeout("timeout", timeout)
-    if seconds is None:
-        return {}
-    query = uri.partition("?")[2].lower()
-    ms = max(1, round(seconds * 1000))
-    return {
-        option: ms
-        for option in ("serverSelectionTimeoutMS", "connectTimeoutMS")
-        if f"{option.lower()}=" not in query
-    }
+        client = AsyncIOMotorClient(uri, **options)
+    else:
+        raise InvalidInput("driver", f"must be 'pymongo' or 'motor', got {driver!r}")
+    if timeout is not None:
+        expect_first_contact(client, float(timeout))
+    return client[database]
 
 
 @contextlib.contextmanager
@@ -496,7 +484,9 @@ async def close(db: Any) -> None:
 
 
 async def ping(db: Any) -> None:
-    """Ask the server to answer (``ping``); `ServerUnavailable` when none does in time."""
+    """Ask the server to answer (``ping``, within `connect`'s timeout on a client it made);
+    `ServerUnavailable` when none does in time."""
+    await reach(db)
     try:
         await db.command("ping")
     except ServerSelectionTimeoutError as error:

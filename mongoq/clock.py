@@ -31,6 +31,7 @@ from pymongo.errors import ServerSelectionTimeoutError
 
 from mongoq import _driver
 from mongoq._unreachable import server_unavailable
+from mongoq.errors import ServerUnavailable
 
 __all__ = [
     "Clock",
@@ -118,6 +119,8 @@ class ServerClock(SystemClock):
         self._measured_at: float | None = None  # monotonic seconds
         self._unavailable = False
         self._lock = anyio.Lock()
+        self._tries = 0  # measurements begun
+        self._failure: ServerUnavailable | None = None  # the last one's, when no server answered
 
     @property
     def offset(self) -> timedelta:
@@ -130,9 +133,14 @@ class ServerClock(SystemClock):
     async def refresh(self) -> None:
         if self._unavailable or not self._is_stale():
             return
+        tries = self._tries
         async with self._lock:
             if self._unavailable or not self._is_stale():
                 return
+            if self._tries != tries and self._failure is not None:
+                # Another caller's measurement found no server while this one waited for the
+                # lock: said to every waiter, rather than each waiting out the timeout in turn.
+                raise self._failure
             await self._measure()
 
     def _is_stale(self) -> bool:
@@ -143,12 +151,15 @@ class ServerClock(SystemClock):
 
     async def _measure(self) -> None:
         before = datetime.now(UTC)
+        self._tries += 1
+        self._failure = None
         try:
             server_time = await _driver.server_local_time(self._db)
         except ServerSelectionTimeoutError as exc:
             # No server at all: the caller's own command would wait out the same timeout a
             # second time. Say so now; the next refresh measures again.
-            raise server_unavailable(exc) from None
+            self._failure = server_unavailable(exc)
+            raise self._failure from None
         except _driver.TRANSIENT_ERRORS as exc:
             log.warning("could not measure the server clock (%s); keeping the last offset", exc)
             self._measured_at = time.monotonic()

@@ -9,10 +9,11 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from pymongo.errors import AutoReconnect
+import anyio
+from pymongo.errors import AutoReconnect, ServerSelectionTimeoutError
 
-from mongoq import ServerClock
-from mongoq.testing import memory_database
+from mongoq import ServerClock, ServerUnavailable
+from mongoq.testing import memory_database, settle
 
 
 class FakeServer:
@@ -63,3 +64,39 @@ async def test_the_embedded_backend_falls_back_to_the_system_clock() -> None:
     await clock.refresh()
     assert clock.offset == timedelta(0)
     assert abs((clock.now() - datetime.now(UTC)).total_seconds()) < 1.0
+
+
+class _NoServer:
+    """A database whose ``hello`` waits until released, then finds no server."""
+
+    mongoq_backend = "pymongo"
+
+    def __init__(self) -> None:
+        self.hellos = 0
+        self.release = anyio.Event()
+
+    async def command(self, name: str) -> Any:
+        self.hellos += 1
+        await self.release.wait()
+        raise ServerSelectionTimeoutError("No servers found yet, Timeout: 5.0s, Topology ...")
+
+
+async def test_callers_waiting_on_a_measurement_that_found_no_server_are_told_at_once() -> None:
+    """Five calls refresh the clock at once: one measures, and when it finds no server the
+    other four are told so too, rather than each waiting out the timeout in turn."""
+    db = _NoServer()
+    clock = ServerClock(db)
+    outcomes: list[BaseException] = []
+
+    async def refresh() -> None:
+        try:
+            await clock.refresh()
+        except ServerUnavailable as error:
+            outcomes.append(error)
+
+    async with anyio.create_task_group() as group:
+        for _ in range(5):
+            group.start_soon(refresh)
+        await settle()
+        db.release.set()
+    assert (db.hellos, len(outcomes)) == (1, 5)

@@ -3,16 +3,18 @@ raises one `ServerUnavailable` line naming the hosts and the wait, after one wai
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 from collections.abc import Iterator
 
+import anyio
 import pytest
 from pymongo.errors import PyMongoError, ServerSelectionTimeoutError
 
 import mongoq
 from mongoq import AsyncTaskQueue, MongoqError, ServerUnavailable
-from mongoq._unreachable import server_unavailable
+from mongoq._unreachable import names_unreachable_server, server_unavailable
 from tests.support.helpers import rejects
 
 
@@ -50,19 +52,75 @@ async def test_the_first_call_says_the_server_is_unreachable_after_one_wait(
     assert len(failed) == 1
 
 
-def test_the_timeout_becomes_the_clients_selection_and_connect_timeouts() -> None:
-    db = mongoq.connect("mongodb://127.0.0.1:1/", timeout=2.5)
-    options = db.client.options
-    assert options.server_selection_timeout == 2.5
-    assert options.pool_options.connect_timeout == 2.5
+async def test_each_first_call_waits_the_timeout_until_one_reaches_the_server(
+    closed_port: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The timeout bounds the first contact only: the client keeps the driver's selection
+    timeout (30 s) for later calls, which rides out a replica set's election. Until a call
+    reached the server, each call is a first contact, bounded again."""
+    db = mongoq.connect(f"mongodb://127.0.0.1:{closed_port}/", timeout=0.2)
+    assert db.client.options.server_selection_timeout == 30
+    queue = AsyncTaskQueue(db, "emails")
+    caplog.set_level(logging.DEBUG, logger="pymongo.serverSelection")
+    try:
+        for _ in range(2):
+            with pytest.raises(ServerUnavailable, match=r"gave up after 0\.2 s"):
+                await queue.stats()
+    finally:
+        await mongoq.close(db)
+    failed = [r for r in caplog.records if "Server selection failed" in r.getMessage()]
+    assert len(failed) == 2
 
 
-def test_the_uris_own_timeouts_win_and_none_keeps_the_drivers() -> None:
-    own = mongoq.connect("mongodb://127.0.0.1:1/?serverSelectionTimeoutMS=9000", timeout=2)
-    assert own.client.options.server_selection_timeout == 9
-    assert own.client.options.pool_options.connect_timeout == 2
-    default = mongoq.connect("mongodb://127.0.0.1:1/", timeout=None)
-    assert default.client.options.server_selection_timeout == 30
+async def test_without_a_timeout_the_first_call_waits_as_the_driver_does(
+    closed_port: int,
+) -> None:
+    db = mongoq.connect(f"mongodb://127.0.0.1:{closed_port}/?serverSelectionTimeoutMS=300",
+                        timeout=None)  # fmt: skip
+    try:
+        with pytest.raises(ServerUnavailable, match=r"gave up after 0\.3 s"):
+            await AsyncTaskQueue(db, "emails").get("t1")
+    finally:
+        await mongoq.close(db)
+
+
+def test_a_transactions_labels_are_kept() -> None:
+    error = ServerSelectionTimeoutError(REPLICA_SET_DOWN)
+    error._add_error_label("TransientTransactionError")
+    assert server_unavailable(error).has_error_label("TransientTransactionError")
+
+
+class _Session:
+    in_transaction = True
+
+
+@names_unreachable_server
+class _Publisher:
+    db = None
+
+    async def publish(self, *, session: object) -> None:
+        raise ServerSelectionTimeoutError(REPLICA_SET_DOWN)
+
+    async def in_a_task_group(self) -> None:
+        async with anyio.create_task_group() as group:
+            group.start_soon(functools.partial(self.publish, session=None))
+
+
+async def test_in_a_transaction_no_server_is_transient_as_the_driver_says() -> None:
+    """``with_transaction`` retries the callback on an error labelled transient: PyMongo
+    labels a failed server selection inside a transaction so, and the wrapped one keeps it,
+    also when it is raised before the driver saw the session (the server clock's read)."""
+    with pytest.raises(ServerUnavailable) as raised:
+        await _Publisher().publish(session=_Session())
+    assert raised.value.has_error_label("TransientTransactionError")
+    with pytest.raises(ServerUnavailable) as outside:
+        await _Publisher().publish(session=None)
+    assert not outside.value.has_error_label("TransientTransactionError")
+
+
+async def test_an_exception_group_of_selection_errors_is_one_server_unavailable() -> None:
+    with pytest.raises(ServerUnavailable, match=r"^cannot reach the MongoDB server at db1"):
+        await _Publisher().in_a_task_group()
 
 
 @pytest.mark.parametrize("timeout", [0, -1, "5", True])
@@ -92,6 +150,11 @@ def test_every_host_and_each_distinct_reason_is_named() -> None:
     assert isinstance(error, PyMongoError)  # what code retrying on driver errors catches
 
 
+def test_an_ipv6_host_is_bracketed() -> None:
+    text = REPLICA_SET_DOWN.replace("('db1.example', 27017)", "('::1', 27017)")
+    assert server_unavailable(ServerSelectionTimeoutError(text)).hosts[0] == "[::1]:27017"
+
+
 def test_a_reachable_set_without_a_primary_says_so() -> None:
     text = (
         "No primary available for writes, Timeout: 5.0s, Topology Description: "
@@ -100,6 +163,6 @@ def test_a_reachable_set_without_a_primary_says_so() -> None:
     )
     error = server_unavailable(ServerSelectionTimeoutError(text))
     assert str(error) == (
-        "cannot reach the MongoDB server at db1.example:27017 "
+        "no suitable MongoDB server at db1.example:27017 "
         "(no primary available for writes; gave up after 5 s)"
     )

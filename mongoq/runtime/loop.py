@@ -156,7 +156,10 @@ class WorkerLoop(Generic[Item]):
         self._housekeeping_interval = housekeeping_interval
         self._housekept_at: datetime | None = None
         self.name = name
-        self._outage = Outage(name, clock, poll_interval=poll_interval, give_up_after=give_up_after)
+        self._outage = Outage(
+            name, clock, poll_interval=poll_interval, give_up_after=give_up_after,
+            on_back=self._cut_naps,
+        )  # fmt: skip
         self._stopping = False
         self._naps: set[anyio.CancelScope] = set()
         self._scope: anyio.CancelScope | None = None
@@ -187,8 +190,7 @@ class WorkerLoop(Generic[Item]):
         if not self._stopping:
             log.info("%s: stopping after %d in-flight item(s)", self.name, self.in_flight)
         self._stopping = True
-        for nap in list(self._naps):
-            nap.cancel()
+        self._cut_naps()
         for waiting in self._waiting:
             waiting.set()
 
@@ -197,8 +199,7 @@ class WorkerLoop(Generic[Item]):
         claims at once (or, with no idle slot polling, one waiting slot does)."""
         self._wakes += 1
         if self._naps:
-            for nap in list(self._naps):
-                nap.cancel()
+            self._cut_naps()
         elif self._poller is None:  # (a poller that is claiming claims again: `_wakes`)
             self._wake_one()
 
@@ -272,9 +273,9 @@ class WorkerLoop(Generic[Item]):
         try:
             await self._housekeeping()
         except _driver.DRIVER_ERRORS as exc:
-            self._outage.failed(exc, "housekeeping", backs_off=False)  # tried at its next turn
+            self._outage.failed(exc, "housekeeping", now)  # tried again at its next turn
         else:
-            self._outage.succeeded()
+            self._outage.succeeded(now)
 
     async def _nap(self, until: datetime | None = None, *, seconds: float | None = None) -> None:
         """Sleep `seconds` (default `poll_interval`), or until `until` if that comes first;
@@ -294,11 +295,14 @@ class WorkerLoop(Generic[Item]):
         sleeps until the next item is due (or `poll_interval`), and says False. No sleep when
         a wake-up came since `wakes` (counted before the claim)."""
         assert self._next_due is not None
+        started = self._clock.now()
         try:
             due = await self._next_due()
         except _driver.DRIVER_ERRORS as exc:
-            delay = self._outage.failed(exc, "reading what is left")
+            delay = self._outage.failed(exc, "reading what is left", started)
             due = self._clock.now() + timedelta(seconds=delay)
+        else:
+            self._outage.succeeded(started)
         if due is None and self.in_flight == 0:
             self.stop()  # wakes the other slots' naps: they find the same
             return True
@@ -330,14 +334,18 @@ class WorkerLoop(Generic[Item]):
             with contextlib.suppress(ValueError):
                 self._waiting.remove(waiting)
 
+    def _cut_naps(self) -> None:
+        """End every nap now: the slots (or the claimer) claim again."""
+        for nap in list(self._naps):
+            nap.cancel()
+
     def _leave_idle(self, number: int) -> None:
         """Slot `number` claimed something: it no longer polls, and one idle slot claims too
         (more may be due): a waiting one, or else the poller, cut short in its nap."""
         if self._poller == number:
             self._poller = None
         if not self._wake_one():
-            for nap in list(self._naps):
-                nap.cancel()
+            self._cut_naps()
 
     async def _slot(self, number: int) -> None:
         while not self._stopping:
@@ -378,13 +386,14 @@ class WorkerLoop(Generic[Item]):
         cancellation reaches the processing, whose lease handling releases it. A driver error
         is noted (`Outage`: logged once while the server is lost, backed off, given up on
         after `give_up_after`) and napped on: (False, None)."""
+        started = self._clock.now()
         try:
             with anyio.CancelScope(shield=True):
                 result = await claim()
         except _driver.DRIVER_ERRORS as exc:
-            await self._nap(seconds=self._outage.failed(exc, "claim"))
+            await self._nap(seconds=self._outage.failed(exc, "claim", started))
             return False, None
-        self._outage.succeeded()
+        self._outage.succeeded(started)
         return True, result
 
     async def _fill_slots(self, slots: anyio.abc.TaskGroup) -> None:
@@ -422,8 +431,7 @@ class WorkerLoop(Generic[Item]):
             await self._process_item(item)
         finally:
             self._ended += 1
-            for nap in list(self._naps):
-                nap.cancel()
+            self._cut_naps()
 
 
 _EMBEDDED_NOTED: set[int] = set()

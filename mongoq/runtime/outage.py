@@ -9,6 +9,7 @@ Owns no collections.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import datetime
 
 from pymongo.errors import ConnectionFailure, ServerSelectionTimeoutError
@@ -37,13 +38,21 @@ class Outage:
     """Counts a loop's failed commands against the time since its server was lost."""
 
     def __init__(
-        self, name: str, clock: Clock, *, poll_interval: float, give_up_after: float | None
+        self,
+        name: str,
+        clock: Clock,
+        *,
+        poll_interval: float,
+        give_up_after: float | None,
+        on_back: Callable[[], None] = lambda: None,
     ) -> None:
         self.name = name
         self._clock = clock
         self._poll_interval = poll_interval
         self._give_up_after = give_up_after
-        self._since: datetime | None = None  # the first failure of this outage
+        self._on_back = on_back  # the loop's naps cut short: claim again at once
+        self._since: datetime | None = None  # when the first failed command of the outage began
+        self._last: datetime | None = None  # when the latest failed command began
         self._failures = 0
 
     @property
@@ -51,18 +60,17 @@ class Outage:
         """Whether the last command that reached for the server failed to."""
         return self._since is not None
 
-    def failed(self, error: BaseException, doing: str, *, backs_off: bool = True) -> float:
-        """Note that `doing` failed with `error`; returns the seconds to wait before trying
-        again, longer after each failure that `backs_off` (a claim's, not housekeeping's, which
-        keeps its own interval). Raises `ServerUnavailable` once the server has been lost
-        `give_up_after`."""
+    def failed(self, error: BaseException, doing: str, started: datetime) -> float:
+        """Note that `doing`, sent at `started`, failed with `error`; returns the seconds to
+        wait before trying again: the poll interval, or as long as the server has been lost so
+        far (so doubling), at most `MAX_BACKOFF`, the same for every slot of the loop. Raises
+        `ServerUnavailable` once the server has been lost `give_up_after`."""
         if not isinstance(error, ConnectionFailure):
             log.warning("%s: %s failed (%s); retrying after %.1fs", self.name, doing, error,
                         self._poll_interval)  # fmt: skip
             return self._poll_interval
-        now = self._clock.now()
         if self._since is None:
-            self._since = now
+            self._since = started
             log.warning(
                 "%s: lost the server: %s; retrying with backoff until it is back",
                 self.name, describe(error),
@@ -70,20 +78,25 @@ class Outage:
             )  # fmt: skip
         else:
             log.debug("%s: %s failed again (%s)", self.name, doing, describe(error))
-        self._failures += backs_off
-        lost_for = (now - self._since).total_seconds()
+            if self._last is not None and (started - self._last).total_seconds() > 2 * MAX_BACKOFF:
+                # Nothing was tried for longer than a retry ever waits (every slot busy with
+                # its handler): the server may well have been back meanwhile. Giving up counts
+                # from this failure, never across an unknown stretch.
+                self._since = started
+        self._last = max(started, self._last or started)
+        self._failures += 1
+        lost_for = (self._clock.now() - self._since).total_seconds()
+        left = MAX_BACKOFF
         if self._give_up_after is not None:
             if lost_for >= self._give_up_after:
                 raise self._giving_up(error, lost_for) from None
             left = self._give_up_after - lost_for
-        else:
-            left = MAX_BACKOFF
-        backoff = self._poll_interval * 2.0 ** min(max(self._failures - 1, 0), 16)
-        return min(backoff, MAX_BACKOFF, left)
+        return min(max(self._poll_interval, lost_for), MAX_BACKOFF, left)
 
-    def succeeded(self) -> None:
-        """Note a command that reached the server: the end of an outage, if one was on."""
-        if self._since is None:
+    def succeeded(self, started: datetime) -> None:
+        """Note a command sent at `started` that reached the server: the end of the outage, if
+        one was on and the command was sent after it began (one sent before proves nothing)."""
+        if self._since is None or started < self._since:
             return
         lost_for = (self._clock.now() - self._since).total_seconds()
         log.warning(
@@ -92,7 +105,8 @@ class Outage:
             extra={"mongoq_loop": self.name, "mongoq_event": "server_back",
                    "mongoq_seconds": round(lost_for, 3)},
         )  # fmt: skip
-        self._since, self._failures = None, 0
+        self._since, self._last, self._failures = None, None, 0
+        self._on_back()
 
     def _giving_up(self, error: BaseException, lost_for: float) -> ServerUnavailable:
         base = server_unavailable(error) if isinstance(error, ServerSelectionTimeoutError) else None

@@ -15,7 +15,7 @@ import pytest
 from pymongo.errors import ServerSelectionTimeoutError
 
 from mongoq import OutboxDispatcher, ServerUnavailable
-from mongoq.runtime.outage import MAX_BACKOFF
+from mongoq.runtime.outage import MAX_BACKOFF, Outage
 from mongoq.testing import ManualClock, Operation, instrument
 from tests.support.group_helpers import new_transport
 from tests.support.helpers import napping, new_queue, rejects, wait_for
@@ -106,7 +106,8 @@ async def test_a_lost_server_is_said_once_retried_with_backoff_and_said_back_onc
     work = await subject(kind, db, clock, hook)
     caplog.set_level(logging.DEBUG, logger="mongoq")
     hook.down = True
-    waits = [1, 2, 4, 8, 16, MAX_BACKOFF, MAX_BACKOFF]  # the poll interval doubled, then capped
+    # The poll interval, then as long as the server has been lost so far (so doubling), capped.
+    waits = [1, 1, 2, 4, 8, 16, MAX_BACKOFF]
     async with anyio.create_task_group() as group:
         group.start_soon(work.run)
         for wait in waits:
@@ -169,3 +170,46 @@ async def test_give_up_after_is_checked_before_anything_runs(db: Any, clock: Man
 
     with rejects("give_up_after"):
         await queue.run(handler, give_up_after=0)
+
+
+def test_a_success_sent_before_the_loss_does_not_end_it(
+    clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    outage = Outage("loop", clock, poll_interval=1, give_up_after=None)
+    before = clock.now()
+    clock.advance(5)
+    assert outage.failed(ServerSelectionTimeoutError(NO_SERVER), "claim", clock.now()) == 1
+    outage.succeeded(before)  # a claim sent before the failure answered late: proves nothing
+    assert outage.lost and said(caplog, "server_back") == []
+    outage.succeeded(clock.now())
+    assert not outage.lost and len(said(caplog, "server_back")) == 1
+
+
+def test_every_slot_backs_off_by_the_outages_length_not_by_its_own_count(
+    clock: ManualClock,
+) -> None:
+    outage = Outage("loop", clock, poll_interval=1, give_up_after=None)
+    error = ServerSelectionTimeoutError(NO_SERVER)
+    start = clock.now()
+    assert [outage.failed(error, "claim", start) for _ in range(8)] == [1] * 8  # eight slots
+    clock.advance(6)
+    assert outage.failed(error, "claim", clock.now()) == 6
+    clock.advance(50)  # lost 56 s so far: the cap
+    assert outage.failed(error, "claim", clock.now()) == MAX_BACKOFF
+
+
+def test_giving_up_never_counts_across_a_stretch_when_nothing_was_tried(
+    clock: ManualClock,
+) -> None:
+    """Every slot busy with its handler, the loop tries nothing for minutes: two failures that
+    far apart are not one outage, and `give_up_after` counts from the later one."""
+    outage = Outage("loop", clock, poll_interval=1, give_up_after=30)
+    error = ServerSelectionTimeoutError(NO_SERVER)
+    outage.failed(error, "housekeeping", clock.now())
+    clock.advance(2 * MAX_BACKOFF + 1)
+    outage.failed(error, "housekeeping", clock.now())  # no give-up: a new stretch
+    clock.advance(29)
+    outage.failed(error, "claim", clock.now())
+    clock.advance(1)
+    with pytest.raises(ServerUnavailable, match=r"no server for 30 s, gave up"):
+        outage.failed(error, "claim", clock.now())
