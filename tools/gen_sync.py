@@ -311,6 +311,45 @@ def _properties(cls: type) -> list[str]:
     return list(names)
 
 
+def _property_lines(cls: type, spec: Spec, renames: dict[str, str], used: set[str]) -> list[str]:
+    """The facade's read-only properties of `cls` (their annotations' names added to `used`)."""
+    lines: list[str] = []
+    for name, annotation in [*spec.attributes, *((name, "") for name in _properties(cls))]:
+        prop = inspect.getattr_static(cls, name, None)
+        if isinstance(prop, property) and prop.fget is not None:
+            annotation = _annotation(inspect.signature(prop.fget).return_annotation, renames)
+        elif name in getattr(cls, "__annotations__", {}):
+            annotation = _annotation(cls.__annotations__[name], renames)
+        used |= set(_IDENTIFIER.findall(annotation))
+        lines.append("    @property")
+        lines.append(f"    def {name}(self) -> {annotation}:")
+        lines.append(f'        return cast("{annotation}", self._get("{name}"))')
+        lines.append("")
+    return lines
+
+
+def _method_lines(cls: type, spec: Spec, renames: dict[str, str], used: set[str]) -> list[str]:
+    """The facade's blocking methods of `cls` (the names their signatures use added to
+    `used`)."""
+    lines: list[str] = []
+    for name, function in _public_methods(cls):
+        signature, passed = _parameters(
+            function, renames, spec, constructor=False, where=f"{spec.async_name}.{name}"
+        )
+        returns = _annotation(inspect.signature(function).return_annotation, renames)
+        awaitable = re.fullmatch(r"Awaitable\[(.*)\]", returns)
+        if awaitable:
+            returns = awaitable.group(1)
+        used |= set(_IDENTIFIER.findall(signature)) | set(_IDENTIFIER.findall(returns))
+        lines.append(f"    def {name}({signature}) -> {returns}:")
+        lines += _docstring(function, "        ")
+        call = f'self._call("{name}"{", " if passed else ""}{passed})'
+        lines.append(f"        {call}" if returns == "None"
+                     else f'        return cast("{returns}", {call})')  # fmt: skip
+        lines.append("")
+    return lines
+
+
 def generate() -> tuple[str, str]:
     renames = {spec.async_name: spec.sync_name for spec in CLASSES}
     imports: dict[str, set[str]] = {}
@@ -337,33 +376,8 @@ def generate() -> tuple[str, str]:
             lines.append(f"        self._build({spec.database_from}, {alias}, {passed})")
             lines.append("")
             used |= set(_IDENTIFIER.findall(signature))
-        attributes = [*spec.attributes, *((name, "") for name in _properties(cls))]
-        for name, annotation in attributes:
-            prop = inspect.getattr_static(cls, name, None)
-            if isinstance(prop, property) and prop.fget is not None:
-                annotation = _annotation(inspect.signature(prop.fget).return_annotation, renames)
-            elif name in getattr(cls, "__annotations__", {}):
-                annotation = _annotation(cls.__annotations__[name], renames)
-            used |= set(_IDENTIFIER.findall(annotation))
-            lines.append("    @property")
-            lines.append(f"    def {name}(self) -> {annotation}:")
-            lines.append(f'        return cast("{annotation}", self._get("{name}"))')
-            lines.append("")
-        for name, function in _public_methods(cls):
-            signature, passed = _parameters(
-                function, renames, spec, constructor=False, where=f"{spec.async_name}.{name}"
-            )
-            returns = _annotation(inspect.signature(function).return_annotation, renames)
-            awaitable = re.fullmatch(r"Awaitable\[(.*)\]", returns)
-            if awaitable:
-                returns = awaitable.group(1)
-            used |= set(_IDENTIFIER.findall(signature)) | set(_IDENTIFIER.findall(returns))
-            lines.append(f"    def {name}({signature}) -> {returns}:")
-            lines += _docstring(function, "        ")
-            call = f'self._call("{name}"{", " if passed else ""}{passed})'
-            lines.append(f"        {call}" if returns == "None"
-                         else f'        return cast("{returns}", {call})')  # fmt: skip
-            lines.append("")
+        lines += _property_lines(cls, spec, renames, used)
+        lines += _method_lines(cls, spec, renames, used)
         if hasattr(cls, "__aenter__"):
             lines.append(f"    def __enter__(self) -> {spec.sync_name}:")
             lines.append("        return cast(" + f'"{spec.sync_name}", self._enter())')
