@@ -17,7 +17,7 @@ from functools import partial
 import anyio
 
 from benchmarks.harness import ReplayedDatabase, Result, counted_database
-from mongoq import AsyncTaskQueue, NewTask, Task, _driver
+from mongoq import AsyncTaskQueue, Jobs, NewTask, Task, _driver
 from mongoq.clock import SystemClock
 from mongoq.testing import ManualClock
 
@@ -175,12 +175,54 @@ async def wake_up(uri: str | None, puts: int = 20) -> Result:
         return replace(result, latency_ms=(statistics.median(latencies), max(latencies)))
 
 
+async def run_drain(uri: str | None, tasks: int) -> Result:
+    """put, then `run(handler)` drains: the loop's claims and completions, housekeeping in."""
+    async with counted_database(uri) as bench:
+        queue = await _queue(bench.db)
+        bench.start()
+        for number in range(tasks):
+            await queue.put(f"t{number}", {"n": number})
+        summary = await queue.run(_nothing, stop_when_empty=True)
+        assert summary.completed == tasks
+        return bench.stop("tasks: put + run(handler)", tasks)
+
+
+async def jobs_drain(uri: str | None, tasks: int, functions: int, queues: int) -> Result:
+    """defer calls of `functions` task functions spread over `queues` queues, then one
+    `Jobs.run` drains them all: what a claim naming several functions costs."""
+    async with counted_database(uri) as bench:
+        jobs = Jobs(bench.db, clock=ManualClock())
+        declared = [
+            jobs.task(name=f"f{n}", queue=f"bench_jobs_{n % queues}")(_nothing_with)
+            for n in range(functions)
+        ]
+        await jobs.setup()
+        bench.start()
+        for number in range(tasks):
+            await declared[number % functions].defer(number)
+        summary = await jobs.run(concurrency=1, stop_when_empty=True)
+        assert summary.completed == tasks
+        label = f"jobs: defer + worker, {functions} function(s), {queues} queue(s)"
+        return bench.stop(label, tasks)
+
+
+async def _nothing(task: Task) -> None:
+    return None
+
+
+async def _nothing_with(n: int) -> None:
+    return None
+
+
 def scenarios(tasks: int, backlogs: list[int]) -> list[tuple[str, Callable[[str | None], object]]]:
     runs: list[tuple[str, Callable[[str | None], object]]] = [
         ("wake-up", wake_up),
         ("lifecycle single", lambda uri: lifecycle_single(uri, tasks)),
         ("lifecycle put_many", lambda uri: lifecycle_put_many(uri, tasks)),
         ("lifecycle batched", lambda uri: lifecycle_batched(uri, tasks)),
+        ("run drain", lambda uri: run_drain(uri, tasks)),
+        ("jobs one function", lambda uri: jobs_drain(uri, tasks, 1, 1)),
+        ("jobs three functions", lambda uri: jobs_drain(uri, tasks, 3, 2)),
         ("lifecycle own time", lambda uri: lifecycle_cpu(uri)),
         ("lifecycle own time, replayed", lambda uri: lifecycle_cpu_replayed()),
     ]

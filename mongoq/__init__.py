@@ -33,6 +33,7 @@ from mongoq.groups import (
     GroupStats,
     NewMessage,
 )
+from mongoq.jobs import Jobs, TaskFunction
 from mongoq.outbox import (
     AsyncOutbox,
     Delivery,
@@ -78,10 +79,12 @@ __all__ = [
     "HandlerTimeout",
     "IndexesMissing",
     "InvalidInput",
+    "Jobs",
     "LeaseLost",
     "MongoqError",
     "NewMessage",
     "NewTask",
+    "TaskFunction",
     "NotFound",
     "OutboxDispatcher",
     "OutboxStats",

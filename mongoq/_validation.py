@@ -62,6 +62,27 @@ def check_name(field: str, value: Any) -> str:
     return value
 
 
+def check_function_name(field: str, value: Any) -> str:
+    """A task function's name (`mongoq.Jobs`): a non-empty string of at most 200 characters,
+    without NUL."""
+    if not isinstance(value, str) or not value or len(value) > 200 or "\x00" in value:
+        raise InvalidInput(field, f"must be a non-empty string of at most 200 characters, "
+                                  f"got {value!r}")  # fmt: skip
+    return value
+
+
+def check_functions(field: str, value: Any) -> list[str] | None:
+    """None (every task), or a collection of task function names (not one string), sorted."""
+    if value is None:
+        return None
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise InvalidInput(field, f"must be a collection of task function names, got {value!r}")
+    names = {check_function_name(f"{field}[]", name) for name in value}
+    if not names:
+        raise InvalidInput(field, "must name at least one task function (None: every task)")
+    return sorted(names)
+
+
 def check_worker_id(field: str, value: Any) -> str:
     """A worker's name, stored on what it holds: bounded like an id, so a document's
     bookkeeping fields stay far below the room a payload leaves them."""

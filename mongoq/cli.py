@@ -22,6 +22,8 @@ metrics, run the demo.
     mongoq metrics [--port 9108] [--addr A] [--tasks NAME ...] [--groups P ...] [--outbox P ...]
     mongoq dashboard [--host 127.0.0.1] [--port 8188] [--allow-actions] [--token T]
                      [--allowed-host NAME ...] [--sample-interval S]
+    mongoq worker MODULE:ATTRIBUTE [--concurrency N] [--queues Q ...] [--batch-size N]
+                  [--metrics-port P] [--ready-file PATH] [--in-process]
     mongoq demo [--tasks N] [--workers N] [--batch-size N] [--seed N]
                 [--dashboard [--host H] [--port P]]
 
@@ -68,6 +70,7 @@ from mongoq.demo import (
 from mongoq.errors import MongoqError
 from mongoq.groups import AsyncGroupTransport
 from mongoq.groups.models import NEVER_CLAIMED
+from mongoq.jobs.command import add_worker_arguments, worker
 from mongoq.outbox import AsyncOutbox
 from mongoq.tasks import AsyncTaskQueue
 from mongoq.tasks.models import STATUSES
@@ -441,6 +444,10 @@ def _print_report(report: DemoReport) -> None:
         print(f"  [{'ok' if passed else 'FAILED'}] {label}")
 
 
+async def _worker(args: argparse.Namespace) -> int:
+    return await worker(args, _uri(args))
+
+
 async def _demo(args: argparse.Namespace) -> int:
     config = DemoConfig(
         uri=args.uri, tasks=args.tasks, workers=args.workers, batch_size=args.batch_size,
@@ -735,6 +742,10 @@ def _add_others(commands: Any) -> None:
     sub.add_argument("--dashboard", action="store_true",
                      help="serve the dashboard on the demo's database while it runs")  # fmt: skip
     _serving(sub)
+    text = "run every task function of a mongoq.Jobs (MODULE:ATTRIBUTE) until SIGTERM"
+    sub = _command(commands, "worker", _worker, text)
+    sub.set_defaults(connects=False)
+    add_worker_arguments(sub, _at_least_one, _batch_size)
     text = "serve the web dashboard of this database's primitives, until Ctrl-C"
     sub = _command(commands, "dashboard", _dashboard, text)
     sub.set_defaults(connects=False)

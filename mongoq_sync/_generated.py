@@ -125,6 +125,7 @@ class TaskQueue(Facade):
         priority: int = 0,
         delay: float = 0,
         run_at: datetime | None = None,
+        function: str | None = None,
     ) -> PutOutcome:
         """Add a task, idempotently (one command).
 
@@ -138,6 +139,8 @@ class TaskQueue(Facade):
           revision instead of completing it.
         Higher `priority` is claimed first. Returns ``"inserted"``, ``"updated"`` or
         ``"unchanged"``. A task due now wakes this process's workers of the queue at once.
+        `function` names the task function that runs it (`mongoq.Jobs`; a worker claims only
+        the functions it knows, see `claim`).
         """
         return cast(
             "PutOutcome",
@@ -149,6 +152,7 @@ class TaskQueue(Facade):
                 priority=priority,
                 delay=delay,
                 run_at=run_at,
+                function=function,
             ),
         )
 
@@ -156,17 +160,22 @@ class TaskQueue(Facade):
         """`put` for many tasks in one round trip (one unordered bulk write)."""
         return cast("PutManyResult", self._call("put_many", tasks))
 
-    def claim(self, worker_id: str | None = None) -> Task | None:
+    def claim(
+        self, worker_id: str | None = None, *, functions: Sequence[str] | None = None
+    ) -> Task | None:
         """Take the most urgent due task, atomically (one command); None when nothing is due.
 
         Due means: pending and past its not-before time, or processing with an expired lease and
         attempts to spare (a crashed holder's task is taken over). Highest priority first, then
         the one due longest. The claim counts an attempt. Needs `setup()` to have run
-        once (the claim names its index).
+        once (the claim names its index). With `functions`, only tasks of these task functions
+        are claimed: a task of another one is never taken and keeps its attempts.
         """
-        return cast("Task | None", self._call("claim", worker_id))
+        return cast("Task | None", self._call("claim", worker_id, functions=functions))
 
-    def claim_many(self, n: int, worker_id: str | None = None) -> list[Task]:
+    def claim_many(
+        self, n: int, worker_id: str | None = None, *, functions: Sequence[str] | None = None
+    ) -> list[Task]:
         """Claim up to `n` due tasks in two commands (three when another claimer took some of
         the candidates first), in claim order.
 
@@ -176,9 +185,9 @@ class TaskQueue(Facade):
         worker claimed in between is simply not returned. When other claimers took every
         candidate first, it reads the next ones (two more commands a round), so it returns
         nothing only when nothing is due. Each task is then held exactly as if `claim` had
-        returned it.
+        returned it. `functions` limits it as it limits `claim`.
         """
-        return cast("list[Task]", self._call("claim_many", n, worker_id))
+        return cast("list[Task]", self._call("claim_many", n, worker_id, functions=functions))
 
     def run(
         self,

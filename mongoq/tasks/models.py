@@ -17,6 +17,7 @@ import bson
 from mongoq._validation import (
     MAX_DOCUMENT_BYTES,
     MAX_PAYLOAD_BYTES,
+    check_function_name,
     check_id,
     check_int,
     check_payload,
@@ -61,6 +62,8 @@ class Task:
     result: Any = None
     created_at: datetime | None = None
     updated_at: datetime | None = None
+    #: The task function that runs it (`mongoq.Jobs`); None for a task of `run(handler)`.
+    function: str | None = None
 
     @classmethod
     def from_document(cls, doc: Mapping[str, Any]) -> Task:
@@ -79,6 +82,7 @@ class Task:
             get("result"),
             stored_instant(get("created_at")),
             stored_instant(get("updated_at")),
+            get("function"),
         )
 
     def document(self, result: Any = None) -> dict[str, Any]:
@@ -131,6 +135,7 @@ class NewTask:
     priority: int = 0
     delay: float = 0.0
     run_at: datetime | None = None
+    function: str | None = None
 
     def due(self, now: datetime) -> datetime:
         """When the task is first claimable, put at `now`: `run_at`, else `now` + `delay`. A
@@ -143,8 +148,9 @@ class NewTask:
 def check_new_task(spec: NewTask, prefix: str = "") -> NewTask:
     """`spec` checked (its fields named with `prefix`), with its delay as a float."""
     return new_task(
-        spec.task_id, spec.payload, spec.revision, spec.priority, spec.delay, spec.run_at, prefix
-    )
+        spec.task_id, spec.payload, spec.revision, spec.priority, spec.delay, spec.run_at, prefix,
+        function=spec.function,
+    )  # fmt: skip
 
 
 def new_task(
@@ -155,6 +161,8 @@ def new_task(
     delay: Any,
     run_at: Any,
     prefix: str = "",
+    *,
+    function: Any = None,
 ) -> NewTask:
     """The `NewTask` of these fields (a put's arguments), each checked and named with
     `prefix`: an id, a storable payload and revision (within the payload limit together), a
@@ -183,7 +191,9 @@ def new_task(
             raise InvalidInput(f"{prefix}run_at", "is out of range") from None
         if delay:
             raise InvalidInput(f"{prefix}run_at", "give a delay or a run_at, not both")
-    return NewTask(task_id, payload, revision, priority, delay, run_at)
+    if function is not None:
+        function = check_function_name(f"{prefix}function", function)
+    return NewTask(task_id, payload, revision, priority, delay, run_at, function)
 
 
 def check_new_tasks(field: str, tasks: Iterable[NewTask]) -> list[NewTask]:

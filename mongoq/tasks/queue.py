@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import datetime
 from functools import partial
 from typing import Any
@@ -26,6 +26,7 @@ from mongoq._unreachable import names_unreachable_server
 from mongoq._validation import (
     MAX_BATCH,
     check_async_handler,
+    check_functions,
     check_int,
     check_name,
     check_seconds,
@@ -161,6 +162,7 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         priority: int = 0,
         delay: float = 0,
         run_at: datetime | None = None,
+        function: str | None = None,
     ) -> PutOutcome:
         """Add a task, idempotently (one command).
 
@@ -174,8 +176,10 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
           revision instead of completing it.
         Higher `priority` is claimed first. Returns ``"inserted"``, ``"updated"`` or
         ``"unchanged"``. A task due now wakes this process's workers of the queue at once.
+        `function` names the task function that runs it (`mongoq.Jobs`; a worker claims only
+        the functions it knows, see `claim`).
         """
-        spec = new_task(task_id, payload, revision, priority, delay, run_at)
+        spec = new_task(task_id, payload, revision, priority, delay, run_at, function=function)
         now = await self._now()
         result = await self.collection.update_one(
             schema.task_by_id(spec.task_id), schema.task_putting(spec, now), upsert=True
@@ -214,21 +218,25 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
 
     # ---------------------------------------------------------------------------- consumer
 
-    async def claim(self, worker_id: str | None = None) -> Task | None:
+    async def claim(
+        self, worker_id: str | None = None, *, functions: Sequence[str] | None = None
+    ) -> Task | None:
         """Take the most urgent due task, atomically (one command); None when nothing is due.
 
         Due means: pending and past its not-before time, or processing with an expired lease and
         attempts to spare (a crashed holder's task is taken over). Highest priority first, then
         the one due longest. The claim counts an attempt. Needs `setup()` to have run
-        once (the claim names its index).
+        once (the claim names its index). With `functions`, only tasks of these task functions
+        are claimed: a task of another one is never taken and keeps its attempts.
         """
         worker = self._worker(worker_id)
+        names = check_functions("functions", functions)
         now = await self._now()
         claiming = schema.task_claiming(worker, _token(), now, self.lease_ttl)
         with _driver.index_required(self.collection, schema.CLAIM_INDEX):
             # As it was: when it fell due is in it; the claimed task follows from the update.
             before = await self.collection.find_one_and_update(
-                schema.task_claimable(now, self.max_attempts),
+                schema.task_claimable(now, self.max_attempts, names),
                 claiming,
                 sort=schema.CLAIM_ORDER,
                 hint=schema.CLAIM_INDEX,
@@ -241,7 +249,9 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         log.debug("claimed %r (attempt %d) for %s", task.id, task.attempts, worker)
         return task
 
-    async def claim_many(self, n: int, worker_id: str | None = None) -> list[Task]:
+    async def claim_many(
+        self, n: int, worker_id: str | None = None, *, functions: Sequence[str] | None = None
+    ) -> list[Task]:
         """Claim up to `n` due tasks in two commands (three when another claimer took some of
         the candidates first), in claim order.
 
@@ -251,16 +261,17 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         worker claimed in between is simply not returned. When other claimers took every
         candidate first, it reads the next ones (two more commands a round), so it returns
         nothing only when nothing is due. Each task is then held exactly as if `claim` had
-        returned it.
+        returned it. `functions` limits it as it limits `claim`.
         """
         check_int("n", n, low=1, high=MAX_BATCH)
         worker = self._worker(worker_id)
+        names = check_functions("functions", functions)
         now = await self._now()
         token = _token()
         claiming = schema.task_claiming(worker, token, now, self.lease_ttl)
         candidates = await take_candidates(
             self.collection,
-            schema.task_claimable(now, self.max_attempts),
+            schema.task_claimable(now, self.max_attempts, names),
             claiming,
             sort=schema.CLAIM_ORDER,
             n=n,

@@ -119,8 +119,14 @@ CLAIM = IndexSpec(CLAIM_INDEX, (("priority", -1), ("lease_until", 1)))
 CLAIM_ORDER = list(CLAIM.keys)
 
 
-def task_claimable(now: datetime, max_attempts: int) -> dict[str, Any]:
-    """The due tasks: `claim`, `claim_many` (sorted by `CLAIM_ORDER`, hinted to ``claim``)."""
+def task_claimable(
+    now: datetime, max_attempts: int, functions: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """The due tasks: `claim`, `claim_many` (sorted by `CLAIM_ORDER`, hinted to ``claim``).
+    With `functions`, only the tasks of these task functions: the index range is the same,
+    and a due task of another function is read and passed over (never claimed)."""
+    if functions is not None:
+        return {**task_claimable(now, max_attempts), "function": {"$in": list(functions)}}
     return {
         "lease_until": {"$lte": now},
         "$or": [
@@ -184,9 +190,12 @@ def task_due(now: datetime) -> dict[str, Any]:
     return {"status": PENDING, "lease_until": {"$lte": now}}
 
 
-def tasks_unfinished() -> dict[str, Any]:
-    """The pending and processing tasks, the first by `DUE_ORDER`: when a drained `run` wakes
-    next (``status_lease``, one range per status, merged)."""
+def tasks_unfinished(functions: Sequence[str] | None = None) -> dict[str, Any]:
+    """The pending and processing tasks (of `functions` only, when given), the first by
+    `DUE_ORDER`: when a drained `run` wakes next (``status_lease``, one range per status,
+    merged)."""
+    if functions is not None:
+        return {"status": {"$in": [PENDING, PROCESSING]}, "function": {"$in": list(functions)}}
     return {"status": {"$in": [PENDING, PROCESSING]}}
 
 
@@ -363,6 +372,12 @@ def task_putting(spec: NewTask, now: datetime) -> list[dict[str, Any]]:
                 "result": _when(reset, None, "$result"),
                 "created_at": {"$ifNull": ["$created_at", now]},
                 "updated_at": _when(fresh, now, "$updated_at"),
+                # A task function's name, set by a fresh put; a plain task's document has none.
+                **(
+                    {"function": _when(fresh, {"$literal": spec.function}, "$function")}
+                    if spec.function is not None
+                    else {}
+                ),
             }
         }
     ]

@@ -1,0 +1,214 @@
+"""`Jobs`: the task functions of an application, their queues, and the one worker that runs
+them all (`run`, and ``mongoq worker module:attribute``).
+
+Each queue is an `AsyncTaskQueue` named by the functions declared on it; a worker claims, from
+each queue it serves, only the tasks of functions it knows (`AsyncTaskQueue.claim`'s
+`functions`), so a task whose function no running worker knows (a deploy in progress, a typo)
+is never run and never charged an attempt: it waits, counted pending, until a worker that
+knows it starts. Owns no collections (its queues own theirs).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, ParamSpec, TypeVar, overload
+
+from mongoq._validation import (
+    check_async_handler,
+    check_function_name,
+    check_int,
+    check_name,
+    check_timeout,
+)
+from mongoq.clock import Clock
+from mongoq.errors import InvalidInput
+from mongoq.jobs.functions import TaskFunction
+from mongoq.runtime.loop import WorkerHost
+from mongoq.tasks import AsyncTaskQueue, TaskRunSummary
+
+__all__ = ["Jobs"]
+
+log = logging.getLogger("mongoq.jobs")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+#: The queue of a task function declared without one.
+DEFAULT_QUEUE = "default"
+
+
+class Jobs(WorkerHost):
+    """The task functions of an application.
+
+    ``jobs = mongoq.Jobs(db)``, then ``@jobs.task(queue="emails")`` on ``async def`` functions;
+    ``await send_email.defer(to=...)`` puts a task, ``await jobs.run()`` (or ``mongoq worker
+    app:jobs``) runs every function's tasks. `db` may come later (`use`), for a module that
+    declares its functions before it connects. `queue_options` are every queue's
+    `AsyncTaskQueue` options (``lease_ttl``, ``max_attempts``, ``backoff_base``...);
+    `configure_queue` sets one queue's."""
+
+    def __init__(self, db: Any = None, *, clock: Clock | None = None, **queue_options: Any):
+        super().__init__()
+        self.db = db
+        self.clock = clock
+        self.functions: dict[str, TaskFunction[Any, Any]] = {}
+        self._defaults = dict(queue_options)
+        self._options: dict[str, dict[str, Any]] = {}
+        self._queues: dict[str, AsyncTaskQueue] = {}
+
+    def use(self, db: Any) -> Jobs:
+        """Work on `db` from now on (the queues are built anew on it); returns this."""
+        self.db = db
+        self._queues.clear()
+        return self
+
+    def configure_queue(self, name: str, **options: Any) -> None:
+        """The `AsyncTaskQueue` options of queue `name` (over the ones given to `Jobs`)."""
+        self._options[check_name("name", name)] = dict(options)
+        self._queues.pop(name, None)
+
+    def queue(self, name: str) -> AsyncTaskQueue:
+        """The task queue `name` on this `Jobs`' database."""
+        queue = self._queues.get(name)
+        if queue is None:
+            if self.db is None:
+                raise InvalidInput("db", "no database yet: Jobs(db), or jobs.use(db) first")
+            options = {**self._defaults, **self._options.get(name, {})}
+            if self.clock is not None:
+                options.setdefault("clock", self.clock)
+            queue = self._queues[name] = AsyncTaskQueue(self.db, name, **options)
+        return queue
+
+    @property
+    def queues(self) -> list[str]:
+        """The queues of the declared task functions, by name."""
+        return sorted({function.queue for function in self.functions.values()})
+
+    @overload
+    def task(self, function: Callable[P, Awaitable[R]], /) -> TaskFunction[P, R]: ...
+
+    @overload
+    def task(
+        self,
+        *,
+        name: str | None = None,
+        queue: str = DEFAULT_QUEUE,
+        timeout: float | None = None,
+        retry_on: tuple[type[BaseException], ...] | None = None,
+        max_attempts: int | None = None,
+    ) -> Callable[[Callable[P, Awaitable[R]]], TaskFunction[P, R]]: ...
+
+    # mypy cannot match a ParamSpec bound only in the second overload's return type to the
+    # implementation's parameter; the overloads are what callers see.
+    def task(  # type: ignore[misc]
+        self,
+        function: Callable[P, Awaitable[R]] | None = None,
+        /,
+        *,
+        name: str | None = None,
+        queue: str = DEFAULT_QUEUE,
+        timeout: float | None = None,
+        retry_on: tuple[type[BaseException], ...] | None = None,
+        max_attempts: int | None = None,
+    ) -> TaskFunction[P, R] | Callable[[Callable[P, Awaitable[R]]], TaskFunction[P, R]]:
+        """Declare an ``async def`` function a task function (``@jobs.task`` or
+        ``@jobs.task(queue="emails", timeout=30, retry_on=(SMTPError,))``).
+
+        - `name` is stored on each of its tasks (default: the function's qualified name, without
+          its module); a worker runs the tasks whose name it knows, so pass the old one when
+          renaming the function;
+        - `timeout` (seconds of the queue's clock) cancels a call that runs longer: the attempt
+          fails with `HandlerTimeout`;
+        - `retry_on`: only these exceptions retry (with the queue's backoff); any other fails
+          the task at once. Without it every exception but `PermanentError` retries;
+        - `max_attempts`: after this many attempts a failure is final, even if the queue
+          allows more (the queue's own `max_attempts`, counted at claim, still bounds a task
+          that crashes its worker)."""
+        check_name("queue", queue)
+        limit = check_timeout("timeout", timeout)
+        if retry_on is not None and (
+            not isinstance(retry_on, tuple)
+            or not all(isinstance(k, type) and issubclass(k, BaseException) for k in retry_on)
+        ):
+            raise InvalidInput("retry_on", "must be a tuple of exception classes, or None")
+        if max_attempts is not None:
+            check_int("max_attempts", max_attempts, low=1)
+
+        def declare(target: Callable[P, Awaitable[R]]) -> TaskFunction[P, R]:
+            if not callable(target):
+                raise InvalidInput("function", f"must be an async function, got {target!r}")
+            check_async_handler("function", target)
+            label = name if name is not None else _default_name(target)
+            check_function_name("name", label)
+            if label in self.functions:
+                raise InvalidInput("name", f"a task function {label!r} is declared already")
+            declared = TaskFunction(
+                self, target, name=label, queue=queue, timeout=limit, retry_on=retry_on,
+                max_attempts=max_attempts,
+            )  # fmt: skip
+            self.functions[label] = declared
+            return declared
+
+        return declare(function) if function is not None else declare
+
+    async def setup(self, queues: Sequence[str] | None = None) -> None:
+        """Every queue's `setup()` (its indexes): once at deploy time, or when a worker
+        starts; idempotent."""
+        for name in queues if queues is not None else self.queues:
+            await self.queue(name).setup()
+
+    async def run(
+        self,
+        *,
+        queues: Sequence[str] | None = None,
+        concurrency: int = 8,
+        batch_size: int = 1,
+        poll_interval: float = 1.0,
+        stop_when_empty: bool = False,
+        stop_when_drained: bool = False,
+        handle_signals: bool = False,
+        give_up_after: float | None = None,
+        worker_id: str | None = None,
+    ) -> TaskRunSummary:
+        """Run the tasks of every declared task function (of `queues` only, when given) with
+        one budget of `concurrency` slots over all the queues. Each claim starts at the queue
+        after the one claimed from last, so a flooded queue does not hold back a quiet one
+        beyond one claim round. The rest is `AsyncTaskQueue.run`'s: leases and heartbeats,
+        `batch_size`, wake-ups, `stop_when_empty` / `stop_when_drained`, `stop()` and
+        `handle_signals`, `give_up_after`; a function's `timeout` is its handler time limit.
+        Returns the totals over every queue."""
+        from mongoq.jobs.worker import JobsWorker
+
+        worker = JobsWorker(
+            self, self._chosen(queues), concurrency=concurrency, batch_size=batch_size,
+            poll_interval=poll_interval, worker_id=self._worker(worker_id),
+        )  # fmt: skip
+        loop = worker.loop(
+            stop_when_empty=stop_when_empty, stop_when_drained=stop_when_drained,
+            give_up_after=give_up_after,
+        )  # fmt: skip
+        await self._run_loop(loop, handle_signals=handle_signals)
+        return worker.summary
+
+    def _chosen(self, queues: Sequence[str] | None) -> list[str]:
+        known = self.queues
+        if not known:
+            raise InvalidInput("functions", "no task function is declared: @jobs.task first")
+        if queues is None:
+            return known
+        if isinstance(queues, str):
+            raise InvalidInput("queues", "must be a list of queue names, not one string")
+        unknown = sorted(set(queues) - set(known))
+        if unknown or not queues:
+            raise InvalidInput(
+                "queues", f"must name queues of declared functions ({', '.join(known)}); "
+                f"got {', '.join(unknown) or 'none'}",
+            )  # fmt: skip
+        return sorted(set(queues))
+
+
+def _default_name(function: Callable[..., Any]) -> str:
+    # Not the module's path: a producer run as a script (``__main__``) and a worker that
+    # imports the module must name the function alike.
+    return str(getattr(function, "__qualname__", None) or getattr(function, "__name__", ""))

@@ -1,0 +1,193 @@
+"""`JobsWorker`: one `WorkerLoop` over several task queues, running the tasks of the task
+functions a `Jobs` declares. Claims rotate over the queues (each starts at the queue after the
+last one claimed from), and name the functions the worker knows; processing is each queue's
+own (`AsyncTaskQueue.run`'s lease, heartbeat and settle steps). Owns no collections.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from datetime import datetime, timedelta
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from mongoq import _driver
+from mongoq._validation import MAX_BATCH, check_int, check_seconds, check_timeout
+from mongoq.clock import stored_instant
+from mongoq.errors import PermanentError
+from mongoq.runtime import changes, wakeups
+from mongoq.runtime.events import Tally
+from mongoq.runtime.handler import call_handler
+from mongoq.runtime.loop import WorkerLoop
+from mongoq.tasks import AsyncTaskQueue, Task, TaskRunSummary
+from mongoq.tasks import schema as task_schema
+from mongoq.tasks.batch import TaskBatch
+
+if TYPE_CHECKING:
+    from mongoq.jobs.registry import Jobs
+
+__all__ = ["JobsWorker"]
+
+log = logging.getLogger("mongoq.jobs")
+
+Claimed = tuple[int, Any]  # (queue index, a task or a batch of them)
+
+
+class JobsWorker:
+    """One run of a `Jobs`' task functions over the queues `names`."""
+
+    def __init__(
+        self,
+        jobs: Jobs,
+        names: list[str],
+        *,
+        concurrency: int,
+        batch_size: int,
+        poll_interval: float,
+        worker_id: str,
+    ) -> None:
+        self.jobs = jobs
+        self.concurrency = check_int("concurrency", concurrency, low=1)
+        self.batch_size = check_int("batch_size", batch_size, low=1, high=MAX_BATCH)
+        self.poll_interval = check_seconds("poll_interval", poll_interval, positive=True)
+        self.worker_id = worker_id
+        self.queues = [jobs.queue(name) for name in names]
+        self.functions = [
+            sorted(f.name for f in jobs.functions.values() if f.queue == name) for name in names
+        ]
+        self.summary = TaskRunSummary()
+        self._tallies = [Tally(self.summary, "tasks", queue.name) for queue in self.queues]
+        self._process = [self._steps(index) for index in range(len(self.queues))]
+        self._turn = 0  # the queue the next claim starts at
+        # Until when a queue is taken for empty: its claim found nothing, and neither a wake-up
+        # of it nor a poll interval came since. Tried last, so a busy queue's tasks are not
+        # each charged a claim of an empty one.
+        self._empty_until: list[datetime | None] = [None] * len(self.queues)
+        self._loop: WorkerLoop[Claimed] | None = None
+
+    def loop(
+        self, *, stop_when_empty: bool, stop_when_drained: bool, give_up_after: float | None
+    ) -> WorkerLoop[Claimed]:
+        """The run loop: claims over every queue, each queue's housekeeping, wake-ups from its
+        puts (this process) and its change stream (a replica set)."""
+        self._loop = WorkerLoop(
+            claim=self._claim,
+            process=self._run,
+            clock=self.queues[0].clock,
+            concurrency=self.concurrency,
+            poll_interval=self.poll_interval,
+            stop_when_empty=stop_when_empty,
+            housekeeping=self._housekeep,
+            housekeeping_interval=min(queue.lease_ttl for queue in self.queues) / 3,
+            name=f"jobs:{','.join(queue.name for queue in self.queues)}",
+            next_due=self._next_due if stop_when_drained else None,
+            background=self._listeners(),
+            give_up_after=check_timeout("give_up_after", give_up_after),
+        )
+        return self._loop
+
+    def _steps(self, index: int) -> Callable[[Any], Awaitable[None]]:
+        queue, tally = self.queues[index], self._tallies[index]
+        holder = TaskBatch(queue, self._call)
+        if self.batch_size == 1:
+            return queue._single_steps(holder, tally, self.worker_id, None)[1]
+        steps = queue._batch_steps(holder, tally, self.worker_id, self.batch_size, None)
+        return steps[1]
+
+    async def _claim(self) -> Claimed | None:
+        count = len(self.queues)
+        now = self.queues[0].clock.now()
+        rotation = [(self._turn + offset) % count for offset in range(count)]
+        fresh = [i for i in rotation if (self._empty_until[i] or now) <= now]
+        for index in fresh + [i for i in rotation if i not in fresh]:
+            queue, names = self.queues[index], self.functions[index]
+            if self.batch_size == 1:
+                got: Any = await queue.claim(self.worker_id, functions=names)
+                taken = int(got is not None)
+            else:
+                got = await queue.claim_many(self.batch_size, self.worker_id, functions=names)
+                taken = len(got)
+            if taken:
+                self._turn = (index + 1) % count
+                self._tallies[index]("claimed", taken)
+                return index, got
+            self._empty_until[index] = now + timedelta(seconds=self.poll_interval)
+        return None
+
+    async def _run(self, claimed: Claimed) -> None:
+        index, got = claimed
+        await self._process[index](got)
+
+    async def _call(self, task: Task) -> Any:
+        """Run `task` with its task function, under the function's own time limit."""
+        function = self.jobs.functions.get(task.function or "")
+        if function is None:  # claimed by name: only a function removed since the claim
+            raise PermanentError(f"no task function {task.function!r} in this worker")
+        queue = self.jobs.queue(function.queue)
+        return await call_handler(partial(function.run, task), clock=queue.clock,
+                                  limit=function.timeout)  # fmt: skip
+
+    async def _housekeep(self) -> None:
+        for queue, names in zip(self.queues, self.functions, strict=True):
+            await queue.reclaim_expired()
+            await _say_unknown(queue, names)
+
+    async def _next_due(self) -> datetime | None:
+        dues: list[datetime] = []
+        for queue, names in zip(self.queues, self.functions, strict=True):
+            docs = await _driver.find_list(
+                queue.collection, task_schema.tasks_unfinished(names),
+                sort=task_schema.DUE_ORDER, limit=1, projection={"lease_until": 1},
+                hint=task_schema.STATUS_LEASE.name,
+            )  # fmt: skip
+            due = stored_instant(docs[0]["lease_until"]) if docs else None
+            if due is not None:
+                dues.append(due)
+        return min(dues) if dues else None
+
+    def _listeners(self) -> list[Callable[[], Coroutine[Any, Any, Any]]]:
+        """Beside the slots: each queue's wake-ups and change stream, waking the loop."""
+
+        def wake(index: int, _: Any = None) -> None:
+            self._empty_until[index] = None
+            if self._loop is not None:
+                self._loop.wake()
+
+        async def listen(key: wakeups.Key, index: int) -> None:
+            with wakeups.listen(key, partial(wake, index)):
+                await anyio.sleep_forever()
+
+        listeners: list[Callable[[], Coroutine[Any, Any, Any]]] = []
+        for index, queue in enumerate(self.queues):
+            listeners.append(partial(listen, queue._wake_key, index))
+            listeners.append(partial(
+                changes.watch, queue.collection, changes.TASKS_DUE, partial(wake, index),
+                clock=queue.clock, retry=self.poll_interval, name=f"jobs:{queue.name}",
+            ))  # fmt: skip
+        return listeners
+
+
+async def _say_unknown(queue: AsyncTaskQueue, names: list[str]) -> None:
+    """Log the due tasks of `queue` this worker does not run (a function it does not know, or
+    none): they wait, uncharged, for a worker that knows them."""
+    now = queue.clock.now()
+    unknown = {
+        **task_schema.task_due(now),
+        "$or": [{"function": {"$nin": names}}, {"function": None}],
+    }
+    counts = await _driver.aggregate_list(
+        queue.collection,
+        [{"$match": unknown}, {"$group": {"_id": "$function", "n": {"$sum": 1}}}],
+        hint=task_schema.STATUS_LEASE.name,
+    )
+    for row in counts:
+        log.warning(
+            "%s: %d due task(s) of %s wait: no task function of this worker runs them",
+            queue.name, row["n"],
+            f"task function {row['_id']!r}" if row["_id"] else "no task function (plain tasks)",
+            extra={"mongoq_queue": queue.name, "mongoq_function": row["_id"],
+                   "mongoq_waiting": row["n"]},
+        )  # fmt: skip

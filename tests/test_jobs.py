@@ -1,0 +1,236 @@
+"""Task functions (`mongoq.Jobs`): `defer` stores a call of a named function in its queue,
+one worker runs every declared function over several queues, fairly, and a task whose
+function no worker knows is never run nor charged an attempt."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mongoq import InvalidInput, Jobs, PermanentError
+from mongoq.testing import ManualClock
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def new_jobs(db: Any, clock: ManualClock) -> Jobs:
+    return Jobs(db, clock=clock, lease_ttl=60, backoff_base=1, backoff_cap=1)
+
+
+async def documents(db: Any, queue: str) -> dict[Any, dict[str, Any]]:
+    return {doc["_id"]: doc for doc in await db[queue].find({}).to_list(None)}
+
+
+async def test_defer_stores_the_call_and_the_functions_name(db: Any, clock: ManualClock) -> None:
+    jobs = new_jobs(db, clock)
+
+    @jobs.task(queue="emails", name="send_email")
+    async def send_email(to: str, subject: str = "hello") -> str:
+        return f"{to}: {subject}"
+
+    await jobs.setup()
+    task_id = await send_email.defer("ada@example.com", subject="welcome")
+    again = await send_email.options(task_id="welcome-42", priority=3).defer(to="bob@example.com")
+
+    stored = await documents(db, "emails")
+    assert stored[task_id]["function"] == "send_email"
+    assert stored[task_id]["payload"] == {
+        "args": [],
+        "kwargs": {"to": "ada@example.com", "subject": "welcome"},  # by name: reorderable
+    }
+    assert stored[task_id]["status"] == "pending" and stored[task_id]["attempts"] == 0
+    assert again == "welcome-42"
+    assert (stored[again]["payload"], stored[again]["priority"]) == (
+        {"args": [], "kwargs": {"to": "bob@example.com"}}, 3,
+    )  # fmt: skip
+    assert await send_email("direct") == "direct: hello"  # a plain call runs here
+
+
+async def test_a_call_that_does_not_fit_is_refused_naming_the_argument_before_any_write(
+    db: Any, clock: ManualClock
+) -> None:
+    jobs = new_jobs(db, clock)
+
+    @jobs.task(queue="emails", name="send_email")
+    async def send_email(to: str) -> None:
+        return None
+
+    await jobs.setup()
+    with pytest.raises(InvalidInput, match=r"^send_email\(to=\)"):
+        await send_email.defer(to=object())  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match=r"^send_email\(\): missing a required argument"):
+        await send_email.defer(too="x")  # type: ignore[call-arg]
+    assert await documents(db, "emails") == {}
+
+
+def declare_three(jobs: Jobs, ran: list[str]) -> dict[str, Any]:
+    @jobs.task(queue="emails", name="send_email")
+    async def send_email(to: str) -> str:
+        ran.append(f"send_email {to}")
+        return f"sent to {to}"
+
+    @jobs.task(queue="media", name="resize")
+    async def resize(path: str, width: int) -> dict[str, Any]:
+        ran.append(f"resize {path}")
+        return {"path": path, "width": width}
+
+    @jobs.task(queue="media", name="transcode", retry_on=(OSError,))
+    async def transcode(path: str) -> None:
+        ran.append(f"transcode {path}")
+        raise ValueError(f"cannot transcode {path}")  # not an OSError: failed at once
+
+    return {"send_email": send_email, "resize": resize, "transcode": transcode}
+
+
+async def test_one_worker_runs_three_functions_of_two_queues(db: Any, clock: ManualClock) -> None:
+    jobs, ran = new_jobs(db, clock), list[str]()
+    functions = declare_three(jobs, ran)
+    await jobs.setup()
+    mail = await functions["send_email"].defer("ada@example.com")
+    photo = await functions["resize"].defer("/p/1.jpg", width=640)
+    video = await functions["transcode"].defer("/v/1.mov")
+
+    summary = await jobs.run(concurrency=4, stop_when_drained=True)
+
+    emails, media = await documents(db, "emails"), await documents(db, "media")
+    assert (emails[mail]["status"], emails[mail]["result"]) == ("done", "sent to ada@example.com")
+    assert (media[photo]["status"], media[photo]["result"]) == (
+        "done", {"path": "/p/1.jpg", "width": 640},
+    )  # fmt: skip
+    assert (media[video]["status"], media[video]["attempts"]) == ("failed", 1)
+    assert "ValueError: cannot transcode /v/1.mov" in media[video]["error"]
+    assert (summary.claimed, summary.completed, summary.failed) == (3, 2, 1)
+    assert sorted(ran) == ["resize /p/1.jpg", "send_email ada@example.com", "transcode /v/1.mov"]
+    assert await functions["resize"].wait(photo) == {"path": "/p/1.jpg", "width": 640}
+
+
+async def test_a_task_whose_function_no_worker_knows_is_never_run_nor_charged(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A deploy in progress: the producer already defers `send_sms`, this worker does not have
+    it yet. Its task stays exactly as put (pending, no attempt, no lease); the worker says so."""
+    jobs, ran = new_jobs(db, clock), list[str]()
+    functions = declare_three(jobs, ran)
+    await jobs.setup()
+    await jobs.queue("emails").put("sms-1", {"args": ["+380"], "kwargs": {}}, function="send_sms")
+    await jobs.queue("emails").put("plain-1", {"n": 1})  # a task of run(handler): no function
+    before = await documents(db, "emails")
+    mail = await functions["send_email"].defer("ada@example.com")
+
+    caplog.set_level(logging.WARNING, logger="mongoq.jobs")
+    summary = await jobs.run(concurrency=2, stop_when_drained=True)
+
+    after = await documents(db, "emails")
+    assert after["sms-1"] == before["sms-1"] and after["plain-1"] == before["plain-1"]
+    assert after["sms-1"]["attempts"] == 0 and after["sms-1"]["status"] == "pending"
+    assert after[mail]["status"] == "done" and summary.claimed == 1
+    waiting = {r.mongoq_function: r.mongoq_waiting for r in caplog.records  # type: ignore[attr-defined]
+               if hasattr(r, "mongoq_waiting")}  # fmt: skip
+    assert waiting == {"send_sms": 1, None: 1}
+
+
+async def test_a_flooded_queue_does_not_hold_back_a_quiet_one_beyond_one_claim_round(
+    db: Any, clock: ManualClock
+) -> None:
+    jobs, ran = new_jobs(db, clock), list[str]()
+
+    @jobs.task(queue="bulk", name="bulk")
+    async def bulk(n: int) -> None:
+        ran.append(f"bulk {n}")
+
+    @jobs.task(queue="urgent", name="urgent")
+    async def urgent(n: int) -> None:
+        ran.append(f"urgent {n}")
+
+    await jobs.setup()
+    for n in range(30):
+        await bulk.defer(n)
+    for n in range(3):
+        await urgent.defer(n)
+
+    await jobs.run(concurrency=1, stop_when_drained=True)
+
+    # One slot: claims alternate between the queues while both have work.
+    assert ran[:6] == ["bulk 0", "urgent 0", "bulk 1", "urgent 1", "bulk 2", "urgent 2"]
+    assert len(ran) == 33
+
+
+async def test_max_attempts_of_a_function_makes_its_failure_final(
+    db: Any, clock: ManualClock
+) -> None:
+    jobs = new_jobs(db, clock)
+
+    @jobs.task(queue="emails", name="flaky", max_attempts=2)
+    async def flaky() -> None:
+        raise ConnectionError("try again")
+
+    await jobs.setup()
+    task_id = await flaky.defer()
+    first = await jobs.run(stop_when_empty=True)
+    clock.advance(5)  # past the retry's backoff
+    second = await jobs.run(stop_when_empty=True)
+    doc = (await documents(db, "emails"))[task_id]
+    assert (first.retried, second.failed) == (1, 1)
+    assert (doc["status"], doc["attempts"]) == ("failed", 2)
+    assert "attempt 2 of 2" in doc["error"]
+
+
+def test_declarations_are_checked_where_they_are_made(db: Any) -> None:
+    jobs = Jobs(db)
+
+    def blocking() -> None:
+        return None
+
+    with pytest.raises(InvalidInput, match=r"^function"):
+        jobs.task(blocking)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match=r"^retry_on"):
+        jobs.task(retry_on=ValueError)  # type: ignore[arg-type]
+
+    @jobs.task(name="same")
+    async def one() -> None:
+        raise PermanentError("never runs")
+
+    with pytest.raises(InvalidInput, match=r"^name"):
+
+        @jobs.task(name="same")
+        async def two() -> None:
+            return None
+
+
+USER_CODE = """
+import mongoq
+
+jobs = mongoq.Jobs()
+
+
+@jobs.task(queue="emails")
+async def send_email(to: str, subject: str) -> None:
+    return None
+
+
+async def producer() -> None:
+    await send_email.defer(to="a@b.c", subject="hi")
+    await send_email.options(task_id="welcome-42").defer("a@b.c", "hi")
+    await send_email.defer(to="a@b.c", subjet="hi"){wrong_name}
+    await send_email.defer(to=42, subject="hi"){wrong_type}
+"""
+
+
+def test_mypy_rejects_a_defer_with_a_wrong_argument_name_or_type(tmp_path: Path) -> None:
+    script = tmp_path / "producer.py"
+    script.write_text(textwrap.dedent(USER_CODE.format(wrong_name="", wrong_type="")))
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", str(script)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout
+    errors = [line for line in result.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 2, result.stdout
+    assert 'Unexpected keyword argument "subjet"' in errors[0]
+    assert 'Argument "to" to "defer"' in errors[1] and '"int"' in errors[1]
