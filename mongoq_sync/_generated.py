@@ -427,6 +427,7 @@ class TaskQueue(Facade):
         timezone: str = "UTC",
         missed: MissedTicks = "once",
         grace: float = 60.0,
+        function: str | None = None,
     ) -> Schedule:
         """Define (or redefine) the periodic task `name`: a task ``"<name>@<tick>"`` with
         `payload` and `priority` at every tick of `cron` (read in `timezone`, an IANA name;
@@ -437,6 +438,7 @@ class TaskQueue(Facade):
 
         Idempotent: the same definition again keeps its next tick (call it at every start);
         a changed one starts from the next tick after now. Two commands, three when new.
+        `function` names the task function its tasks call (`mongoq.Jobs.periodic`).
         """
         return cast(
             "Schedule",
@@ -450,6 +452,7 @@ class TaskQueue(Facade):
                 timezone=timezone,
                 missed=missed,
                 grace=grace,
+                function=function,
             ),
         )
 

@@ -8,13 +8,16 @@ import logging
 import subprocess
 import sys
 import textwrap
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from mongoq import InvalidInput, Jobs, PermanentError
 from mongoq.testing import ManualClock
+from tests.support.helpers import napping, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -234,3 +237,28 @@ def test_mypy_rejects_a_defer_with_a_wrong_argument_name_or_type(tmp_path: Path)
     assert len(errors) == 2, result.stdout
     assert 'Unexpected keyword argument "subjet"' in errors[0]
     assert 'Argument "to" to "defer"' in errors[1] and '"int"' in errors[1]
+
+
+async def test_a_periodic_function_runs_once_a_tick(db: Any, clock: ManualClock) -> None:
+    jobs, ran = new_jobs(db, clock), list[Any]()
+
+    @jobs.periodic(every=60, queue="reports", name="hourly")
+    async def hourly() -> None:
+        ran.append(clock.now())
+
+    await jobs.setup()
+    await jobs.setup()  # idempotent: the same definition keeps its next tick
+    async with anyio.create_task_group() as group:
+        group.start_soon(partial(jobs.run, concurrency=2))
+        for tick in range(3):
+            await wait_for(lambda: napping(jobs), "the worker to wait for the next tick")
+            clock.advance(60)
+            await wait_for(lambda tick=tick: len(ran) > tick, f"tick {tick} to run")
+        jobs.stop()
+
+    stored = await documents(db, "reports")
+    assert len(stored) == 3 and len(ran) == 3
+    assert all(doc["function"] == "hourly" and doc["status"] == "done" for doc in stored.values())
+    assert all(task_id.startswith("hourly@") for task_id in stored)
+    (schedule,) = await jobs.queue("reports").schedules()
+    assert (schedule.name, schedule.function, schedule.every) == ("hourly", "hourly", 60)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, ParamSpec, TypeVar, overload
+from typing import Any, Literal, ParamSpec, TypeVar, overload
 
 from mongoq._validation import (
     check_async_handler,
@@ -56,6 +56,7 @@ class Jobs(WorkerHost):
         self._defaults = dict(queue_options)
         self._options: dict[str, dict[str, Any]] = {}
         self._queues: dict[str, AsyncTaskQueue] = {}
+        self._periodic: dict[str, dict[str, Any]] = {}  # function name -> schedule options
 
     def use(self, db: Any) -> Jobs:
         """Work on `db` from now on (the queues are built anew on it); returns this."""
@@ -152,11 +153,53 @@ class Jobs(WorkerHost):
 
         return declare(function) if function is not None else declare
 
+    def periodic(
+        self,
+        *,
+        cron: str | None = None,
+        every: float | None = None,
+        timezone: str = "UTC",
+        queue: str = DEFAULT_QUEUE,
+        name: str | None = None,
+        missed: Literal["once", "skip"] = "once",
+        grace: float = 60.0,
+        timeout: float | None = None,
+        retry_on: tuple[type[BaseException], ...] | None = None,
+        max_attempts: int | None = None,
+    ) -> Callable[[Callable[[], Awaitable[R]]], TaskFunction[[], R]]:
+        """Declare an ``async def`` function of no arguments a task function called at every
+        tick of `cron` (in `timezone`; the ``cron`` extra) or every `every` seconds: one task a
+        tick whatever the number of workers (`AsyncTaskQueue.schedule`, ticked by every
+        worker's `run`; `missed` and `grace` as there). `setup()` defines the schedule, named
+        after the function. The other options are `task`'s."""
+        if (cron is None) == (every is None):
+            raise InvalidInput("cron", "give a cron expression or `every` seconds, one of the two")
+
+        def declare(target: Callable[[], Awaitable[R]]) -> TaskFunction[[], R]:
+            declared = self.task(
+                name=name, queue=queue, timeout=timeout, retry_on=retry_on,
+                max_attempts=max_attempts,
+            )(target)  # fmt: skip
+            self._periodic[declared.name] = {
+                "cron": cron, "every": every, "timezone": timezone, "missed": missed,
+                "grace": grace,
+            }  # fmt: skip
+            return declared
+
+        return declare
+
     async def setup(self, queues: Sequence[str] | None = None) -> None:
-        """Every queue's `setup()` (its indexes): once at deploy time, or when a worker
-        starts; idempotent."""
-        for name in queues if queues is not None else self.queues:
+        """Every queue's `setup()` (its indexes) and the schedules of the periodic functions:
+        once at deploy time, or when a worker starts; idempotent."""
+        chosen = queues if queues is not None else self.queues
+        for name in chosen:
             await self.queue(name).setup()
+        for function, options in self._periodic.items():
+            declared = self.functions[function]
+            if declared.queue in chosen:
+                await self.queue(declared.queue).schedule(
+                    function, payload={"args": [], "kwargs": {}}, function=function, **options
+                )
 
     async def run(
         self,

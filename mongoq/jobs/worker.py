@@ -162,6 +162,8 @@ class JobsWorker:
 
         listeners: list[Callable[[], Coroutine[Any, Any, Any]]] = []
         for index, queue in enumerate(self.queues):
+            # The queue's schedules (the periodic functions'): one read at each next tick.
+            listeners.append(partial(queue._scheduler.run, self.poll_interval))
             listeners.append(partial(listen, queue._wake_key, index))
             listeners.append(partial(
                 changes.watch, queue.collection, changes.TASKS_DUE, partial(wake, index),

@@ -290,6 +290,8 @@ class Schedule:
     grace: float
     next_at: datetime
     last_tick: datetime | None
+    #: The task function its tasks call (`mongoq.Jobs.periodic`); None for a plain schedule.
+    function: str | None = None
 
     @classmethod
     def from_document(cls, doc: Mapping[str, Any]) -> Schedule:
@@ -306,6 +308,7 @@ class Schedule:
             grace=float(doc.get("grace", 60.0)),
             next_at=next_at,
             last_tick=stored_instant(doc.get("last_tick")),
+            function=doc.get("function"),
         )
 
 

@@ -29,7 +29,13 @@ from pymongo.errors import ConnectionFailure, DuplicateKeyError
 
 from mongoq import _driver
 from mongoq._unreachable import names_unreachable_server
-from mongoq._validation import check_int, check_name, check_payload, check_seconds
+from mongoq._validation import (
+    check_function_name,
+    check_int,
+    check_name,
+    check_payload,
+    check_seconds,
+)
 from mongoq.clock import stored_instant, to_millis
 from mongoq.errors import InvalidInput, MongoqError
 from mongoq.runtime import wakeups
@@ -109,6 +115,7 @@ class TaskSchedules:
         timezone: str = "UTC",
         missed: MissedTicks = "once",
         grace: float = 60.0,
+        function: str | None = None,
     ) -> Schedule:
         """Define (or redefine) the periodic task `name`: a task ``"<name>@<tick>"`` with
         `payload` and `priority` at every tick of `cron` (read in `timezone`, an IANA name;
@@ -118,10 +125,11 @@ class TaskSchedules:
         them once, ``"skip"`` none older than `grace` seconds (at least 1 second).
 
         Idempotent: the same definition again keeps its next tick (call it at every start);
-        a changed one starts from the next tick after now. Two commands, three when new."""
+        a changed one starts from the next tick after now. Two commands, three when new.
+        `function` names the task function its tasks call (`mongoq.Jobs.periodic`)."""
         return await self._scheduler.define(
             name, cron=cron, every=every, payload=payload, priority=priority,
-            timezone=timezone, missed=missed, grace=grace,
+            timezone=timezone, missed=missed, grace=grace, function=function,
         )  # fmt: skip
 
     async def schedules(self) -> list[Schedule]:
@@ -154,10 +162,13 @@ class Scheduler:
         timezone: str,
         missed: MissedTicks,
         grace: float,
+        function: str | None = None,
     ) -> Schedule:
         """`AsyncTaskQueue.schedule`."""
         name = _checked_name(name)
         fields = _checked(name, cron, every, payload, priority, timezone, missed, grace)
+        if function is not None:  # absent from a plain schedule: its spec digest stays as it was
+            fields["function"] = check_function_name("function", function)
         spec = hashlib.sha256(json.dumps(fields, sort_keys=True, default=repr).encode()).hexdigest()
         fields["spec"] = spec
         now = await self.queue._now()
@@ -234,8 +245,9 @@ class Scheduler:
             run = None
         if run is not None:
             await self.queue.put(
-                tick_task_id(schedule.name, run), schedule.payload, priority=schedule.priority
-            )
+                tick_task_id(schedule.name, run), schedule.payload, priority=schedule.priority,
+                function=schedule.function,
+            )  # fmt: skip
         following = rule.first(now)
         advanced = await self.collection.update_one(
             schema.schedule_at(schedule.name, schedule.next_at),
