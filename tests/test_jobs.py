@@ -8,6 +8,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -262,3 +263,57 @@ async def test_a_periodic_function_runs_once_a_tick(db: Any, clock: ManualClock)
     assert all(task_id.startswith("hourly@") for task_id in stored)
     (schedule,) = await jobs.queue("reports").schedules()
     assert (schedule.name, schedule.function, schedule.every) == ("hourly", "hourly", 60)
+
+
+async def test_calls_with_star_args_and_a_plain_re_put_are_stored_as_they_are_called(
+    db: Any, clock: ManualClock
+) -> None:
+    """Values for ``*args`` take every parameter before them by position; a plain put of a
+    new revision over a deferred task clears its function, never leaving the call of one
+    beside the payload of another."""
+    jobs, seen = new_jobs(db, clock), list[Any]()
+
+    @jobs.task(queue="emails", name="notify")
+    async def notify(first: str, *rest: str, loud: bool = False) -> None:
+        seen.append((first, rest, loud))
+
+    await jobs.setup()
+    task_id = await notify.defer("a", "b", "c", loud=True)
+    assert (await documents(db, "emails"))[task_id]["payload"] == {
+        "args": ["a", "b", "c"], "kwargs": {"loud": True},
+    }  # fmt: skip
+    await jobs.run(stop_when_drained=True)
+    assert seen == [("a", ("b", "c"), True)]
+
+    await notify.options(task_id="n2").defer("x")
+    await jobs.queue("emails").put("n2", {"plain": 1}, revision=2)
+    assert (await documents(db, "emails"))["n2"]["function"] is None
+
+
+def test_a_misspelt_queue_option_is_refused_where_it_is_given(db: Any) -> None:
+    with pytest.raises(InvalidInput, match=r"^queue_options: lease_tll: not an option"):
+        Jobs(db, lease_tll=30)
+    jobs = Jobs(db)
+    with pytest.raises(InvalidInput, match=r"^options: max_attempt: not an option"):
+        jobs.configure_queue("emails", max_attempt=3)
+
+
+async def test_a_timed_out_call_follows_its_functions_max_attempts(
+    db: Any, clock: ManualClock
+) -> None:
+    jobs = new_jobs(db, clock)
+
+    @jobs.task(queue="emails", name="slow", timeout=5, max_attempts=1)
+    async def slow() -> None:
+        await anyio.sleep_forever()
+
+    await jobs.setup()
+    task_id = await slow.defer()
+    async with anyio.create_task_group() as group:
+        group.start_soon(partial(jobs.run, stop_when_empty=True))
+        limit = clock.now() + timedelta(seconds=5)
+        await wait_for(lambda: clock.sleeping_until(limit) >= 1, "the call's time limit")
+        clock.advance(5)
+    doc = (await documents(db, "emails"))[task_id]
+    assert (doc["status"], doc["attempts"]) == ("failed", 1)  # the queue would allow 5
+    assert "HandlerTimeout: timed out after 5 s (attempt 1 of 1)" in doc["error"]

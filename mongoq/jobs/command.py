@@ -71,6 +71,8 @@ def load_jobs(target: str) -> Jobs:
 async def worker(args: argparse.Namespace, uri: str | None) -> int:
     """Run the worker `args` describe until stopped; its exit code."""
     jobs = load_jobs(args.target)
+    if args.ready_file is not None:
+        args.ready_file.unlink(missing_ok=True)  # one a killed worker left: not ready yet
     db = _driver.connect(uri, args.database, timeout=args.timeout)
     try:
         if _driver.backend_of(db) is _driver.Backend.MEMORY and not args.in_process:

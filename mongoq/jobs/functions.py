@@ -31,12 +31,15 @@ R = TypeVar("R")
 
 def arguments_of(task: Task) -> tuple[list[Any], dict[str, Any]]:
     """The positional and keyword arguments a task function's task was deferred with."""
-    payload = task.payload if isinstance(task.payload, Mapping) else {}
-    args = payload.get("args") or []
-    kwargs = payload.get("kwargs") or {}
-    if not isinstance(args, list) or not isinstance(kwargs, Mapping):
+    payload = task.payload
+    if (
+        not isinstance(payload, Mapping)
+        or set(payload) != {"args", "kwargs"}
+        or not isinstance(payload["args"], list)
+        or not isinstance(payload["kwargs"], Mapping)
+    ):
         raise PermanentError(f"task {task.id!r}: its payload holds no call of {task.function}")
-    return list(args), dict(kwargs)
+    return list(payload["args"]), dict(payload["kwargs"])
 
 
 @dataclass(frozen=True)
@@ -134,12 +137,18 @@ class TaskFunction(Generic[P, R]):
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as error:
             raise InvalidInput(f"{self.name}()", str(error)) from None
+        for parameter, value in bound.arguments.items():
+            check_payload(f"{self.name}({parameter}=)", value)
+        if any(
+            self.signature.parameters[p].kind is inspect.Parameter.VAR_POSITIONAL and v
+            for p, v in bound.arguments.items()
+        ):  # values for *args: everything before them goes by position too
+            return {"args": list(bound.args), "kwargs": dict(bound.kwargs)}
         # By name wherever the signature allows: a task put before its function's parameters
         # were reordered still calls it right.
         positional: list[Any] = []
         named: dict[str, Any] = {}
         for parameter, value in bound.arguments.items():
-            check_payload(f"{self.name}({parameter}=)", value)
             kind = self.signature.parameters[parameter].kind
             if kind is inspect.Parameter.POSITIONAL_ONLY:
                 positional.append(value)
@@ -157,14 +166,19 @@ class TaskFunction(Generic[P, R]):
         args, kwargs = arguments_of(task)
         try:
             return await self.function(*args, **kwargs)
-        except PermanentError:
-            raise
         except Exception as error:
-            if self.retry_on is not None and not isinstance(error, self.retry_on):
-                raise PermanentError(f"{type(error).__name__}: {error}") from error
-            if self.max_attempts is not None and task.attempts >= self.max_attempts:
-                raise PermanentError(
-                    f"{type(error).__name__}: {error} (attempt {task.attempts} of "
-                    f"{self.max_attempts})"
-                ) from error
-            raise
+            raise self.final(error, task) from error
+
+    def final(self, error: Exception, task: Task) -> Exception:
+        """`error` as this function's policy has it: a `PermanentError` when it must not be
+        retried (not one of `retry_on`, or the task's attempts reached `max_attempts`),
+        else `error` itself (retried with the queue's backoff)."""
+        if isinstance(error, PermanentError):
+            return error
+        if self.retry_on is not None and not isinstance(error, self.retry_on):
+            return PermanentError(f"{type(error).__name__}: {error}")
+        if self.max_attempts is not None and task.attempts >= self.max_attempts:
+            return PermanentError(
+                f"{type(error).__name__}: {error} (attempt {task.attempts} of {self.max_attempts})"
+            )
+        return error

@@ -10,6 +10,7 @@ knows it starts. Owns no collections (its queues own theirs).
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal, ParamSpec, TypeVar, overload
@@ -50,6 +51,7 @@ class Jobs(WorkerHost):
 
     def __init__(self, db: Any = None, *, clock: Clock | None = None, **queue_options: Any):
         super().__init__()
+        _check_queue_options("queue_options", queue_options)
         self.db = db
         self.clock = clock
         self.functions: dict[str, TaskFunction[Any, Any]] = {}
@@ -66,6 +68,7 @@ class Jobs(WorkerHost):
 
     def configure_queue(self, name: str, **options: Any) -> None:
         """The `AsyncTaskQueue` options of queue `name` (over the ones given to `Jobs`)."""
+        _check_queue_options("options", options)
         self._options[check_name("name", name)] = dict(options)
         self._queues.pop(name, None)
 
@@ -249,6 +252,15 @@ class Jobs(WorkerHost):
                 f"got {', '.join(unknown) or 'none'}",
             )  # fmt: skip
         return sorted(set(queues))
+
+
+def _check_queue_options(field: str, options: dict[str, Any]) -> None:
+    """Options `AsyncTaskQueue` takes: a misspelt one is said here, not at the first defer."""
+    known = set(inspect.signature(AsyncTaskQueue.__init__).parameters) - {"self", "db", "name"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise InvalidInput(field, f"{', '.join(unknown)}: not an option of AsyncTaskQueue "
+                                  f"({', '.join(sorted(known))})")  # fmt: skip
 
 
 def _default_name(function: Callable[..., Any]) -> str:

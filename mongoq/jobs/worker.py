@@ -17,7 +17,7 @@ import anyio
 from mongoq import _driver
 from mongoq._validation import MAX_BATCH, check_int, check_seconds, check_timeout
 from mongoq.clock import stored_instant
-from mongoq.errors import PermanentError
+from mongoq.errors import HandlerTimeout, PermanentError
 from mongoq.runtime import changes, wakeups
 from mongoq.runtime.events import Tally
 from mongoq.runtime.handler import call_handler
@@ -34,6 +34,8 @@ __all__ = ["JobsWorker"]
 log = logging.getLogger("mongoq.jobs")
 
 Claimed = tuple[int, Any]  # (queue index, a task or a batch of them)
+#: The due tasks a worker reads, at most, to say which wait for functions it does not know.
+UNKNOWN_READ = 1000
 
 
 class JobsWorker:
@@ -101,6 +103,7 @@ class JobsWorker:
         count = len(self.queues)
         now = self.queues[0].clock.now()
         rotation = [(self._turn + offset) % count for offset in range(count)]
+        self._turn = (rotation[0] + 1) % count  # a slot claiming meanwhile starts at the next
         fresh = [i for i in rotation if (self._empty_until[i] or now) <= now]
         for index in fresh + [i for i in rotation if i not in fresh]:
             queue, names = self.queues[index], self.functions[index]
@@ -112,6 +115,7 @@ class JobsWorker:
                 taken = len(got)
             if taken:
                 self._turn = (index + 1) % count
+                self._empty_until[index] = None
                 self._tallies[index]("claimed", taken)
                 return index, got
             self._empty_until[index] = now + timedelta(seconds=self.poll_interval)
@@ -127,8 +131,14 @@ class JobsWorker:
         if function is None:  # claimed by name: only a function removed since the claim
             raise PermanentError(f"no task function {task.function!r} in this worker")
         queue = self.jobs.queue(function.queue)
-        return await call_handler(partial(function.run, task), clock=queue.clock,
-                                  limit=function.timeout)  # fmt: skip
+        try:
+            return await call_handler(partial(function.run, task), clock=queue.clock,
+                                      limit=function.timeout)  # fmt: skip
+        except HandlerTimeout as timeout:  # raised outside the call: the policy applies here
+            final = function.final(timeout, task)
+            if final is timeout:
+                raise
+            raise final from timeout
 
     async def _housekeep(self) -> None:
         for queue, names in zip(self.queues, self.functions, strict=True):
@@ -180,15 +190,18 @@ async def _say_unknown(queue: AsyncTaskQueue, names: list[str]) -> None:
         **task_schema.task_due(now),
         "$or": [{"function": {"$nin": names}}, {"function": None}],
     }
+    # Bounded: the due range is read past the known functions' tasks; a count of "at least"
+    # that many says enough.
     counts = await _driver.aggregate_list(
         queue.collection,
-        [{"$match": unknown}, {"$group": {"_id": "$function", "n": {"$sum": 1}}}],
+        [{"$match": unknown}, {"$limit": UNKNOWN_READ},
+         {"$group": {"_id": "$function", "n": {"$sum": 1}}}],
         hint=task_schema.STATUS_LEASE.name,
-    )
+    )  # fmt: skip
     for row in counts:
         log.warning(
-            "%s: %d due task(s) of %s wait: no task function of this worker runs them",
-            queue.name, row["n"],
+            "%s: %s%d due task(s) of %s wait: no task function of this worker runs them",
+            queue.name, "at least " if row["n"] >= UNKNOWN_READ else "", row["n"],
             f"task function {row['_id']!r}" if row["_id"] else "no task function (plain tasks)",
             extra={"mongoq_queue": queue.name, "mongoq_function": row["_id"],
                    "mongoq_waiting": row["n"]},

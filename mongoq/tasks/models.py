@@ -101,6 +101,7 @@ class Task:
             "result": result,
             "created_at": self.created_at,
             "updated_at": self.updated_at,
+            "function": self.function,
         }
 
 

@@ -372,12 +372,9 @@ def task_putting(spec: NewTask, now: datetime) -> list[dict[str, Any]]:
                 "result": _when(reset, None, "$result"),
                 "created_at": {"$ifNull": ["$created_at", now]},
                 "updated_at": _when(fresh, now, "$updated_at"),
-                # A task function's name, set by a fresh put; a plain task's document has none.
-                **(
-                    {"function": _when(fresh, {"$literal": spec.function}, "$function")}
-                    if spec.function is not None
-                    else {}
-                ),
+                # A task function's name, set (or cleared, by a plain put) with the payload it
+                # reads: a fresh put never leaves the call of one beside the payload of another.
+                "function": _when(fresh, {"$literal": spec.function}, "$function"),
             }
         }
     ]

@@ -64,6 +64,7 @@ async def test_put_inserts_a_pending_task_due_now(
         "result": None,
         "created_at": clock.now(),
         "updated_at": clock.now(),
+        "function": None,  # a plain task: no task function
     }
 
 
