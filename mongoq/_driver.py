@@ -486,7 +486,8 @@ async def close(db: Any) -> None:
 async def ping(db: Any) -> None:
     """Ask the server to answer (``ping``, within `connect`'s timeout on a client it made);
     `ServerUnavailable` when none does in time."""
-    await reach(db)
+    if await reach(db):
+        return  # the first contact's ping answered: no second one
     try:
         await db.command("ping")
     except ServerSelectionTimeoutError as error:

@@ -9,10 +9,18 @@ from dataclasses import fields, is_dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-__all__ = ["format_age", "one_line", "parse_age", "plain"]
+__all__ = ["format_age", "mask_uri_credentials", "one_line", "parse_age", "plain"]
 
 _AGE = re.compile(r"(\d+(?:\.\d+)?)([smhd]?)")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+_URI_USERINFO = re.compile(r"(mongodb(?:\+srv)?://)[^@/\s]+@")
+
+
+def mask_uri_credentials(text: str) -> str:
+    """`text` with the user and password of every ``mongodb://`` URI in it made ``***``."""
+    return _URI_USERINFO.sub(r"\1***@", text)
 
 
 def parse_age(text: str) -> float | None:

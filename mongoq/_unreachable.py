@@ -27,6 +27,7 @@ import anyio
 import pymongo
 from pymongo.errors import ServerSelectionTimeoutError
 
+from mongoq._text import mask_uri_credentials
 from mongoq.errors import ServerUnavailable
 
 __all__ = ["expect_first_contact", "names_unreachable_server", "reach", "server_unavailable"]
@@ -41,7 +42,6 @@ _WAITED = re.compile(r", Timeout: ([\d.]+)s")
 _HOST_REASON = re.compile(r"(?:^|,)\s*[^\s,]+:\d+: (.*?) \(configured timeouts:[^)]*\)")
 _ERRNO = re.compile(r"\[Errno (\d+)\] .*")
 _NOISE = re.compile(r"\[Errno -?\d+\] |\s*\('[^']*', \d+\)")
-_USERINFO = re.compile(r"(mongodb(?:\+srv)?://)[^@/\s]+@")
 
 
 def server_unavailable(
@@ -61,7 +61,7 @@ def server_unavailable(
     head = text.split(", Timeout:")[0]
     reasons = [_said(reason) for reason in _HOST_REASON.findall(head)]
     reason = ", ".join(dict.fromkeys(r for r in reasons if r)) or head.strip()
-    reason = _USERINFO.sub(r"\1***@", reason) or "no server answered"
+    reason = mask_uri_credentials(reason) or "no server answered"
     where = ", ".join(hosts) or "the URI's hosts"
     after = "" if waited is None else f"; gave up after {waited:g} s"
     reason = reason[:1].lower() + reason[1:]
@@ -102,27 +102,29 @@ def expect_first_contact(client: Any, seconds: float) -> None:
     _NOT_REACHED[client] = _FirstContact(seconds)
 
 
-async def reach(db: Any) -> None:
+async def reach(db: Any) -> bool:
     """Before the first call through a client `connect` made: a ``ping`` given `seconds` in all
     (``pymongo.timeout``, which bounds server selection too), `ServerUnavailable` when no server
-    answers. Concurrent first calls share one ping; once one answered, no call pings again."""
+    answers. Concurrent first calls share one ping; once one answered, no call pings again.
+    True when this call waited for that first ping (the server answered it just now)."""
     if not _NOT_REACHED:
-        return
+        return False
     client = getattr(db, "client", None)
     contact = _NOT_REACHED.get(client) if client is not None else None
     if contact is None:
-        return
+        return False
     if contact.lock is None:
         contact.lock = anyio.Lock()
     async with contact.lock:
         if client not in _NOT_REACHED:
-            return  # another first call reached it meanwhile
+            return True  # another first call reached it meanwhile
         try:
             with pymongo.timeout(contact.seconds):
                 await db.command("ping")
         except ServerSelectionTimeoutError as error:
             raise server_unavailable(error, waited=contact.seconds) from None
         _NOT_REACHED.pop(client, None)
+        return True
 
 
 def _unavailable(error: BaseException, kwargs: dict[str, Any]) -> ServerUnavailable | None:

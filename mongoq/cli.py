@@ -55,7 +55,7 @@ from pymongo.errors import PyMongoError
 
 from mongoq import __version__, _driver, registry
 from mongoq._text import format_age as _age
-from mongoq._text import one_line, parse_age
+from mongoq._text import mask_uri_credentials, one_line, parse_age
 from mongoq._text import plain as _plain
 from mongoq._validation import MAX_BATCH
 from mongoq.clock import ManualClock
@@ -127,7 +127,6 @@ def _split(uri: str) -> tuple[str, str, str, str]:
 
 
 _SECRET_OPTION = re.compile(r"(?i)([?&;][^=&;]*(?:password|secret|token)[^=&;]*=)[^&;]*")
-_ANY_USERINFO = re.compile(r"(mongodb(?:\+srv)?://)[^@/\s]+@")
 _MASK = r"\1***"
 
 
@@ -144,7 +143,7 @@ def redact(uri: str) -> str:
 def scrub(text: str, uri: str | None) -> str:
     """`text` (a driver's error message) with the credentials of `uri`, as written and
     percent-decoded, and the user part of any URI in it replaced by ``***``."""
-    text = _ANY_USERINFO.sub(r"\1***@", text)
+    text = mask_uri_credentials(text)
     if not uri:
         return text
     userinfo = _split(uri)[1]

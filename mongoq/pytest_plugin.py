@@ -167,7 +167,7 @@ class JobsHarness:
         tasks: list[Task] = []
         for jobs in self.bound:
             for name in jobs.queues:
-                functions = [f.name for f in jobs.functions.values() if f.queue == name]
+                functions = jobs.functions_of(name)
                 docs = await _driver.find_list(
                     jobs.queue(name).collection, task_schema.tasks_unfinished(functions),
                     sort=task_schema.DUE_ORDER, limit=limit or 0,

@@ -215,9 +215,9 @@ def delivery_page(prefix: str, view: DeliveryView, actions: bool) -> str:
 
 
 def _event(prefix: str, view: DeliveryView, now: datetime) -> str:
-    event = view.event
-    if event is None:
+    if view.event is None:
         return '<p class="empty">The event is no longer stored (purged).</p>'
+    event, stored = view.event.event, view.event
     rows = [
         ("id", show(event.id)), ("type", show(event.type)), ("key", show(event.key)),
         ("created", _when(now, event.created_at)),
@@ -225,10 +225,10 @@ def _event(prefix: str, view: DeliveryView, now: datetime) -> str:
         ("causation id", show(event.causation_id)),
         ("finished for", ", ".join(
             f'<a href="{escape(delivery_link(prefix, event.id, h))}">{escape(h)}</a>'
-            for h in event.finished) or "-"),
+            for h in stored.finished) or "-"),
     ]  # fmt: skip
-    if event.completed_at is not None:
-        rows.append(("every delivery completed", _when(now, event.completed_at)))
+    if stored.completed_at is not None:
+        rows.append(("every delivery completed", _when(now, stored.completed_at)))
     headers = as_json(event.headers) if event.headers else '<p class="empty">No headers.</p>'
     payload = as_json(event.payload)
     return f"{_fields(rows)}<h3>Payload</h3>{payload}<h3>Headers</h3>{headers}"

@@ -101,18 +101,10 @@ def _message(doc: dict[str, Any], now: datetime) -> GroupMessage:
 
 @dataclass(frozen=True)
 class EventView:
-    """An outbox event as stored: `handlers` those whose delivery finished or a transactional
-    publish wrote, `finished` those whose delivery completed or died."""
+    """An outbox event as stored: the `event` itself, `finished` the handlers whose delivery
+    completed or died."""
 
-    id: str
-    type: str
-    key: str | None
-    payload: Any
-    headers: Any
-    correlation_id: str | None
-    causation_id: str | None
-    created_at: datetime | None
-    handlers: list[str]
+    event: Event
     finished: list[str]
     completed_at: datetime | None
 
@@ -160,17 +152,8 @@ async def read_delivery(outbox: AsyncOutbox, event_id: str, handler: str) -> Del
 
 
 def _event(doc: dict[str, Any]) -> EventView:
-    event = Event.from_document(doc)
     return EventView(
-        id=str(event.id),
-        type=str(event.type),
-        key=event.key,
-        payload=event.payload,
-        headers=event.headers,
-        correlation_id=event.correlation_id,
-        causation_id=event.causation_id,
-        created_at=event.created_at,
-        handlers=list(doc.get("handlers") or []),
+        event=Event.from_document(doc),
         finished=list(doc.get("finished") or []),
         completed_at=stored_instant(doc.get("completed_at")),
     )

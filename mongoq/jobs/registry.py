@@ -84,6 +84,10 @@ class Jobs(WorkerHost):
             queue = self._queues[name] = AsyncTaskQueue(self.db, name, **options)
         return queue
 
+    def functions_of(self, queue: str) -> list[str]:
+        """The names of the task functions declared on `queue`, sorted."""
+        return sorted(f.name for f in self.functions.values() if f.queue == queue)
+
     @property
     def queues(self) -> list[str]:
         """The queues of the declared task functions, by name."""

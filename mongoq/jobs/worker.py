@@ -16,7 +16,6 @@ import anyio
 
 from mongoq import _driver
 from mongoq._validation import MAX_BATCH, check_int, check_seconds, check_timeout
-from mongoq.clock import stored_instant
 from mongoq.errors import HandlerTimeout, PermanentError
 from mongoq.runtime import changes, wakeups
 from mongoq.runtime.events import Tally
@@ -57,9 +56,7 @@ class JobsWorker:
         self.poll_interval = check_seconds("poll_interval", poll_interval, positive=True)
         self.worker_id = worker_id
         self.queues = [jobs.queue(name) for name in names]
-        self.functions = [
-            sorted(f.name for f in jobs.functions.values() if f.queue == name) for name in names
-        ]
+        self.functions = [jobs.functions_of(name) for name in names]
         self.summary = TaskRunSummary()
         self._tallies = [Tally(self.summary, "tasks", queue.name) for queue in self.queues]
         self._process = [self._steps(index) for index in range(len(self.queues))]
@@ -146,17 +143,11 @@ class JobsWorker:
             await _say_unknown(queue, names)
 
     async def _next_due(self) -> datetime | None:
-        dues: list[datetime] = []
-        for queue, names in zip(self.queues, self.functions, strict=True):
-            docs = await _driver.find_list(
-                queue.collection, task_schema.tasks_unfinished(names),
-                sort=task_schema.DUE_ORDER, limit=1, projection={"lease_until": 1},
-                hint=task_schema.STATUS_LEASE.name,
-            )  # fmt: skip
-            due = stored_instant(docs[0]["lease_until"]) if docs else None
-            if due is not None:
-                dues.append(due)
-        return min(dues) if dues else None
+        dues = [
+            await queue._next_due(names)
+            for queue, names in zip(self.queues, self.functions, strict=True)
+        ]
+        return min((due for due in dues if due is not None), default=None)
 
     def _listeners(self) -> list[Callable[[], Coroutine[Any, Any, Any]]]:
         """Beside the slots: each queue's wake-ups and change stream, waking the loop."""
@@ -185,11 +176,7 @@ class JobsWorker:
 async def _say_unknown(queue: AsyncTaskQueue, names: list[str]) -> None:
     """Log the due tasks of `queue` this worker does not run (a function it does not know, or
     none): they wait, uncharged, for a worker that knows them."""
-    now = queue.clock.now()
-    unknown = {
-        **task_schema.task_due(now),
-        "$or": [{"function": {"$nin": names}}, {"function": None}],
-    }
+    unknown = task_schema.tasks_due_not_of(queue.clock.now(), names)
     # Bounded: the due range is read past the known functions' tasks; a count of "at least"
     # that many says enough.
     counts = await _driver.aggregate_list(

@@ -410,12 +410,13 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
             give_up_after=give_up_after,
         )
 
-    async def _next_due(self) -> datetime | None:
-        """When the next task left becomes claimable (a pending task's due time, a processing
-        one's lease expiry); None when no task is pending or processing. One query, so that a
-        task moving between the two states is never missed between two reads."""
+    async def _next_due(self, functions: Sequence[str] | None = None) -> datetime | None:
+        """When the next task left (of `functions` only, when given) becomes claimable (a
+        pending task's due time, a processing one's lease expiry); None when no task is pending
+        or processing. One query, so that a task moving between the two states is never missed
+        between two reads."""
         docs = await _driver.find_list(
-            self.collection, schema.tasks_unfinished(), sort=schema.DUE_ORDER, limit=1,
+            self.collection, schema.tasks_unfinished(functions), sort=schema.DUE_ORDER, limit=1,
             projection={"lease_until": 1}, hint=schema.STATUS_LEASE.name,
         )  # fmt: skip
         return stored_instant(docs[0]["lease_until"]) if docs else None

@@ -190,6 +190,13 @@ def task_due(now: datetime) -> dict[str, Any]:
     return {"status": PENDING, "lease_until": {"$lte": now}}
 
 
+def tasks_due_not_of(now: datetime, functions: Sequence[str]) -> dict[str, Any]:
+    """The pending tasks due at `now` that none of `functions` runs (another function's, or a
+    plain task's): what a `Jobs` worker says waits for others (``status_lease``, the due
+    range read past the rest)."""
+    return {**task_due(now), "function": {"$nin": list(functions)}}  # $nin matches null too
+
+
 def tasks_unfinished(functions: Sequence[str] | None = None) -> dict[str, Any]:
     """The pending and processing tasks (of `functions` only, when given), the first by
     `DUE_ORDER`: when a drained `run` wakes next (``status_lease``, one range per status,
