@@ -16,7 +16,10 @@ What differs from the async API:
   and its result is recorded); Ctrl-C without it cancels the call (in-flight work is
   released); ``stop()`` from another thread stops gracefully;
 - completing an outbox delivery inside the handler's own transaction needs the async
-  API (a handler's context has `delivery` and `attempt`).
+  API (a handler's context has `delivery` and `attempt`);
+- task functions are async, declared on a `mongoq.Jobs`: ``mongoq_sync.Jobs(db,
+  like=jobs)`` defers them (``defer(send_email, to=...)``, typed by the function's
+  signature), waits for their results, and runs them in the portal's loop.
 
 The types the methods take and return (`Task`, `NewTask`, `TaskStats`...) and the
 errors are mongoq's own, exported here too: ``mongoq_sync.Task is mongoq.Task``.
@@ -44,6 +47,7 @@ from mongoq.groups.models import (
     GroupStats,
     NewMessage,
 )
+from mongoq.jobs.functions import Deferral, TaskFunction
 from mongoq.outbox.dispatcher import DeliveryContext
 from mongoq.outbox.models import (
     Delivery,
@@ -68,7 +72,14 @@ from mongoq.tasks.models import (
     TaskStats,
     TaskStatus,
 )
-from mongoq_sync._generated import GroupTransport, Outbox, OutboxDispatcher, TaskLease, TaskQueue
+from mongoq_sync._generated import (
+    GroupTransport,
+    Jobs,
+    Outbox,
+    OutboxDispatcher,
+    TaskLease,
+    TaskQueue,
+)
 
 __all__ = [
     "Database",
@@ -78,8 +89,10 @@ __all__ = [
     "GroupTransport",
     "Outbox",
     "OutboxDispatcher",
+    "Jobs",
     "Clock",
     "DeadLetter",
+    "Deferral",
     "Delivery",
     "DeliveryContext",
     "DeliveryInfo",
@@ -110,6 +123,7 @@ __all__ = [
     "Schedule",
     "ServerUnavailable",
     "Task",
+    "TaskFunction",
     "TaskId",
     "TaskPage",
     "TaskRunSummary",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from logging import Logger
-from typing import Any, cast
+from typing import Any, ParamSpec, TypeVar, cast
 
 from mongoq._portal import Database, Facade, in_worker_thread
 from mongoq.clock import Clock
@@ -21,6 +21,8 @@ from mongoq.groups.models import (
     NewMessage,
 )
 from mongoq.groups.transport import AsyncGroupTransport as _AsyncGroupTransport
+from mongoq.jobs.functions import Deferral, TaskFunction
+from mongoq.jobs.registry import Jobs as _AsyncJobs
 from mongoq.outbox.dispatcher import DeliveryContext
 from mongoq.outbox.dispatcher import OutboxDispatcher as _AsyncOutboxDispatcher
 from mongoq.outbox.models import (
@@ -50,7 +52,10 @@ from mongoq.tasks.models import (
 from mongoq.tasks.queue import AsyncTaskQueue as _AsyncTaskQueue
 from mongoq.tasks.settles import TaskLease as _AsyncTaskLease
 
-__all__ = ["TaskQueue", "TaskLease", "GroupTransport", "Outbox", "OutboxDispatcher"]
+__all__ = ["TaskQueue", "TaskLease", "GroupTransport", "Outbox", "OutboxDispatcher", "Jobs"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class TaskQueue(Facade):
@@ -1100,8 +1105,122 @@ class OutboxDispatcher(Facade):
         self._call("stop")
 
 
+class Jobs(Facade):
+    """The task functions of an application.
+
+    ``jobs = mongoq.Jobs(db)``, then ``@jobs.task(queue="emails")`` on ``async def`` functions;
+    ``await send_email.defer(to=...)`` puts a task, ``await jobs.run()`` (or ``mongoq worker
+    app:jobs``) runs every function's tasks. `db` may come later (`use`), for a module that
+    declares its functions before it connects. `queue_options` are every queue's
+    `AsyncTaskQueue` options (``lease_ttl``, ``max_attempts``, ``backoff_base``...);
+    `configure_queue` sets one queue's.
+
+    ``Jobs(db, like=jobs)`` is a `Jobs` with the task functions, periodic schedules and queue
+    options of `jobs`, on `db`: one declaration serving several databases, or the blocking
+    facade's ``mongoq_sync.Jobs(db, like=jobs)``, which defers and waits from plain threads.
+    Its `defer` and `wait` take the function: ``await tenant.defer(send_email, to=...)``.
+    """
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        like: _AsyncJobs | Jobs | None = None,
+        clock: Clock | None = None,
+        **queue_options: Any,
+    ) -> None:
+        self._build(db, _AsyncJobs, db, like=like, clock=clock, **queue_options)
+
+    @property
+    def queues(self) -> list[str]:
+        return cast("list[str]", self._get("queues"))
+
+    def configure_queue(self, name: str, **options: Any) -> None:
+        """The `AsyncTaskQueue` options of queue `name` (over the ones given to `Jobs`)."""
+        self._call("configure_queue", name, **options)
+
+    def queue(self, name: str) -> TaskQueue:
+        """The task queue `name` on this `Jobs`' database."""
+        return cast("TaskQueue", self._call("queue", name))
+
+    def defer(
+        self, function: TaskFunction[P, R] | Deferral[P, R], /, *args: P.args, **kwargs: P.kwargs
+    ) -> TaskId:
+        """Put, in this `Jobs`' database, a task that calls `function` (one of its task
+        functions, or one with `options`) with these arguments; returns the task's id.
+        ``jobs.defer(f, ...)`` is ``f.defer(...)`` on another database (a `Jobs` `like` the
+        function's own).
+        """
+        return cast("TaskId", self._call("defer", function, *args, **kwargs))
+
+    def wait(
+        self, function: TaskFunction[P, R], task_id: TaskId, *, timeout: float | None = None
+    ) -> R:
+        """The result of `function`'s task `task_id` once it finished (`AsyncTaskQueue.wait`,
+        `timeout` seconds at most); a task that failed or was cancelled raises `MongoqError`
+        with its last error.
+        """
+        return cast("R", self._call("wait", function, task_id, timeout=timeout))
+
+    def functions_of(self, queue: str) -> list[str]:
+        """The names of the task functions declared on `queue`, sorted."""
+        return cast("list[str]", self._call("functions_of", queue))
+
+    def setup(self, queues: Sequence[str] | None = None) -> None:
+        """Every queue's `setup()` (its indexes) and the schedules of the periodic functions:
+        once at deploy time, or when a worker starts; idempotent.
+        """
+        self._call("setup", queues)
+
+    def run(
+        self,
+        *,
+        queues: Sequence[str] | None = None,
+        concurrency: int = 8,
+        batch_size: int = 1,
+        poll_interval: float = 1.0,
+        stop_when_empty: bool = False,
+        stop_when_drained: bool = False,
+        handle_signals: bool = False,
+        give_up_after: float | None = None,
+        worker_id: str | None = None,
+    ) -> TaskRunSummary:
+        """Run the tasks of every declared task function (of `queues` only, when given) with
+        one budget of `concurrency` slots over all the queues. Each claim starts at the queue
+        after the one claimed from last, so a flooded queue does not hold back a quiet one
+        beyond one claim round. The rest is `AsyncTaskQueue.run`'s: leases and heartbeats,
+        `batch_size`, wake-ups, `stop_when_empty` / `stop_when_drained`, `stop()` and
+        `handle_signals`, `give_up_after`; a function's `timeout` is its handler time limit.
+        Returns the totals over every queue.
+        """
+        return cast(
+            "TaskRunSummary",
+            self._call(
+                "run",
+                queues=queues,
+                concurrency=concurrency,
+                batch_size=batch_size,
+                poll_interval=poll_interval,
+                stop_when_empty=stop_when_empty,
+                stop_when_drained=stop_when_drained,
+                handle_signals=handle_signals,
+                give_up_after=give_up_after,
+                worker_id=worker_id,
+            ),
+        )
+
+    def stop(self) -> None:
+        """Ask every `run` loop of this instance to stop gracefully: they claim nothing more,
+        let in-flight work finish, and return. The stop holds until a `run` returns: a `run`
+        that starts meanwhile (one called just before, whose loop was not running yet, or one
+        called after a stop with none running) returns at once, having claimed nothing.
+        """
+        self._call("stop")
+
+
 Facade.registry[_AsyncTaskQueue] = TaskQueue
 Facade.registry[_AsyncTaskLease] = TaskLease
 Facade.registry[_AsyncGroupTransport] = GroupTransport
 Facade.registry[_AsyncOutbox] = Outbox
 Facade.registry[_AsyncOutboxDispatcher] = OutboxDispatcher
+Facade.registry[_AsyncJobs] = Jobs

@@ -14,14 +14,16 @@ import os
 import random
 import uuid
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 
 import mongoq
+import mongoq_sync
 from mongoq import _driver
 from mongoq.testing import ManualClock, interleaving_database, latency_database, memory_database
+from tests.support.blocking import blocking_database
 from tests.support.txengine import transactional_database
 
 TEST_URI = os.environ.get("MONGOQ_TEST_URI")
@@ -173,6 +175,14 @@ async def txdb(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
 @pytest.fixture
 def clock() -> ManualClock:
     return ManualClock()
+
+
+@pytest.fixture
+def blocking_db() -> Iterator[mongoq_sync.Database]:
+    """A blocking database (`mongoq_sync`) for tests that are plain (blocking) functions: the
+    embedded backend, or a database of its own on ``MONGOQ_TEST_URI``'s server."""
+    with blocking_database(TEST_URI) as database:
+        yield database
 
 
 async def skip_without_change_streams(db: Any) -> None:

@@ -317,3 +317,47 @@ async def test_a_timed_out_call_follows_its_functions_max_attempts(
     doc = (await documents(db, "emails"))[task_id]
     assert (doc["status"], doc["attempts"]) == ("failed", 1)  # the queue would allow 5
     assert "HandlerTimeout: timed out after 5 s (attempt 1 of 1)" in doc["error"]
+
+
+async def test_a_jobs_like_another_defers_and_runs_its_functions_on_its_own_database(
+    db: Any, clock: ManualClock
+) -> None:
+    """``Jobs(other_db, like=jobs)``: the same functions and queue options, declared once; its
+    `defer` and `wait` put and read the tasks of its own database, never the original's."""
+    jobs = Jobs(clock=clock, lease_ttl=45)  # declared before any database, as a module does
+
+    @jobs.task(queue="emails", name="send_email")
+    async def send_email(to: str) -> str:
+        return f"sent to {to}"
+
+    other = db.client[f"{db.name}_tenant"]
+    try:
+        tenant = Jobs(other, like=jobs)
+        await tenant.setup()
+        task_id = await tenant.defer(send_email, to="ada@example.com")
+        keyed = await tenant.defer(send_email.options(task_id="welcome-1", priority=2), "bob")
+        assert tenant.queue("emails").lease_ttl == 45 and tenant.clock is clock
+        stored = await documents(other, "emails")
+        assert stored[task_id]["function"] == "send_email"
+        assert stored[task_id]["payload"] == {"args": [], "kwargs": {"to": "ada@example.com"}}
+        assert (keyed, stored[keyed]["priority"]) == ("welcome-1", 2)
+        assert await documents(db, "emails") == {}  # nothing in the other database
+
+        summary = await tenant.run(stop_when_empty=True)
+        assert summary.completed == 2
+        assert await tenant.wait(send_email, task_id, timeout=5) == "sent to ada@example.com"
+        assert (await documents(other, "emails"))[task_id]["status"] == "done"
+
+        stranger = Jobs(other)
+
+        @stranger.task(queue="emails", name="send_email")
+        async def lookalike(to: str) -> str:
+            return to
+
+        with pytest.raises(InvalidInput, match=r"^function: must be a task function of this"):
+            await tenant.defer(lookalike, to="x")
+        with pytest.raises(InvalidInput, match=r"^like: must be a mongoq\.Jobs"):
+            Jobs(other, like="jobs")  # type: ignore[arg-type]
+        assert len(await documents(other, "emails")) == 2
+    finally:
+        await db.client.drop_database(other.name)

@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
+from typing import ParamSpec, TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -66,6 +67,8 @@ class Spec:
     #: where the constructor finds the facade database (another facade's, for a class built on
     #: top of one)
     database_from: str = "db"
+    #: public methods left out of the facade, each with the reason the facade's docstring gives
+    excluded: tuple[str, ...] = ()
 
 
 CLASSES = (
@@ -102,6 +105,10 @@ CLASSES = (
         database_params=(),
         database_from="outbox._database",
     ),
+    # Task functions are async: they are declared on a `mongoq.Jobs`, which the facade's
+    # `Jobs(db, like=jobs)` defers, waits for and runs from blocking code. A facade stays on
+    # the database (and portal) it was built with.
+    Spec("mongoq.jobs.registry", "Jobs", "Jobs", excluded=("task", "periodic", "use")),
 )
 
 HEADER = '''\
@@ -112,7 +119,7 @@ HEADER = '''\
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, cast
+from typing import Any, ParamSpec, TypeVar, cast
 
 from mongoq._portal import Database, Facade, in_worker_thread
 '''
@@ -123,6 +130,7 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _KNOWN = {"Any", "Callable", "Iterable", "Mapping", "None", "Database", "cast"} | set(
     dir(__builtins__)
 )
+_TYPE_VARIABLES = (TypeVar, ParamSpec)
 
 
 def _annotation(text: object, renames: dict[str, str]) -> str:
@@ -158,9 +166,14 @@ def _parameters(
         name = parameter.name
         if parameter.annotation is inspect.Parameter.empty:
             raise GenerationError(f"{where}: parameter {name!r} has no annotation")
-        annotation = _annotation(parameter.annotation, renames)
+        own = {spec.async_name: f"{_alias(spec)} | {spec.sync_name}"} if constructor else {}
+        # A constructor taking its own class (``Jobs(like=jobs)``) takes the async one as well
+        # as a facade: what a user holds is the async object the application declared.
+        annotation = _annotation(parameter.annotation, {**renames, **own})
+        default = parameter.default
         if constructor and name in spec.database_params:
             annotation = "Database"
+            default = inspect.Parameter.empty  # a facade object needs its database at once
         handler = _HANDLER.match(annotation)
         handlers = _HANDLER_MAP.match(annotation)
         if handlers:
@@ -188,8 +201,8 @@ def _parameters(
             declared.append("*")
         prefix = {kinds.VAR_POSITIONAL: "*", kinds.VAR_KEYWORD: "**"}.get(parameter.kind, "")
         text = f"{prefix}{name}: {annotation}"
-        if parameter.default is not inspect.Parameter.empty:
-            text += f" = {_default(f'{where}({name})', parameter.default)}"
+        if default is not inspect.Parameter.empty:
+            text += f" = {_default(f'{where}({name})', default)}"
         declared.append(text)
         if parameter.kind is kinds.KEYWORD_ONLY:
             passed.append(f"{name}={value}")
@@ -218,15 +231,23 @@ def _docstring(obj: object, indent: str) -> list[str]:
     return body
 
 
-def _public_methods(cls: type) -> list[tuple[str, object]]:
-    """Public functions of `cls` and its bases, in definition order, own ones first; anything
-    public the facade cannot mirror (a classmethod, an async generator...) stops generation."""
+def _alias(spec: Spec) -> str:
+    """The name the generated module imports the async class of `spec` under."""
+    return f"_Async{spec.async_name.removeprefix('Async')}"
+
+
+def _public_methods(cls: type, excluded: tuple[str, ...] = ()) -> list[tuple[str, object]]:
+    """Public functions of `cls` and its bases, in definition order, own ones first, but the
+    `excluded`; anything public the facade cannot mirror (a classmethod, an async
+    generator...) stops generation."""
     methods: dict[str, object] = {}
     for klass in cls.__mro__:
         if klass is object:
             continue
         for name, member in vars(klass).items():
             if name.startswith("_") or name in methods or isinstance(member, property):
+                continue
+            if name in excluded:
                 continue
             if inspect.isasyncgenfunction(member) or not inspect.isfunction(member):
                 if callable(member) or isinstance(member, classmethod | staticmethod):
@@ -246,6 +267,9 @@ def _checked_class(spec: Spec, module: object) -> type:
     cls = getattr(module, spec.async_name, None)
     if not inspect.isclass(cls):
         raise GenerationError(f"CLASSES names {where}, which no longer exists")
+    for name in spec.excluded:
+        if not callable(getattr(cls, name, None)):
+            raise GenerationError(f"CLASSES excludes {where}.{name}, which no longer exists")
     known = _instance_attributes(cls)
     for name, _ in spec.attributes:
         if name not in known and inspect.getattr_static(cls, name, None) is None:
@@ -332,7 +356,7 @@ def _method_lines(cls: type, spec: Spec, renames: dict[str, str], used: set[str]
     """The facade's blocking methods of `cls` (the names their signatures use added to
     `used`)."""
     lines: list[str] = []
-    for name, function in _public_methods(cls):
+    for name, function in _public_methods(cls, spec.excluded):
         signature, passed = _parameters(
             function, renames, spec, constructor=False, where=f"{spec.async_name}.{name}"
         )
@@ -354,6 +378,7 @@ def generate() -> tuple[str, str]:
     renames = {spec.async_name: spec.sync_name for spec in CLASSES}
     imports: dict[str, set[str]] = {}
     imported: set[str] = set()
+    variables: dict[str, str] = {}  # the generic signatures' type variables, by name
     body: list[str] = []
     for spec in CLASSES:
         module = importlib.import_module(spec.module)
@@ -361,7 +386,7 @@ def generate() -> tuple[str, str]:
         # A member mixed in from a base names types its own module imports.
         found = [module, *(inspect.getmodule(k) for k in cls.__mro__)]
         namespaces = [m for m in dict.fromkeys(found) if m and m.__name__.startswith("mongoq")]
-        alias = f"_Async{spec.async_name.removeprefix('Async')}"
+        alias = _alias(spec)
         imports.setdefault(spec.module, set()).add(f"{spec.async_name} as {alias}")
         used: set[str] = set()
         lines = [f"class {spec.sync_name}(Facade):"]
@@ -389,19 +414,30 @@ def generate() -> tuple[str, str]:
             if identifier in _KNOWN or identifier in renames.values() or identifier in imported:
                 continue
             home = _home(identifier, namespaces)
-            if home is not None:
+            if home is None:
+                continue
+            if _is_type_variable(home, identifier):  # declared here, not imported
+                kind = type(getattr(importlib.import_module(home), identifier)).__name__
+                variables[identifier] = f'{identifier} = {kind}("{identifier}")'
+            else:
                 imports.setdefault(home, set()).add(identifier)
-                imported.add(identifier)
+            imported.add(identifier)
         body.append("\n".join(lines).rstrip() + "\n")
     init = _init_source(_exported_types(imports))
-    return _format(_generated_source(imports, body), TARGET), _format(init, INIT)
+    source = _generated_source(imports, sorted(variables.values()), body)
+    return _format(source, TARGET), _format(init, INIT)
 
 
-def _generated_source(imports: dict[str, set[str]], body: list[str]) -> str:
-    """mongoq_sync/_generated.py: the imports, the classes' `body`, their registration."""
+def _is_type_variable(module: str, identifier: str) -> bool:
+    """Whether `identifier` of `module` is a TypeVar or ParamSpec (a generic signature's)."""
+    return isinstance(getattr(importlib.import_module(module), identifier, None), _TYPE_VARIABLES)
+
+
+def _generated_source(imports: dict[str, set[str]], variables: list[str], body: list[str]) -> str:
+    """mongoq_sync/_generated.py: the imports, the type `variables`, the classes' `body`,
+    their registration."""
     registry = ["", ""] + [
-        f"Facade.registry[_Async{spec.async_name.removeprefix('Async')}] = {spec.sync_name}"
-        for spec in CLASSES
+        f"Facade.registry[{_alias(spec)}] = {spec.sync_name}" for spec in CLASSES
     ]
     import_lines = [
         f"from {module} import {', '.join(sorted(names))}"
@@ -409,7 +445,8 @@ def _generated_source(imports: dict[str, set[str]], body: list[str]) -> str:
     ]
     names = ", ".join(f'"{spec.sync_name}"' for spec in CLASSES)
     return (
-        HEADER + "\n".join(import_lines) + f"\n\n__all__ = [{names}]\n\n\n" + "\n\n".join(body)
+        HEADER + "\n".join(import_lines) + f"\n\n__all__ = [{names}]\n\n"
+        + "".join(f"{line}\n" for line in variables) + "\n\n" + "\n\n".join(body)
         + "\n".join(registry) + "\n"
     )  # fmt: skip
 
@@ -435,7 +472,12 @@ def _exported_types(imports: dict[str, set[str]]) -> dict[str, list[str]]:
         for item in dataclasses.fields(value):
             for identifier in _IDENTIFIER.findall(str(item.type)):
                 where = _home(identifier, [home])
-                if where and where.startswith("mongoq.") and (where, identifier) not in found:
+                if (
+                    where
+                    and where.startswith("mongoq.")
+                    and (where, identifier) not in found
+                    and not _is_type_variable(where, identifier)
+                ):
                     found.add((where, identifier))
                     pending.append((where, identifier))
     errors = importlib.import_module("mongoq.errors")
@@ -471,7 +513,10 @@ def _init_source(types: dict[str, list[str]]) -> str:
         "  and its result is recorded); Ctrl-C without it cancels the call (in-flight work is\n"
         "  released); ``stop()`` from another thread stops gracefully;\n"
         "- completing an outbox delivery inside the handler's own transaction needs the async\n"
-        "  API (a handler's context has `delivery` and `attempt`).\n\n"
+        "  API (a handler's context has `delivery` and `attempt`);\n"
+        "- task functions are async, declared on a `mongoq.Jobs`: ``mongoq_sync.Jobs(db,\n"
+        "  like=jobs)`` defers them (``defer(send_email, to=...)``, typed by the function's\n"
+        "  signature), waits for their results, and runs them in the portal's loop.\n\n"
         "The types the methods take and return (`Task`, `NewTask`, `TaskStats`...) and the\n"
         "errors are mongoq's own, exported here too: ``mongoq_sync.Task is mongoq.Task``.\n"
         '"""\n\n'

@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 from mongoq._validation import check_payload
-from mongoq.errors import InvalidInput, MongoqError, PermanentError
+from mongoq.errors import InvalidInput, PermanentError
 from mongoq.tasks.models import Task, TaskId
 
 if TYPE_CHECKING:
@@ -57,10 +57,13 @@ class Deferral(Generic[P, R]):
         """Put a task that calls the function with these arguments; returns its id (the one
         given, else a new random one). Each argument must be storable (BSON): one that is not
         is refused with `InvalidInput` naming it, before anything is written."""
+        return await self.put(self.function.jobs, args, kwargs)
+
+    async def put(self, jobs: Jobs, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TaskId:
+        """`defer` on the database of `jobs` (the function's own `Jobs`, or one `like` it)."""
         payload = self.function.encode(args, kwargs)
         task_id = self.task_id if self.task_id is not None else uuid.uuid4().hex
-        queue = self.function.jobs.queue(self.function.queue)
-        await queue.put(
+        await jobs.queue(self.function.queue).put(
             task_id, payload, revision=self.revision, priority=self.priority, delay=self.delay,
             run_at=self.run_at, function=self.function.name,
         )  # fmt: skip
@@ -122,13 +125,7 @@ class TaskFunction(Generic[P, R]):
     async def wait(self, task_id: TaskId, *, timeout: float | None = None) -> R:  # noqa: ASYNC109
         """The result of the task `task_id` once it finished (`AsyncTaskQueue.wait`); a task
         that failed or was cancelled raises `MongoqError` with its last error."""
-        task = await self.jobs.queue(self.queue).wait(task_id, timeout=timeout)
-        if task.status != "done":
-            error = (task.error or "").strip().splitlines()
-            last = error[-1] if error else "-"
-            raise MongoqError(f"task {task_id!r} ended {task.status}: {last}")
-        result: R = task.result
-        return result
+        return await self.jobs.wait(self, task_id, timeout=timeout)
 
     def encode(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The stored call: the arguments bound to the signature (`InvalidInput` naming the

@@ -23,10 +23,11 @@ from mongoq._validation import (
     check_timeout,
 )
 from mongoq.clock import Clock
-from mongoq.errors import InvalidInput
-from mongoq.jobs.functions import TaskFunction
+from mongoq.errors import InvalidInput, MongoqError
+from mongoq.jobs.functions import Deferral, TaskFunction
 from mongoq.runtime.loop import WorkerHost
 from mongoq.tasks import AsyncTaskQueue, TaskRunSummary
+from mongoq.tasks.models import TaskId
 
 __all__ = ["Jobs"]
 
@@ -47,18 +48,34 @@ class Jobs(WorkerHost):
     app:jobs``) runs every function's tasks. `db` may come later (`use`), for a module that
     declares its functions before it connects. `queue_options` are every queue's
     `AsyncTaskQueue` options (``lease_ttl``, ``max_attempts``, ``backoff_base``...);
-    `configure_queue` sets one queue's."""
+    `configure_queue` sets one queue's.
 
-    def __init__(self, db: Any = None, *, clock: Clock | None = None, **queue_options: Any):
+    ``Jobs(db, like=jobs)`` is a `Jobs` with the task functions, periodic schedules and queue
+    options of `jobs`, on `db`: one declaration serving several databases, or the blocking
+    facade's ``mongoq_sync.Jobs(db, like=jobs)``, which defers and waits from plain threads.
+    Its `defer` and `wait` take the function: ``await tenant.defer(send_email, to=...)``."""
+
+    def __init__(
+        self,
+        db: Any = None,
+        *,
+        like: Jobs | None = None,
+        clock: Clock | None = None,
+        **queue_options: Any,
+    ):
         super().__init__()
         _check_queue_options("queue_options", queue_options)
+        if like is not None and not isinstance(like, Jobs):
+            raise InvalidInput("like", f"must be a mongoq.Jobs, got {type(like).__name__}")
         self.db = db
-        self.clock = clock
-        self.functions: dict[str, TaskFunction[Any, Any]] = {}
-        self._defaults = dict(queue_options)
-        self._options: dict[str, dict[str, Any]] = {}
+        self.clock: Clock | None = clock if clock is not None or like is None else like.clock
+        # The declarations are shared with `like` (functions declared later show in both);
+        # the queues are this database's own.
+        self.functions: dict[str, TaskFunction[Any, Any]] = like.functions if like else {}
+        self._periodic: dict[str, dict[str, Any]] = like._periodic if like else {}
+        self._defaults: dict[str, Any] = {**(like._defaults if like else {}), **queue_options}
+        self._options: dict[str, dict[str, Any]] = dict(like._options) if like else {}
         self._queues: dict[str, AsyncTaskQueue] = {}
-        self._periodic: dict[str, dict[str, Any]] = {}  # function name -> schedule options
 
     def use(self, db: Any) -> Jobs:
         """Work on `db` from now on (the queues are built anew on it); returns this."""
@@ -83,6 +100,40 @@ class Jobs(WorkerHost):
                 options.setdefault("clock", self.clock)
             queue = self._queues[name] = AsyncTaskQueue(self.db, name, **options)
         return queue
+
+    async def defer(
+        self, function: TaskFunction[P, R] | Deferral[P, R], /, *args: P.args, **kwargs: P.kwargs
+    ) -> TaskId:
+        """Put, in this `Jobs`' database, a task that calls `function` (one of its task
+        functions, or one with `options`) with these arguments; returns the task's id.
+        ``jobs.defer(f, ...)`` is ``f.defer(...)`` on another database (a `Jobs` `like` the
+        function's own)."""
+        deferral = function if isinstance(function, Deferral) else Deferral(function)
+        self._own(deferral.function)
+        return await deferral.put(self, args, kwargs)
+
+    async def wait(
+        self,
+        function: TaskFunction[P, R],
+        task_id: TaskId,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> R:
+        """The result of `function`'s task `task_id` once it finished (`AsyncTaskQueue.wait`,
+        `timeout` seconds at most); a task that failed or was cancelled raises `MongoqError`
+        with its last error."""
+        task = await self.queue(self._own(function).queue).wait(task_id, timeout=timeout)
+        if task.status != "done":
+            error = (task.error or "").strip().splitlines()
+            last = error[-1] if error else "-"
+            raise MongoqError(f"task {task_id!r} ended {task.status}: {last}")
+        result: R = task.result
+        return result
+
+    def _own(self, function: Any) -> TaskFunction[Any, Any]:
+        if isinstance(function, TaskFunction) and self.functions.get(function.name) is function:
+            return function
+        raise InvalidInput("function", f"must be a task function of this Jobs: {function!r}")
 
     def functions_of(self, queue: str) -> list[str]:
         """The names of the task functions declared on `queue`, sorted."""

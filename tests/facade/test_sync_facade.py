@@ -9,7 +9,6 @@ own thread, Ctrl-C, fork).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import inspect
 import os
@@ -19,7 +18,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from mongoq._portal import Portal
 from mongoq.runtime.loop import WORKER_STOPPED
 from mongoq.testing import ManualClock
 from tests.conftest import TEST_URI
+from tests.support.blocking import blocking_database
 from tests.support.scenarios import SCENARIOS, AsyncEnv, Env, SyncEnv
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,19 +56,6 @@ async def sync_db(db: Any) -> AsyncIterator[mongoq_sync.Database]:
     await anyio.to_thread.run_sync(database.close)
 
 
-@contextlib.contextmanager
-def blocking_database(uri: str | None) -> Iterator[mongoq_sync.Database]:
-    """A blocking database of its own on `uri` (None: the embedded backend), dropped when the
-    test is done: on a server, a database per test would otherwise pile up (as `_database` in
-    tests/conftest.py drops the async lanes' databases)."""
-    name = f"mongoq_sync_test_{uuid.uuid4().hex[:10]}"
-    with mongoq_sync.connect(uri, name) as database:
-        try:
-            yield database
-        finally:  # inside the portal, where the client lives, before it closes
-            database.call(lambda: database.async_database.client.drop_database(name))
-
-
 def eventually(check: Callable[[], bool], what: str, within: float = 20.0) -> None:
     """Until `check()` holds, for at most `within` seconds of real time: a blocking test's
     wait for a condition, as `tests.support.helpers.wait_for` is an async test's."""
@@ -76,13 +63,6 @@ def eventually(check: Callable[[], bool], what: str, within: float = 20.0) -> No
     while not check():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.001)
-
-
-@pytest.fixture
-def blocking_db() -> Iterator[mongoq_sync.Database]:
-    """A blocking database for tests that are plain (blocking) functions themselves."""
-    with blocking_database(TEST_URI) as database:
-        yield database
 
 
 def test_a_blocking_database_is_dropped_when_the_test_is_done() -> None:

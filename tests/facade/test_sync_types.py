@@ -19,7 +19,7 @@ from mongoq_sync import _generated
 
 FACADES = (
     mongoq_sync.TaskQueue, mongoq_sync.TaskLease, mongoq_sync.GroupTransport, mongoq_sync.Outbox,
-    mongoq_sync.OutboxDispatcher,
+    mongoq_sync.OutboxDispatcher, mongoq_sync.Jobs,
 )  # fmt: skip
 
 
