@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
+from typing import Any
 
 import anyio
 
@@ -187,11 +188,14 @@ async def run_drain(uri: str | None, tasks: int) -> Result:
         return bench.stop("tasks: put + run(handler)", tasks)
 
 
-async def jobs_drain(uri: str | None, tasks: int, functions: int, queues: int) -> Result:
+async def jobs_drain(
+    uri: str | None, tasks: int, functions: int, queues: int, *, traced: bool = False
+) -> Result:
     """defer calls of `functions` task functions spread over `queues` queues, then one
-    `Jobs.run` drains them all: what a claim naming several functions costs."""
+    `Jobs.run` drains them all: what a claim naming several functions costs. `traced`: with
+    an OpenTelemetry SDK provider recording every span (in memory), what tracing costs."""
     async with counted_database(uri) as bench:
-        jobs = Jobs(bench.db, clock=ManualClock())
+        jobs = Jobs(bench.db, clock=ManualClock(), tracer_provider=_recording_provider(traced))
         declared = [
             jobs.task(name=f"f{n}", queue=f"bench_jobs_{n % queues}")(_nothing_with)
             for n in range(functions)
@@ -203,7 +207,20 @@ async def jobs_drain(uri: str | None, tasks: int, functions: int, queues: int) -
         summary = await jobs.run(concurrency=1, stop_when_empty=True)
         assert summary.completed == tasks
         label = f"jobs: defer + worker, {functions} function(s), {queues} queue(s)"
-        return bench.stop(label, tasks)
+        return bench.stop("jobs: defer + worker, traced (SDK)" if traced else label, tasks)
+
+
+def _recording_provider(traced: bool) -> Any:
+    """An OpenTelemetry SDK provider keeping every span in memory (None: not `traced`)."""
+    if not traced:
+        return None
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
+    return provider
 
 
 async def _nothing(task: Task) -> None:
@@ -223,6 +240,7 @@ def scenarios(tasks: int, backlogs: list[int]) -> list[tuple[str, Callable[[str 
         ("run drain", lambda uri: run_drain(uri, tasks)),
         ("jobs one function", lambda uri: jobs_drain(uri, tasks, 1, 1)),
         ("jobs three functions", lambda uri: jobs_drain(uri, tasks, 3, 2)),
+        ("jobs traced", lambda uri: jobs_drain(uri, tasks, 1, 1, traced=True)),
         ("lifecycle own time", lambda uri: lifecycle_cpu(uri)),
         ("lifecycle own time, replayed", lambda uri: lifecycle_cpu_replayed()),
     ]

@@ -16,7 +16,8 @@ Differences absorbed here:
 - the embedded backend has no ``hello`` command, hence no server clock;
 - mongomock's TTL emulation ignores ``partialFilterExpression`` (it would delete every document
   older than the TTL, pending work included), so partial TTL indexes are not created there: the
-  embedded backend keeps tombstones until the process ends.
+  embedded backend keeps tombstones until the process ends. It also expires on the wall clock,
+  not the primitive's: a bare TTL index is created there without its expiry.
 What a deployment decides, also here: the topology (``hello``, once per client: standalone,
 replica set, sharded) and so whether there are transactions; the concerns every mongoq
 collection handle pins (majority writes and reads, the primary) and the options of the
@@ -347,6 +348,20 @@ async def create_partial_ttl_index(
         await db.command(
             "collMod", collection.name, index={"name": name, "expireAfterSeconds": expire_after}
         )
+    return True
+
+
+async def create_ttl_index(
+    db: Any, collection: Any, field: str, *, name: str, expire_after: int
+) -> bool:
+    """Create a TTL index over every document of `collection` (one whose documents all expire:
+    the running workers' presences). The embedded backend expires documents on the wall clock,
+    not on the primitive's clock (a test's `ManualClock`): there the index is created without
+    its expiry, still serving the reads that filter on `field`, and this returns False."""
+    if backend_of(db) is Backend.MEMORY:
+        await collection.create_index([(field, 1)], name=name)
+        return False
+    await collection.create_index([(field, 1)], name=name, expireAfterSeconds=expire_after)
     return True
 
 

@@ -28,10 +28,11 @@ class IndexSpec:
     unique: bool = False
     #: the index holds only the documents this filter matches
     partial: Mapping[str, Any] | None = None
-    #: a TTL index on its one key, expiring after the primitive's configured time; always
-    #: partial (a bare TTL index would empty a queue), so created through
+    #: a TTL index on its one key, expiring after the primitive's configured time. Partial on
+    #: a queue's collection (a bare TTL index would empty a queue), created through
     #: `_driver.create_partial_ttl_index`, which skips it where the backend cannot honour
-    #: `partial` (the embedded one)
+    #: `partial` (the embedded one); bare only on a collection whose every document expires
+    #: (the running workers' presences: `_driver.create_ttl_index`)
     ttl: bool = False
 
     def options(self) -> dict[str, Any]:
@@ -58,10 +59,15 @@ async def create_indexes(
         if not index.ttl:
             await collection.create_index(list(index.keys), **index.options())
             continue
-        if index.partial is None or index.name not in (expiries or {}):
-            raise ValueError(f"TTL index {index.name!r} needs a partial filter and an expiry")
+        if index.name not in (expiries or {}):
+            raise ValueError(f"TTL index {index.name!r} needs an expiry")
         expire_after = (expiries or {})[index.name]
         if expire_after is None:
+            continue
+        if index.partial is None:
+            await _driver.create_ttl_index(
+                db, collection, index.keys[0][0], name=index.name, expire_after=expire_after
+            )
             continue
         await _driver.create_partial_ttl_index(
             db,

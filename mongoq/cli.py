@@ -74,6 +74,7 @@ from mongoq.jobs.command import add_worker_arguments, worker
 from mongoq.outbox import AsyncOutbox
 from mongoq.tasks import AsyncTaskQueue
 from mongoq.tasks.models import STATUSES
+from mongoq.tasks.operators import UNKNOWN_READ
 from mongoq.tasks.schema import PURGEABLE
 
 __all__ = ["main", "redact", "run", "scrub"]
@@ -230,7 +231,18 @@ def _found(count: int | bool, done: str, nothing: str, data: Any) -> Out:
 async def _tasks_stats(args: argparse.Namespace, db: Any) -> Out:
     stats = await _queue(args, db).stats()
     rows = [*stats.counts.items(), ("due", stats.due), ("expired", stats.expired)]
-    return Out(stats, _pairs([*rows, ("oldest due age", _age(stats.oldest_due_age))]))
+    text = _pairs([*rows, ("oldest due age", _age(stats.oldest_due_age))])
+    return Out(stats, text + _unknown_lines(stats.unknown_functions))
+
+
+def _unknown_lines(unknown: dict[str, int]) -> list[str]:
+    """A line per task function no running worker runs, the most waiting first."""
+    bound = "at least " if sum(unknown.values()) >= UNKNOWN_READ else ""  # the read's limit
+    return [
+        f"waiting for unknown function {_line(repr(name))}: {bound}{n}" if name else
+        f"waiting without a function (plain tasks: no Jobs worker runs them): {bound}{n}"
+        for name, n in sorted(unknown.items(), key=lambda item: (-item[1], item[0]))
+    ]  # fmt: skip
 
 
 async def _tasks_list(args: argparse.Namespace, db: Any) -> Out:

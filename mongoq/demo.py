@@ -9,7 +9,7 @@ claims one and stalls, zombies of earlier rounds wake up and try to complete wha
 then a pool of well-behaved workers drains everything due. Handlers fail transiently at random,
 a few tasks are poison (fail every time) and a few fail permanently. At the end the demo checks
 the invariants and prints them; it exits non-zero if one does not hold. Owns the collection
-``demo_tasks_<random>``.
+``demo_tasks_<random>`` (and the ``_schedules`` and ``_workers`` ones its set-up makes).
 
 Progress comes as it happens, not only per round: the first round alone drains most tasks (all
 are due at once), which on the embedded backend takes seconds of wall time. So a ticker beside
@@ -36,6 +36,7 @@ from mongoq import _driver, registry
 from mongoq.clock import ManualClock, to_millis
 from mongoq.errors import PermanentError
 from mongoq.tasks import AsyncTaskQueue, NewTask, Task
+from mongoq.tasks import schema as task_schema
 
 __all__ = ["DEMO_DATABASE", "DemoConfig", "DemoReport", "demo_queue_name", "drop_demo", "run_demo"]
 
@@ -203,8 +204,9 @@ def demo_queue_name() -> str:
 
 
 async def drop_demo(db: Any, name: str) -> None:
-    """Drop the demo queue's collection and its registration (a server outlives the demo)."""
-    await _driver.collection(db, name).drop()
+    """Drop the demo queue's collections and its registration (a server outlives the demo)."""
+    for suffix in ("", task_schema.SCHEDULES_SUFFIX, task_schema.WORKERS_SUFFIX):
+        await _driver.collection(db, f"{name}{suffix}").drop()  # its set-up made each
     await registry.unregister(db, "tasks", name)
 
 

@@ -202,8 +202,8 @@ class StatsCollector:
     fails (a driver error, the timeout, missing indexes) is logged as a WARNING and reported as
     ``mongoq_up{primitive,queue} 0`` with ``mongoq_scrape_errors_total`` counting up; its gauges
     are left out of that scrape rather than shown stale or as a made-up 0. `collect` never
-    raises. The cost is what each ``stats()`` costs: 8 commands per task queue, 6 per group
-    transport, 5 to 7 per outbox, whatever the backlog.
+    raises. The cost is what each ``stats()`` costs: 10 or 11 commands per task queue, 6 per
+    group transport, 5 to 7 per outbox, whatever the backlog.
     """
 
     def __init__(
@@ -305,6 +305,12 @@ class StatsCollector:
                 "mongoq_tasks_oldest_due_age_seconds",
                 "How long the oldest claimable task has waited; 0 when none is due.",
             )
+            gauge(
+                "mongoq_tasks_unknown_function_due",
+                "Due tasks of a task function no running worker runs (plain tasks: function "
+                "empty); no series when none waits, or when no worker is running.",
+                "function",
+            )
         if _GROUPS in kinds:
             gauge("mongoq_groups", "Groups of a group transport, by state.", "state")
             gauge("mongoq_group_messages", "Messages stored (not yet acked or dead-lettered).")
@@ -353,6 +359,8 @@ class StatsCollector:
             put("mongoq_tasks_expired", stats.expired)
             age = stats.oldest_due_age
             put("mongoq_tasks_oldest_due_age_seconds", 0.0 if age is None else max(0.0, age))
+            for function, waiting in sorted(stats.unknown_functions.items()):
+                put("mongoq_tasks_unknown_function_due", waiting, function)
         elif isinstance(stats, GroupStats):
             for state in _GROUP_STATES:
                 put("mongoq_groups", getattr(stats, state), state)

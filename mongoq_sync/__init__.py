@@ -48,6 +48,7 @@ from mongoq.groups.models import (
     NewMessage,
 )
 from mongoq.jobs.functions import Deferral, TaskFunction
+from mongoq.jobs.tracing import TracerProviderLike
 from mongoq.outbox.dispatcher import DeliveryContext
 from mongoq.outbox.models import (
     Delivery,
@@ -129,4 +130,5 @@ __all__ = [
     "TaskRunSummary",
     "TaskStats",
     "TaskStatus",
+    "TracerProviderLike",
 ]

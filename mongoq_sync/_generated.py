@@ -23,6 +23,7 @@ from mongoq.groups.models import (
 from mongoq.groups.transport import AsyncGroupTransport as _AsyncGroupTransport
 from mongoq.jobs.functions import Deferral, TaskFunction
 from mongoq.jobs.registry import Jobs as _AsyncJobs
+from mongoq.jobs.tracing import TracerProviderLike
 from mongoq.outbox.dispatcher import DeliveryContext
 from mongoq.outbox.dispatcher import OutboxDispatcher as _AsyncOutboxDispatcher
 from mongoq.outbox.models import (
@@ -418,7 +419,12 @@ class TaskQueue(Facade):
         return cast("int", self._call("count_finished", since, until))
 
     def stats(self) -> TaskStats:
-        """Counts per status, due, expired and the oldest due age (eight indexed commands)."""
+        """Counts per status, due, expired, the oldest due age, and the due tasks waiting for a
+        task function no running worker runs (`TaskStats`): ten indexed commands (a count per
+        status, due, expired, the oldest due task, the live workers' functions), and one
+        aggregation of at most `UNKNOWN_READ` due tasks when some are due and a worker is
+        live.
+        """
         return cast("TaskStats", self._call("stats"))
 
     def schedule(
@@ -1115,10 +1121,16 @@ class Jobs(Facade):
     `AsyncTaskQueue` options (``lease_ttl``, ``max_attempts``, ``backoff_base``...);
     `configure_queue` sets one queue's.
 
-    ``Jobs(db, like=jobs)`` is a `Jobs` with the task functions, periodic schedules and queue
-    options of `jobs`, on `db`: one declaration serving several databases, or the blocking
-    facade's ``mongoq_sync.Jobs(db, like=jobs)``, which defers and waits from plain threads.
-    Its `defer` and `wait` take the function: ``await tenant.defer(send_email, to=...)``.
+    `tracer_provider` is the OpenTelemetry ``TracerProvider`` of its spans (the ``otel``
+    extra): a PRODUCER span for each defer, whose context the task carries, and a CONSUMER
+    span for each call, continuing its trace. None: OpenTelemetry's global provider, looked up
+    when first used; without an SDK configured there, nothing is traced nor stored.
+
+    ``Jobs(db, like=jobs)`` is a `Jobs` with the task functions, periodic schedules, queue
+    options and tracer provider of `jobs`, on `db`: one declaration serving several databases,
+    or the blocking facade's ``mongoq_sync.Jobs(db, like=jobs)``, which defers and waits from
+    plain threads. Its `defer` and `wait` take the function: ``await tenant.defer(send_email,
+    to=...)``.
     """
 
     def __init__(
@@ -1127,9 +1139,18 @@ class Jobs(Facade):
         *,
         like: _AsyncJobs | Jobs | None = None,
         clock: Clock | None = None,
+        tracer_provider: TracerProviderLike | None = None,
         **queue_options: Any,
     ) -> None:
-        self._build(db, _AsyncJobs, db, like=like, clock=clock, **queue_options)
+        self._build(
+            db,
+            _AsyncJobs,
+            db,
+            like=like,
+            clock=clock,
+            tracer_provider=tracer_provider,
+            **queue_options,
+        )
 
     @property
     def queues(self) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import os
 import random
+import re
 import uuid
 import zlib
 from collections.abc import AsyncIterator, Iterator
@@ -82,6 +83,11 @@ _WAITING = (
 _ORDERED = ("every_order(", "race(", "Interleaving(", "all_interleavings(", "lane_orders(")
 
 
+def _calls(source: str, calls: tuple[str, ...]) -> bool:
+    """Whether `source` calls one of `calls` (a whole name: ``trace(`` is no ``race(``)."""
+    return any(re.search(rf"(?<![\w]){re.escape(call)}", source) for call in calls)
+
+
 def _source(item: pytest.Item) -> str | None:
     function = getattr(item, "function", None)
     try:
@@ -95,9 +101,9 @@ def _lane_wanted(item: pytest.Item, lane: str) -> bool:
     source = _source(item)
     if source is None or lane not in ("interleaved", "latency"):
         return True
-    if any(call in source for call in _ORDERED):
+    if _calls(source, _ORDERED):
         return False
-    if lane == "interleaved" or any(call in source for call in _WAITING):
+    if lane == "interleaved" or _calls(source, _WAITING):
         return True
     return random.Random(f"{RUN_SEED}:{item.nodeid}").random() < LATENCY_SAMPLE
 

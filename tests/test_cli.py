@@ -151,7 +151,32 @@ async def test_tasks_stats_in_a_table_and_in_json(db: Any, mongoq_cmd: Mongoq) -
     code, out, _ = await mongoq_cmd("tasks", "stats", "jobs", "--json")
     stats = json.loads(out)
     assert code == 0 and stats["counts"]["failed"] == 2 and stats["due"] == 2
+    assert stats["unknown_functions"] == {}  # no worker running
     assert 3600 <= stats["oldest_due_age"] < 3660  # put an hour ago
+
+
+async def test_tasks_stats_names_the_functions_no_running_worker_knows(
+    db: Any, mongoq_cmd: Mongoq
+) -> None:
+    queue = AsyncTaskQueue(db, "jobs")  # the server's clock, as the command's own
+    await queue.setup()
+    for task_id in ("e-1", "e-2"):
+        await queue.put(task_id, function="send_emial")
+    await queue.put("e-3", function="send_email")
+    await queue.put("p-1")  # a plain task
+    code, out, _ = await mongoq_cmd("tasks", "stats", "jobs")
+    assert code == 0 and "waiting" not in out  # no worker running: none to compare with
+
+    await queue._presence.announce("w-1", ["send_email"], 60)  # a worker of send_email runs
+    code, out, err = await mongoq_cmd("tasks", "stats", "jobs")
+    assert (code, err) == (0, "")
+    assert out.splitlines()[-3].startswith("oldest due age")
+    assert out.splitlines()[-2:] == [
+        "waiting for unknown function 'send_emial': 2",
+        "waiting without a function (plain tasks: no Jobs worker runs them): 1",
+    ]
+    code, out, _ = await mongoq_cmd("tasks", "stats", "jobs", "--json")
+    assert code == 0 and json.loads(out)["unknown_functions"] == {"send_emial": 2, "": 1}
 
 
 async def test_tasks_list_aligns_cuts_errors_and_pages(db: Any, mongoq_cmd: Mongoq) -> None:

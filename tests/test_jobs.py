@@ -1,6 +1,7 @@
 """Task functions (`mongoq.Jobs`): `defer` stores a call of a named function in its queue,
 one worker runs every declared function over several queues, fairly, and a task whose
-function no worker knows is never run nor charged an attempt."""
+function no worker knows is never run nor charged an attempt, and shows in the queue's stats
+as waiting for an unknown function while a worker is live (its presence)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ import anyio
 import pytest
 
 from mongoq import InvalidInput, Jobs, PermanentError
-from mongoq.testing import ManualClock
-from tests.support.helpers import napping, wait_for
+from mongoq.clock import stored_instant
+from mongoq.testing import FaultInjector, ManualClock, instrument
+from tests.support.helpers import napping, until, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -361,3 +363,129 @@ async def test_a_jobs_like_another_defers_and_runs_its_functions_on_its_own_data
         assert len(await documents(other, "emails")) == 2
     finally:
         await db.client.drop_database(other.name)
+
+
+# ------------------------------------------------------------ unknown functions: presences
+
+
+def declare_a(jobs: Jobs) -> None:
+    @jobs.task(queue="emails", name="a")
+    async def a() -> None:
+        return None
+
+
+async def presence_of(db: Any, worker_id: str) -> dict[str, Any] | None:
+    doc: dict[str, Any] | None = await db["emails_workers"].find_one({"_id": worker_id})
+    return doc
+
+
+async def test_stats_count_the_due_tasks_of_a_function_no_running_worker_knows(
+    db: Any, clock: ManualClock
+) -> None:
+    """A worker that knows `a` announces it in ``emails_workers`` while it runs: a due task of
+    `b` then shows in `stats` as waiting for an unknown function, uncharged. Its run ended, the
+    worker's document is gone, and with no worker live `stats` names none (`oldest_due_age` is
+    the signal then)."""
+    jobs = new_jobs(db, clock)
+    declare_a(jobs)
+    await jobs.setup()
+    queue = jobs.queue("emails")
+    await queue.put("b-1", {"args": [], "kwargs": {}}, function="b")
+    assert (await queue.stats()).unknown_functions == {}  # no worker live: none to compare
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(partial(jobs.run, worker_id="w-1"))
+        doc = await until(partial(presence_of, db, "w-1"), bool, "the worker's presence")
+        stats = await queue.stats()
+        jobs.stop()
+
+    assert doc["functions"] == ["a"]
+    assert stored_instant(doc["seen"]) == clock.now()
+    assert stored_instant(doc["expires"]) == clock.now() + timedelta(seconds=60)  # its lease
+    assert stats.unknown_functions == {"b": 1} and stats.due == 1
+    assert await presence_of(db, "w-1") is None  # withdrawn when the run ended
+    after = (await documents(db, "emails"))["b-1"]
+    assert (after["status"], after["attempts"]) == ("pending", 0)
+    assert (await queue.stats()).unknown_functions == {}
+
+
+async def test_a_presence_is_renewed_at_each_housekeeping_round(
+    db: Any, clock: ManualClock
+) -> None:
+    jobs = new_jobs(db, clock)  # lease_ttl 60: a housekeeping round every 20 s
+    declare_a(jobs)
+    await jobs.setup()
+    async with anyio.create_task_group() as group:
+        group.start_soon(partial(jobs.run, worker_id="w-1"))
+        await until(partial(presence_of, db, "w-1"), bool, "the worker's presence")
+        await wait_for(lambda: napping(jobs), "the worker to wait on the clock")
+        clock.advance(20)
+        renewed = await until(
+            partial(presence_of, db, "w-1"),
+            lambda doc: doc is not None and stored_instant(doc["seen"]) == clock.now(),
+            "the housekeeping round's announcement",
+        )
+        jobs.stop()
+    assert stored_instant(renewed["expires"]) == clock.now() + timedelta(seconds=60)
+    assert renewed["functions"] == ["a"]
+
+
+async def test_a_killed_workers_presence_counts_until_it_expires_and_no_longer(
+    db: Any, clock: ManualClock
+) -> None:
+    """Presences that were never withdrawn (workers killed with -9): each counts until its
+    `expires`, whether or not the TTL index deleted it yet; the live ones' functions count
+    together."""
+    jobs = new_jobs(db, clock)
+    declare_a(jobs)
+    await jobs.setup()
+    queue = jobs.queue("emails")
+    await queue.put("b-1", {"args": [], "kwargs": {}}, function="b")
+    await queue._presence.announce("old", ["a", "b"], 60)  # killed: expires in 60 s
+    clock.advance(30)
+    await queue._presence.announce("new", ["a"], 60)  # killed too: expires 30 s after "old"
+
+    assert (await queue.stats()).unknown_functions == {}  # "old" still runs b
+    clock.advance(30)  # "old" expires now: an expiry at `now` no longer counts
+    assert (await queue.stats()).unknown_functions == {"b": 1}
+    clock.advance(30)  # "new" expires too: no worker live
+    assert (await queue.stats()).unknown_functions == {}
+
+
+async def test_a_presence_that_cannot_be_withdrawn_is_logged_and_the_run_ends(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    faults = FaultInjector()
+    jobs = new_jobs(instrument(db, faults), clock)
+    declare_a(jobs)
+    await jobs.setup()
+    faults.fail_before("delete_one", collection="emails_workers")
+
+    caplog.set_level(logging.WARNING, logger="mongoq.jobs")
+    await jobs.run(stop_when_empty=True, worker_id="w-1")
+
+    [record] = [r for r in caplog.records if "could not withdraw" in r.getMessage()]
+    assert (record.mongoq_queue, record.mongoq_worker) == ("emails", "w-1")  # type: ignore[attr-defined]
+    assert "AutoReconnect" in record.getMessage()
+    doc = await presence_of(db, "w-1")  # left behind: it counts until it expires
+    assert doc is not None and doc["functions"] == ["a"]
+
+
+async def test_a_retried_error_keeps_its_own_cause_in_the_stored_error(
+    db: Any, clock: ManualClock
+) -> None:
+    jobs = new_jobs(db, clock)
+
+    @jobs.task(queue="emails", name="send_email")
+    async def send_email(to: str) -> None:
+        try:
+            {}[to]
+        except KeyError as missing:
+            raise ConnectionError("smtp down") from missing
+
+    await jobs.setup()
+    task_id = await send_email.defer("ada")
+    await jobs.run(stop_when_empty=True)
+    stored = (await documents(db, "emails"))[task_id]
+    assert (stored["status"], stored["attempts"]) == ("pending", 1)  # retried
+    assert "KeyError: 'ada'" in stored["error"] and "ConnectionError: smtp down" in stored["error"]

@@ -262,6 +262,28 @@ async def test_a_scrape_shows_every_task_status_even_when_empty(
     assert samples[key("mongoq_tasks_oldest_due_age_seconds", queue=QUEUE)] == 0
 
 
+async def test_the_due_tasks_no_running_worker_runs_have_a_series_per_function(
+    db: Any, clock: ManualClock
+) -> None:
+    queue = await new_queue(db, clock)
+    await queue.put("b-1", function="b")
+    await queue.put("b-2", function="b")
+    await queue.put("plain-1")
+    await queue.put("a-1", function="a")
+    registry = collecting(queue)
+    # No worker running: nothing to compare the functions with, no series.
+    assert by_label(await scrape(registry), "mongoq_tasks_unknown_function_due", "function") == {}
+
+    await queue._presence.announce("w-1", ["a"], LEASE_TTL)
+
+    samples = await scrape(registry)
+    unknown = by_label(samples, "mongoq_tasks_unknown_function_due", "function")
+    assert unknown == {"b": 2, "": 1}  # a plain task: no Jobs worker runs it
+    assert samples[key("mongoq_tasks_unknown_function_due", queue=QUEUE, function="b")] == 2
+    clock.advance(LEASE_TTL)  # the worker's presence expires
+    assert by_label(await scrape(registry), "mongoq_tasks_unknown_function_due", "function") == {}
+
+
 async def test_a_scrape_costs_a_fixed_number_of_commands_whatever_the_backlog(
     db: Any, clock: ManualClock
 ) -> None:
@@ -281,15 +303,15 @@ async def test_a_scrape_costs_a_fixed_number_of_commands_whatever_the_backlog(
             found[kind] = counter.total
         return found
 
-    assert await costs() == {"tasks": 9, "groups": 6, "outbox": 5}
+    assert await costs() == {"tasks": 10, "groups": 6, "outbox": 5}
     for n in range(40):
         await queue.put(f"t{n}")
         await transport.publish(f"g{n % 7}", n)
     await outbox.publish([event(n) for n in range(40)], session=None)
-    assert await costs() == {"tasks": 9, "groups": 6, "outbox": 5}
+    assert await costs() == {"tasks": 10, "groups": 6, "outbox": 5}
     # Deliveries running on held lanes: one more read, to tell them from stale listings.
     assert await outbox.claim("w", limit=8)
-    assert await costs() == {"tasks": 9, "groups": 6, "outbox": 6}
+    assert await costs() == {"tasks": 10, "groups": 6, "outbox": 6}
     # With completion history, one more: its (estimated) count.
     history = AsyncOutbox(
         counted, "obh_", subscriptions=ONLY_H, completion_history=True, clock=clock

@@ -30,6 +30,7 @@ def test_the_base_install_is_pymongo_and_anyio_and_the_rest_are_extras() -> None
     assert _names(extras["metrics"]) == {"prometheus_client"}
     assert _names(extras["cron"]) == {"croniter"}
     assert _names(extras["dashboard"]) == {"starlette", "uvicorn"}
+    assert _names(extras["otel"]) == {"opentelemetry-api"}
     assert _names(extras["docs"]) == {"mkdocs", "mkdocs-material", "mkdocstrings"}
     assert "mongoq-queue[embedded,motor,metrics,cron,dashboard,docs]" in extras["test"]
 

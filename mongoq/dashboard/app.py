@@ -309,7 +309,7 @@ async def _api_overview(request: Request) -> Response:
     fresh (every open page would otherwise read every primitive's stats again)."""
     state = _state(request)
     summaries: list[Summary] = state.sampler.fresh() or await state.catalog.summaries()
-    shown = ("primitive", "name", "counts", "backlog", "oldest_age", "error")
+    shown = ("primitive", "name", "counts", "backlog", "oldest_age", "error", "unknown_functions")
     return JSONResponse({"primitives": [
         {**{f: plain(getattr(s, f)) for f in shown}, "key": s.key} for s in summaries
     ]})  # fmt: skip

@@ -21,7 +21,8 @@ from mongoq.dashboard.readings import Summary
 __all__ = [
     "TITLES", "ago", "confirm", "confirm_link", "deliveries_table", "delivery_link", "error",
     "error_cell", "find_form", "group_link", "groups_table", "id_cell", "id_fields", "link",
-    "overview", "page", "primitive_page", "show", "table", "task_link", "waiting_age",
+    "overview", "page", "primitive_page", "show", "table", "task_link", "unknown_functions",
+    "waiting_age",
 ]  # fmt: skip
 
 #: The widest an error is shown in a table (the whole text is in the cell's title).
@@ -99,6 +100,25 @@ def _counts(summary: Summary) -> str:
     )
 
 
+def unknown_functions(summary: Summary, tag: str = "p") -> str:
+    """A warning per task function that no running worker runs, with its due tasks, the most
+    waiting first (`tag`: ``p`` on a primitive's page, ``span`` in the overview's cell)."""
+    shown = []
+    for name, count in sorted(summary.unknown_functions.items(), key=lambda i: (-i[1], i[0])):
+        what = (f"waiting for unknown function <code>{escape(name)}</code>" if name else
+                "waiting without a function (plain tasks: no Jobs worker runs them)")  # fmt: skip
+        shown.append(f'<{tag} class="warning" role="status" title="{escape(UNKNOWN_HINT)}">'
+                     f"{what}: <b>{count}</b></{tag}>")  # fmt: skip
+    return "".join(shown)
+
+
+#: What an unknown function's warning means, in its tooltip.
+UNKNOWN_HINT = (
+    "Due tasks of a task function that no running worker knows (a misspelt name, a deploy not "
+    "finished): they wait, never run nor charged an attempt, until a worker that knows it starts."
+)
+
+
 def waiting_age(seconds: float | None) -> str:
     """How long the oldest due item has waited: ``-`` when nothing is due, ``<1s`` for under
     a second (due work never reads as ``0s``, which would say nothing waits)."""
@@ -111,7 +131,7 @@ def overview(summaries: Sequence[Summary], charts: Mapping[str, str]) -> str:
     """Every primitive: its counts, its oldest waiting item and its chart (`charts` by key)."""
     rows = [
         f'<tr><td>{TITLES[s.primitive]}</td><td><a href="{link(s.primitive, s.name)}">'
-        f"{escape(s.name)}</a></td><td>{_counts(s)}</td>"
+        f"{escape(s.name)}</a></td><td>{_counts(s)}{unknown_functions(s, 'span')}</td>"
         f'<td data-age="{escape(s.key)}">{escape(waiting_age(s.oldest_age))}</td>'
         f"<td>{charts.get(s.key, '')}</td></tr>"
         for s in summaries
@@ -135,7 +155,7 @@ def _summary_block(summary: Summary) -> str:
     age = escape(waiting_age(summary.oldest_age))
     oldest = (f'<span class="count"><span class="label">oldest waiting</span> '
               f'<b data-age="{escape(summary.key)}">{age}</b></span>')  # fmt: skip
-    return f'<p class="counts">{_counts(summary)} {oldest}</p>'
+    return f'<p class="counts">{_counts(summary)} {oldest}</p>{unknown_functions(summary)}'
 
 
 def primitive_page(summary: Summary, chart: str, sections: Sequence[tuple[str, str]]) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, TypeVar, cast
 
@@ -45,7 +45,8 @@ class Summary:
     source; None when not asked, when that instant is not before `counted_until`, or where
     the primitive keeps no record of finished items: a group transport, an outbox without
     ``completion_history``). `error` says why the read failed (the counts are
-    then empty)."""
+    then empty). `unknown_functions` are a task queue's due tasks by task function that no
+    running worker runs (`TaskStats.unknown_functions`)."""
 
     primitive: Primitive
     name: str
@@ -58,6 +59,7 @@ class Summary:
     #: where the window `finished` counted ended (`WINDOW_LAG` before `read_at`): where the
     #: next one starts
     counted_until: datetime | None = None
+    unknown_functions: dict[str, int] = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -151,7 +153,8 @@ class Catalog:
                 finished = await primitive.count_finished(since, until)
             counts = {**tasks.counts, "due": tasks.due, "expired": tasks.expired}
             return Summary("tasks", found.name, counts, tasks.counts.get("pending", 0),
-                           tasks.oldest_due_age, now, finished, counted_until=until)  # fmt: skip
+                           tasks.oldest_due_age, now, finished, counted_until=until,
+                           unknown_functions=tasks.unknown_functions)  # fmt: skip
         if isinstance(primitive, AsyncGroupTransport):
             groups = await primitive.stats()
             counts = {"ready": groups.ready, "in_flight": groups.in_flight,

@@ -3,7 +3,8 @@
 
 A deferred call is a task of the function's queue (an `AsyncTaskQueue`) whose document holds
 the function's name in ``function`` and the call's arguments in ``payload``
-(``{"args": [...], "kwargs": {...}}``); nothing of the queue's storage changes meaning.
+(``{"args": [...], "kwargs": {...}}``, and, when traced, the defer's trace context in
+``trace``: `mongoq.jobs.tracing`); nothing of the queue's storage changes meaning.
 Owns no collections.
 """
 
@@ -14,10 +15,12 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
 from mongoq._validation import check_payload
 from mongoq.errors import InvalidInput, PermanentError
+from mongoq.jobs.tracing import CARRIER
 from mongoq.tasks.models import Task, TaskId
 
 if TYPE_CHECKING:
@@ -30,11 +33,13 @@ R = TypeVar("R")
 
 
 def arguments_of(task: Task) -> tuple[list[Any], dict[str, Any]]:
-    """The positional and keyword arguments a task function's task was deferred with."""
+    """The positional and keyword arguments a task function's task was deferred with (beside
+    them, the payload may hold its defer's trace context: `mongoq.jobs.tracing.CARRIER`)."""
     payload = task.payload
     if (
         not isinstance(payload, Mapping)
-        or set(payload) != {"args", "kwargs"}
+        or set(payload) - {CARRIER} != {"args", "kwargs"}
+        or not isinstance(payload.get(CARRIER, {}), Mapping)
         or not isinstance(payload["args"], list)
         or not isinstance(payload["kwargs"], Mapping)
     ):
@@ -63,10 +68,12 @@ class Deferral(Generic[P, R]):
         """`defer` on the database of `jobs` (the function's own `Jobs`, or one `like` it)."""
         payload = self.function.encode(args, kwargs)
         task_id = self.task_id if self.task_id is not None else uuid.uuid4().hex
-        await jobs.queue(self.function.queue).put(
-            task_id, payload, revision=self.revision, priority=self.priority, delay=self.delay,
-            run_at=self.run_at, function=self.function.name,
+        queue = jobs.queue(self.function.queue)
+        put = partial(
+            queue.put, task_id, revision=self.revision, priority=self.priority,
+            delay=self.delay, run_at=self.run_at, function=self.function.name,
         )  # fmt: skip
+        await jobs.tracing.send(queue.name, self.function.name, str(task_id), payload, put)
         return task_id
 
 
@@ -164,7 +171,10 @@ class TaskFunction(Generic[P, R]):
         try:
             return await self.function(*args, **kwargs)
         except Exception as error:
-            raise self.final(error, task) from error
+            final = self.final(error, task)
+            if final is error:
+                raise  # as it was raised: its own cause kept
+            raise final from error
 
     def final(self, error: Exception, task: Task) -> Exception:
         """`error` as this function's policy has it: a `PermanentError` when it must not be

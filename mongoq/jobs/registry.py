@@ -25,6 +25,7 @@ from mongoq._validation import (
 from mongoq.clock import Clock
 from mongoq.errors import InvalidInput, MongoqError
 from mongoq.jobs.functions import Deferral, TaskFunction
+from mongoq.jobs.tracing import TracerProviderLike, Tracing, check_tracer_provider
 from mongoq.runtime.loop import WorkerHost
 from mongoq.tasks import AsyncTaskQueue, TaskRunSummary
 from mongoq.tasks.models import TaskId
@@ -50,10 +51,16 @@ class Jobs(WorkerHost):
     `AsyncTaskQueue` options (``lease_ttl``, ``max_attempts``, ``backoff_base``...);
     `configure_queue` sets one queue's.
 
-    ``Jobs(db, like=jobs)`` is a `Jobs` with the task functions, periodic schedules and queue
-    options of `jobs`, on `db`: one declaration serving several databases, or the blocking
-    facade's ``mongoq_sync.Jobs(db, like=jobs)``, which defers and waits from plain threads.
-    Its `defer` and `wait` take the function: ``await tenant.defer(send_email, to=...)``."""
+    `tracer_provider` is the OpenTelemetry ``TracerProvider`` of its spans (the ``otel``
+    extra): a PRODUCER span for each defer, whose context the task carries, and a CONSUMER
+    span for each call, continuing its trace. None: OpenTelemetry's global provider, looked up
+    when first used; without an SDK configured there, nothing is traced nor stored.
+
+    ``Jobs(db, like=jobs)`` is a `Jobs` with the task functions, periodic schedules, queue
+    options and tracer provider of `jobs`, on `db`: one declaration serving several databases,
+    or the blocking facade's ``mongoq_sync.Jobs(db, like=jobs)``, which defers and waits from
+    plain threads. Its `defer` and `wait` take the function: ``await tenant.defer(send_email,
+    to=...)``."""
 
     def __init__(
         self,
@@ -61,12 +68,17 @@ class Jobs(WorkerHost):
         *,
         like: Jobs | None = None,
         clock: Clock | None = None,
+        tracer_provider: TracerProviderLike | None = None,
         **queue_options: Any,
     ):
         super().__init__()
         _check_queue_options("queue_options", queue_options)
         if like is not None and not isinstance(like, Jobs):
             raise InvalidInput("like", f"must be a mongoq.Jobs, got {type(like).__name__}")
+        provider = check_tracer_provider("tracer_provider", tracer_provider)
+        if provider is None and like is not None:
+            provider = like.tracing.provider
+        self.tracing: Tracing = Tracing(provider)
         self.db = db
         self.clock: Clock | None = clock if clock is not None or like is None else like.clock
         # The declarations are shared with `like` (functions declared later show in both);

@@ -1,7 +1,10 @@
 """`JobsWorker`: one `WorkerLoop` over several task queues, running the tasks of the task
 functions a `Jobs` declares. Claims rotate over the queues (each starts at the queue after the
 last one claimed from), and name the functions the worker knows; processing is each queue's
-own (`AsyncTaskQueue.run`'s lease, heartbeat and settle steps). Owns no collections.
+own (`AsyncTaskQueue.run`'s lease, heartbeat and settle steps). Each queue's
+``{name}_workers`` (which the queue owns: `mongoq.tasks.presence`) holds the worker's presence
+while it runs: the task functions it runs there, renewed at each housekeeping round, deleted
+when the run ends; `AsyncTaskQueue.stats` reads them. Owns no collections.
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ from mongoq.runtime.events import Tally
 from mongoq.runtime.handler import call_handler
 from mongoq.runtime.loop import WorkerLoop
 from mongoq.tasks import AsyncTaskQueue, Task, TaskRunSummary
-from mongoq.tasks import schema as task_schema
 from mongoq.tasks.batch import TaskBatch
+from mongoq.tasks.operators import UNKNOWN_READ
 
 if TYPE_CHECKING:
+    from mongoq.clock import Clock
+    from mongoq.jobs.functions import TaskFunction
     from mongoq.jobs.registry import Jobs
 
 __all__ = ["JobsWorker"]
@@ -33,8 +38,9 @@ __all__ = ["JobsWorker"]
 log = logging.getLogger("mongoq.jobs")
 
 Claimed = tuple[int, Any]  # (queue index, a task or a batch of them)
-#: The due tasks a worker reads, at most, to say which wait for functions it does not know.
-UNKNOWN_READ = 1000
+#: Seconds a worker waits, at most, to announce itself when it starts and to withdraw when it
+#: stops: a server that does not answer must not hold a stop up (a presence expires anyway).
+PRESENCE_WAIT = 5.0
 
 
 class JobsWorker:
@@ -83,7 +89,7 @@ class JobsWorker:
             housekeeping_interval=min(queue.lease_ttl for queue in self.queues) / 3,
             name=f"jobs:{','.join(queue.name for queue in self.queues)}",
             next_due=self._next_due if stop_when_drained else None,
-            background=self._listeners(),
+            background=[self._present, *self._listeners()],
             give_up_after=check_timeout("give_up_after", give_up_after),
         )
         return self._loop
@@ -123,13 +129,23 @@ class JobsWorker:
         await self._process[index](got)
 
     async def _call(self, task: Task) -> Any:
-        """Run `task` with its task function, under the function's own time limit."""
+        """Run `task` with its task function, under the function's own time limit, in a span
+        of the call when tracing (`mongoq.jobs.tracing`)."""
         function = self.jobs.functions.get(task.function or "")
         if function is None:  # claimed by name: only a function removed since the claim
             raise PermanentError(f"no task function {task.function!r} in this worker")
         queue = self.jobs.queue(function.queue)
+        return await self.jobs.tracing.process(
+            task, function.name, queue.name, max_attempts=queue.max_attempts,
+            worker=self.worker_id, call=partial(self._limited, function, task, queue.clock),
+        )  # fmt: skip
+
+    @staticmethod
+    async def _limited(function: TaskFunction[Any, Any], task: Task, clock: Clock) -> Any:
+        """`function`'s run of `task` under its time limit; a timeout goes through the
+        function's retry policy as any failure does."""
         try:
-            return await call_handler(partial(function.run, task), clock=queue.clock,
+            return await call_handler(partial(function.run, task), clock=clock,
                                       limit=function.timeout)  # fmt: skip
         except HandlerTimeout as timeout:  # raised outside the call: the policy applies here
             final = function.final(timeout, task)
@@ -140,7 +156,44 @@ class JobsWorker:
     async def _housekeep(self) -> None:
         for queue, names in zip(self.queues, self.functions, strict=True):
             await queue.reclaim_expired()
+            await queue._presence.announce(self.worker_id, names, self._presence_ttl)
             await _say_unknown(queue, names)
+
+    @property
+    def _presence_ttl(self) -> float:
+        """How long an announcement holds: the shortest lease, three housekeeping rounds (a
+        third of it each), so a round delayed by a slow server does not make the worker look
+        gone."""
+        return min(queue.lease_ttl for queue in self.queues)
+
+    async def _present(self) -> None:
+        """Beside the slots, for the whole run: this worker's presence in each of its queues,
+        announced at the start (the housekeeping rounds renew it) and withdrawn at the end,
+        however the run ends. Best effort: a presence left behind expires by itself."""
+        try:
+            # Shielded: an announcement cancelled in flight could land after the withdrawal.
+            with anyio.move_on_after(PRESENCE_WAIT, shield=True):
+                for queue, names in zip(self.queues, self.functions, strict=True):
+                    await queue._presence.announce(self.worker_id, names, self._presence_ttl)
+        except _driver.DRIVER_ERRORS as exc:  # the housekeeping rounds announce it again
+            log.debug("announcing worker %s failed at its start: %s", self.worker_id, exc)
+        try:
+            await anyio.sleep_forever()
+        finally:
+            with anyio.move_on_after(PRESENCE_WAIT, shield=True):
+                for queue in self.queues:
+                    await self._withdraw(queue)
+
+    async def _withdraw(self, queue: AsyncTaskQueue) -> None:
+        try:
+            await queue._presence.withdraw(self.worker_id)
+        except Exception as exc:  # the run is over either way: its presence expires by itself
+            log.warning(
+                "%s: could not withdraw the presence of worker %s (%s: %s); it counts as "
+                "running until it expires, within %g s", queue.name, self.worker_id,
+                type(exc).__name__, exc, self._presence_ttl,
+                extra={"mongoq_queue": queue.name, "mongoq_worker": self.worker_id},
+            )  # fmt: skip
 
     async def _next_due(self) -> datetime | None:
         dues = [
@@ -176,20 +229,12 @@ class JobsWorker:
 async def _say_unknown(queue: AsyncTaskQueue, names: list[str]) -> None:
     """Log the due tasks of `queue` this worker does not run (a function it does not know, or
     none): they wait, uncharged, for a worker that knows them."""
-    unknown = task_schema.tasks_due_not_of(queue.clock.now(), names)
-    # Bounded: the due range is read past the known functions' tasks; a count of "at least"
-    # that many says enough.
-    counts = await _driver.aggregate_list(
-        queue.collection,
-        [{"$match": unknown}, {"$limit": UNKNOWN_READ},
-         {"$group": {"_id": "$function", "n": {"$sum": 1}}}],
-        hint=task_schema.STATUS_LEASE.name,
-    )  # fmt: skip
-    for row in counts:
+    counts = await queue._due_not_of(queue.clock.now(), names)  # bounded: UNKNOWN_READ
+    for function, waiting in counts.items():
         log.warning(
             "%s: %s%d due task(s) of %s wait: no task function of this worker runs them",
-            queue.name, "at least " if row["n"] >= UNKNOWN_READ else "", row["n"],
-            f"task function {row['_id']!r}" if row["_id"] else "no task function (plain tasks)",
-            extra={"mongoq_queue": queue.name, "mongoq_function": row["_id"],
-                   "mongoq_waiting": row["n"]},
+            queue.name, "at least " if waiting >= UNKNOWN_READ else "", waiting,
+            f"task function {function!r}" if function else "no task function (plain tasks)",
+            extra={"mongoq_queue": queue.name, "mongoq_function": function or None,
+                   "mongoq_waiting": waiting},
         )  # fmt: skip

@@ -1,9 +1,10 @@
 """The task queue, `AsyncTaskQueue`: a task *is* a state document, claimed atomically, leased,
-retried. It owns the collections ``{name}`` (one document per task) and ``{name}_schedules``;
-their layout and every query sent are in `mongoq.tasks.schema`, the values in
-`mongoq.tasks.models`. The face (set-up, puts, claims, run) is `mongoq.tasks.queue`; the lease
-holder's calls and `TaskLease` are in `mongoq.tasks.settles`, the operator calls in
-`mongoq.tasks.operators`, the schedules in `mongoq.tasks.schedules`."""
+retried. It owns the collections ``{name}`` (one document per task), ``{name}_schedules`` and
+``{name}_workers`` (the running `Jobs` workers' presences); their layout and every query sent
+are in `mongoq.tasks.schema`, the values in `mongoq.tasks.models`. The face (set-up, puts,
+claims, run) is `mongoq.tasks.queue`; the lease holder's calls and `TaskLease` are in
+`mongoq.tasks.settles`, the operator calls in `mongoq.tasks.operators`, the schedules in
+`mongoq.tasks.schedules`, the workers' presences in `mongoq.tasks.presence`."""
 
 from mongoq.tasks.models import (
     NewTask,

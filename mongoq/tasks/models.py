@@ -236,12 +236,21 @@ class TaskStats:
     `due` of the pending tasks are claimable now; `expired` processing tasks have a lease that
     ran out (their worker is gone or stuck); `oldest_due_age` is how long the oldest claimable
     task has waited, in seconds (None when none is due): the "queue is stuck" signal.
+
+    `unknown_functions` counts the due tasks, by task function name, that no running `Jobs`
+    worker of the queue runs (a misspelt name, a function not deployed yet): they wait,
+    uncharged, for a worker that knows them. Plain tasks (put without a function, for
+    `run(handler)`) are counted under ``""``: no `Jobs` worker runs them. "Running" is what
+    the workers announce (`mongoq.tasks.presence`); a plain `run` announces nothing, so with
+    no `Jobs` worker live the mapping is empty, and `oldest_due_age` is the signal. At most
+    1,000 due tasks are read for it (the counts are then lower bounds).
     """
 
     counts: dict[str, int]
     due: int
     expired: int
     oldest_due_age: float | None
+    unknown_functions: dict[str, int]
 
 
 @dataclass(frozen=True)

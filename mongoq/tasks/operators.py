@@ -1,14 +1,15 @@
 """The task queue's operator calls, mixed into `AsyncTaskQueue`: one task by id, listings
 with a cursor, requeue (one or every failed task), remove, purge of finished tasks, the
 clean-up after crashed workers, and the stats. They read and write the queue's collection (see
-`mongoq.tasks.schema`) through its filters; they own none.
+`mongoq.tasks.schema`) through its filters, and `stats` reads which task functions the running
+workers announce (`mongoq.tasks.presence`); they own no collection.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Any, Protocol
@@ -46,6 +47,7 @@ from mongoq.tasks.models import (
     TaskStats,
     TaskStatus,
 )
+from mongoq.tasks.presence import Presence
 
 __all__ = ["TaskOperators"]
 
@@ -55,6 +57,9 @@ log = logging.getLogger("mongoq.tasks")
 FINISHED = frozenset({DONE, FAILED, CANCELLED, TOMBSTONE})
 #: The most tasks one `list_tasks` page returns.
 MAX_PAGE = 1000
+#: The due tasks read, at most, to count those waiting for a task function no worker runs:
+#: their due range is read past the others' tasks, and "at least" that many says enough.
+UNKNOWN_READ = 1000
 
 
 class _Queue(Protocol):
@@ -65,8 +70,11 @@ class _Queue(Protocol):
     max_attempts: int
     name: str
     clock: Clock
+    _presence: Presence
 
     async def _now(self) -> datetime: ...
+
+    async def _due_not_of(self, now: datetime, functions: Sequence[str]) -> dict[str, int]: ...
 
     def _finished(self, task_ids: Iterable[TaskId]) -> None: ...
 
@@ -320,7 +328,11 @@ class TaskOperators:
         )
 
     async def stats(self: _Queue) -> TaskStats:
-        """Counts per status, due, expired and the oldest due age (eight indexed commands)."""
+        """Counts per status, due, expired, the oldest due age, and the due tasks waiting for a
+        task function no running worker runs (`TaskStats`): ten indexed commands (a count per
+        status, due, expired, the oldest due task, the live workers' functions), and one
+        aggregation of at most `UNKNOWN_READ` due tasks when some are due and a worker is
+        live."""
         now = await self._now()
         count = self.collection.count_documents
         counts: dict[str, int] = {
@@ -337,7 +349,21 @@ class TaskOperators:
         )
         oldest_due = stored_instant(oldest[0]["lease_until"]) if oldest else None
         age = (now - oldest_due).total_seconds() if oldest_due is not None else None
-        return TaskStats(counts, due, expired, age)
+        # Read whether or not anything is due: the cost stays the same whatever the queue holds.
+        known = await self._presence.functions(now)
+        unknown = {} if known is None or not due else await self._due_not_of(now, sorted(known))
+        return TaskStats(counts, due, expired, age, unknown)
+
+    async def _due_not_of(self: _Queue, now: datetime, functions: Sequence[str]) -> dict[str, int]:
+        """The due tasks none of `functions` runs, counted by task function (``""``: plain
+        tasks), out of at most `UNKNOWN_READ` of them: one aggregation on ``status_lease``."""
+        rows = await _driver.aggregate_list(
+            self.collection,
+            [{"$match": schema.tasks_due_not_of(now, functions)}, {"$limit": UNKNOWN_READ},
+             {"$group": {"_id": "$function", "n": {"$sum": 1}}}],
+            hint=schema.STATUS_LEASE.name,
+        )  # fmt: skip
+        return {row["_id"] or "": int(row["n"]) for row in rows}
 
 
 def _check_status(field: str, status: Any) -> TaskStatus:

@@ -4,8 +4,10 @@ leased, retried.
 Here: the constructor, set-up, the producer's puts, the claims (one task, or a batch) and the
 run loop. The lease holder's calls (renew, complete, release, fail, `leased`) are mixed in from
 `mongoq.tasks.settles`, the operator calls from `mongoq.tasks.operators`, the schedules from
-`mongoq.tasks.schedules`. The queue owns one collection, ``{name}``, one document per task: its
-layout, its indexes and every filter and update sent are in `mongoq.tasks.schema`.
+`mongoq.tasks.schedules`, the running workers' presences from `mongoq.tasks.presence`. The queue
+owns the collections ``{name}`` (one document per task), ``{name}_schedules`` (one per
+schedule) and ``{name}_workers`` (one per running `Jobs` worker): their layout, their indexes
+and every filter and update sent are in `mongoq.tasks.schema`.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from mongoq.tasks.models import (
     new_task,
 )
 from mongoq.tasks.operators import TaskOperators
+from mongoq.tasks.presence import Presence
 from mongoq.tasks.schedules import Scheduler, TaskSchedules
 from mongoq.tasks.settles import TaskLease, TaskSettles
 
@@ -126,6 +129,7 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         self._wake_key = wakeups.key_of("tasks", db, name)
         self._finished_base = wakeups.key_of("tasks.finished", db, name)
         self._scheduler = Scheduler(self)
+        self._presence = Presence(self)
 
     # ------------------------------------------------------------------------------ set-up
 
@@ -145,6 +149,10 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         }
         await create_indexes(self.db, self.collection, schema.INDEXES, expiries=expiries)
         await create_indexes(self.db, self._scheduler.collection, (schema.SCHEDULE_DUE,))
+        await create_indexes(
+            self.db, self._presence.collection, (schema.WORKER_EXPIRY,),
+            expiries={schema.WORKER_EXPIRY.name: 0},  # expires at the instant it holds
+        )  # fmt: skip
         await registry.register(self.db, "tasks", self.name, self.clock.now())
 
     async def _now(self) -> datetime:

@@ -1,5 +1,7 @@
-"""The task queue's storage: the layout of its collection, its indexes, and every filter and
-update `AsyncTaskQueue` sends, each a named function beside the index that serves it. No I/O.
+"""The task queue's storage: the layout of its collections, their indexes, and every filter
+and update `AsyncTaskQueue` sends, each a named function beside the index that serves it. No
+I/O. The tasks' collection comes first; the schedules' (``{name}_schedules``) and the running
+workers' (``{name}_workers``) are at the end.
 
 Collection ``{name}``, one document per task::
 
@@ -72,6 +74,8 @@ __all__ = [
     "STATUS_LEASE",
     "STATUS_UPDATED",
     "TOMBSTONE_TTL",
+    "WORKER_EXPIRY",
+    "WORKERS_SUFFIX",
     "IndexSpec",
     "task_as_claimed",
     "tasks_finished_between",
@@ -107,7 +111,11 @@ __all__ = [
     "tasks_held",
     "tasks_listed",
     "tasks_purgeable",
+    "tasks_due_not_of",
     "tasks_unfinished",
+    "worker_announcing",
+    "worker_by_id",
+    "workers_live",
 ]
 
 
@@ -565,3 +573,35 @@ def schedule_advancing(
     if last_tick is not None:
         fields["last_tick"] = last_tick
     return {"$set": fields}
+
+
+# ---------------------------------------------------------------------------------- workers
+# Collection ``{name}_workers``, one document per running `Jobs` worker of the queue
+# (`mongoq.tasks.presence`): ``{_id: worker id, functions: [the task functions it runs, sorted],
+# seen: its last announcement, expires: when it counts as gone unless it announces again}``.
+# A worker announces itself when it starts and at each housekeeping round, and deletes its
+# document when its run ends; a killed worker's document counts no more from ``expires`` on.
+
+WORKERS_SUFFIX = "_workers"
+#: Deletes, some time after its ``expires``, the presence of a worker that could not withdraw
+#: it (killed): TTL, expiring at the instant the field holds. The server's TTL monitor runs
+#: about once a minute, so no reader waits for it: each filters on ``expires`` itself, served
+#: by this index.
+WORKER_EXPIRY = IndexSpec("expires", (("expires", 1),), ttl=True)
+
+
+def worker_by_id(worker_id: str) -> dict[str, Any]:
+    """One worker's presence: its announcement (upserted) and its withdrawal; by ``_id``."""
+    return {"_id": worker_id}
+
+
+def worker_announcing(functions: Sequence[str], now: datetime, expires: datetime) -> dict[str, Any]:
+    """An announcement (upserted on `worker_by_id`): the task functions the worker runs, and
+    until when it counts as running without announcing again."""
+    return {"$set": {"functions": sorted(functions), "seen": now, "expires": expires}}
+
+
+def workers_live(now: datetime) -> dict[str, Any]:
+    """The presences not expired at `now`: `stats`' read of the task functions some running
+    worker runs (``expires``)."""
+    return {"expires": {"$gt": now}}

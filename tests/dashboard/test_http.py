@@ -74,6 +74,34 @@ async def test_a_task_queues_page_lists_its_failed_tasks_with_their_error_escape
     assert "report-4" in running and "digest-3" in running and "welcome-1" not in running
 
 
+async def test_the_due_tasks_of_a_function_no_running_worker_knows_are_shown_escaped(
+    db: Any, clock: ManualClock
+) -> None:
+    seeded = await seed(db, clock)  # "digest-3" is a plain task, due
+    hostile = "send_<b>emial</b>"
+    for task_id in ("t-1", "t-2"):
+        await seeded.queue.put(task_id, function=hostile)
+    async with client(app_of(db, clock)) as http:
+        quiet = await http.get("/tasks/emails")
+    assert 'class="warning"' not in quiet.text  # no worker running: none to compare with
+
+    await seeded.queue._presence.announce("w-1", ["send_email"], 60)
+    async with client(app_of(db, clock)) as http:
+        page = await http.get("/tasks/emails")
+        overview = await http.get("/")
+        data = (await http.get("/api/overview")).json()
+
+    counts = page.text.split("<h2>")[0]  # above the sections: beside the counts
+    assert f"waiting for unknown function <code>{escape(hostile)}</code>: <b>2</b>" in counts
+    assert "waiting without a function (plain tasks: no Jobs worker runs them): <b>1</b>" in counts
+    assert hostile not in page.text and hostile not in overview.text  # escaped, never markup
+    row = overview.text.split('href="/tasks/emails"')[1].split("</tr>")[0]
+    assert row.count('<span class="warning"') == 2 and escape(hostile) in row
+    by_key = {p["key"]: p for p in data["primitives"]}
+    assert by_key["tasks:emails"]["unknown_functions"] == {hostile: 2, "": 1}
+    assert by_key["groups:orders"]["unknown_functions"] == {}
+
+
 async def test_the_group_and_outbox_pages_show_dead_letters_parked_groups_and_dead_deliveries(
     db: Any, clock: ManualClock
 ) -> None:

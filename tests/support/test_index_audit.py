@@ -565,6 +565,12 @@ async def exercise_tasks(db: Any, clock: ManualClock) -> None:
     assert await queue.requeue(batch[1].id)
     assert await queue.remove("a")
     await queue.stats()
+    # A Jobs worker's presence, announced and withdrawn, and the stats' read of the due tasks
+    # that wait for a function no running worker runs.
+    await queue.put("fn-x", function="unknown")
+    await queue._presence.announce("jobs-1", ["known"], 30)
+    assert (await queue.stats()).unknown_functions["unknown"] == 1
+    await queue._presence.withdraw("jobs-1")
 
     async def handler(task: Task) -> Any:
         if str(task.id).endswith("1"):
@@ -707,6 +713,8 @@ WITNESSES = {
     (TASKS, "update_many", ("_id", "lease_token", "status")),  # heartbeat_many
     # heartbeat_many with a lease no longer held: which still are
     (TASKS, "find", ("_id", "lease_token", "status")),
+    (TASKS, "aggregate", ("function", "lease_until", "status")),  # stats: functions not run
+    (f"{TASKS}_workers", "distinct", ("expires",)),  # stats: the live workers' functions
     (MESSAGES, "find", ("_id", "token")),  # claim_many raced: which heads it stamped
     (MESSAGES, "find_one", ("group_id",)),  # ack of a group's last message
     (MESSAGES, "distinct", ("group_id",)),  # ack_many of groups' last messages
@@ -734,7 +742,7 @@ async def test_every_query_the_library_issues_is_served_by_a_declared_index() ->
     await exercise_groups(db, raw, clock, steal)
 
     indexes = await declared_indexes(
-        raw, [TASKS, f"{TASKS}_schedules", MESSAGES, LOCKS, COUNTERS, DEAD]
+        raw, [TASKS, f"{TASKS}_schedules", f"{TASKS}_workers", MESSAGES, LOCKS, COUNTERS, DEAD]
     )
     result = audit(counter.operations, indexes, recorder)
 
@@ -753,6 +761,8 @@ async def test_every_query_the_library_issues_is_served_by_a_declared_index() ->
         (TASKS, "find_one_and_update", "claim"): "claim",
         (TASKS, "find", "claim"): "claim",
         (TASKS, "find", "status_lease"): "status_lease",  # a drained run: when is the next due
+        # stats (and a Jobs worker's housekeeping): the due tasks of functions not run
+        (TASKS, "aggregate", "status_lease"): "status_lease",
         (TASKS, "find", "status_updated"): "status_updated",  # list_tasks
         (f"{TASKS}_schedules", "find", "next_at"): "next_at",  # the schedules' ticker
         (LOCKS, "find_one_and_update", "claim"): "claim",

@@ -475,6 +475,7 @@ async def test_stats_of_an_empty_queue(db: Any, queue: AsyncTaskQueue) -> None:
         ["pending", "processing", "done", "failed", "cancelled", "tombstone"], 0
     )
     assert (stats.due, stats.expired, stats.oldest_due_age) == (0, 0, None)
+    assert stats.unknown_functions == {}
     assert await read_all(db) == {}
 
 
@@ -491,10 +492,17 @@ async def test_stats_costs_the_same_few_commands_whatever_the_queue_size(
 
     stats = await queue.stats()
 
-    assert counter.total == empty_cost <= 9  # a count per status, due, expired, the oldest
+    # A count per status, due, expired, the oldest, the live workers' functions.
+    assert counter.total == empty_cost <= 10
     assert stats.counts["pending"] == 20 and stats.counts["processing"] == 10
     docs = await read_all(db)
     assert sum(doc["status"] == "pending" for doc in docs.values()) == 20
+
+    # With a worker live and tasks due, one bounded aggregation more: which wait for others.
+    await queue._presence.announce("w1", ["other"], 60)
+    counter.reset()
+    assert (await queue.stats()).unknown_functions == {"": 20}  # plain tasks: no Jobs runs them
+    assert counter.total == empty_cost + 1
 
 
 # --------------------------------------------------------------------------------- indexes
