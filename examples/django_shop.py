@@ -43,10 +43,11 @@ def producer() -> mongoq_sync.Jobs:
     """This process's blocking `Jobs`: one connection, and one portal thread, per process,
     made by the first request that needs it (``MONGOQ_URI``; none: the embedded backend)."""
     global _producer
-    with _connecting:  # a threaded server's first requests may come at once
-        if _producer is None:
-            _producer = mongoq_sync.Jobs(mongoq_sync.connect(), like=jobs)
-        return _producer
+    if _producer is None:
+        with _connecting:  # a threaded server's first requests may come at once
+            if _producer is None:
+                _producer = mongoq_sync.Jobs(mongoq_sync.connect(), like=jobs)
+    return _producer
 
 
 @require_POST

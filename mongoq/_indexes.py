@@ -28,12 +28,15 @@ class IndexSpec:
     unique: bool = False
     #: the index holds only the documents this filter matches
     partial: Mapping[str, Any] | None = None
-    #: a TTL index on its one key, expiring after the primitive's configured time. Partial on
-    #: a queue's collection (a bare TTL index would empty a queue), created through
+    #: a TTL index on its one key, expiring after the primitive's configured time; partial
+    #: (a bare TTL index would empty a queue), created through
     #: `_driver.create_partial_ttl_index`, which skips it where the backend cannot honour
-    #: `partial` (the embedded one); bare only on a collection whose every document expires
-    #: (the running workers' presences: `_driver.create_ttl_index`)
+    #: `partial` (the embedded one)
     ttl: bool = False
+    #: with `ttl`: over every document, no partial filter, said explicitly (only on a
+    #: collection whose every document expires: the running workers' presences), created
+    #: through `_driver.create_ttl_index`
+    whole: bool = False
 
     def options(self) -> dict[str, Any]:
         """The keyword arguments of ``create_index`` (only those that differ from its defaults)."""
@@ -59,12 +62,13 @@ async def create_indexes(
         if not index.ttl:
             await collection.create_index(list(index.keys), **index.options())
             continue
-        if index.name not in (expiries or {}):
-            raise ValueError(f"TTL index {index.name!r} needs an expiry")
+        if (index.partial is None) != index.whole or index.name not in (expiries or {}):
+            raise ValueError(f"TTL index {index.name!r} needs an expiry, and a partial filter "
+                             "unless it is said to cover the whole collection")  # fmt: skip
         expire_after = (expiries or {})[index.name]
         if expire_after is None:
             continue
-        if index.partial is None:
+        if index.whole:
             await _driver.create_ttl_index(
                 db, collection, index.keys[0][0], name=index.name, expire_after=expire_after
             )
@@ -75,7 +79,7 @@ async def create_indexes(
             index.keys[0][0],
             name=index.name,
             expire_after=expire_after,
-            partial=index.partial,
+            partial=index.partial or {},  # set: checked above
         )
 
 

@@ -453,13 +453,18 @@ class Facade:
         return self._wrapped
 
     def _call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("handle_signals"):
-            return self._call_handling_signals(method, *args, **kwargs)
         target = self._target()
         args = tuple(_unwrap(self._database, arg) for arg in args)
         kwargs = {key: _unwrap(self._database, value) for key, value in kwargs.items()}
         result = self._database.call(getattr(target, method), *args, **kwargs)
         return self._wrap(result)
+
+    def _call_run(self, method: str, /, *args: Any, handle_signals: bool, **kwargs: Any) -> Any:
+        """A call of a method that takes `handle_signals` (a `run`; the generated facade sends
+        only those here, so a task function's argument of that name stays its own)."""
+        if handle_signals:
+            return self._call_handling_signals(method, *args, **kwargs)
+        return self._call(method, *args, handle_signals=False, **kwargs)
 
     def _call_handling_signals(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
         """A `run` with ``handle_signals=True``: the portal's loop runs in another thread,

@@ -232,12 +232,12 @@ async def _tasks_stats(args: argparse.Namespace, db: Any) -> Out:
     stats = await _queue(args, db).stats()
     rows = [*stats.counts.items(), ("due", stats.due), ("expired", stats.expired)]
     text = _pairs([*rows, ("oldest due age", _age(stats.oldest_due_age))])
-    return Out(stats, text + _unknown_lines(stats.unknown_functions))
+    return Out(stats, text + _unknown_lines(stats.unknown_functions, stats.due))
 
 
-def _unknown_lines(unknown: dict[str, int]) -> list[str]:
+def _unknown_lines(unknown: dict[str, int], due: int) -> list[str]:
     """A line per task function no running worker runs, the most waiting first."""
-    bound = "at least " if sum(unknown.values()) >= UNKNOWN_READ else ""  # the read's limit
+    bound = "at least " if due > UNKNOWN_READ else ""  # counted among the oldest due only
     return [
         f"waiting for unknown function {_line(repr(name))}: {bound}{n}" if name else
         f"waiting without a function (plain tasks: no Jobs worker runs them): {bound}{n}"

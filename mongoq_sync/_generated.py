@@ -253,7 +253,7 @@ class TaskQueue(Facade):
         """
         return cast(
             "TaskRunSummary",
-            self._call(
+            self._call_run(
                 "run",
                 in_worker_thread(handler, "handler"),
                 concurrency=concurrency,
@@ -422,8 +422,8 @@ class TaskQueue(Facade):
         """Counts per status, due, expired, the oldest due age, and the due tasks waiting for a
         task function no running worker runs (`TaskStats`): ten indexed commands (a count per
         status, due, expired, the oldest due task, the live workers' functions), and one
-        aggregation of at most `UNKNOWN_READ` due tasks when some are due and a worker is
-        live.
+        aggregation of the `UNKNOWN_READ` oldest due tasks at most when some are due and a
+        worker is live.
         """
         return cast("TaskStats", self._call("stats"))
 
@@ -681,7 +681,7 @@ class GroupTransport(Facade):
         """
         return cast(
             "GroupRunSummary",
-            self._call(
+            self._call_run(
                 "run",
                 in_worker_thread(handler, "handler"),
                 worker_id=worker_id,
@@ -1093,7 +1093,7 @@ class OutboxDispatcher(Facade):
         """
         return cast(
             "OutboxRunSummary",
-            self._call(
+            self._call_run(
                 "run",
                 stop_when_empty=stop_when_empty,
                 stop_when_drained=stop_when_drained,
@@ -1131,6 +1131,11 @@ class Jobs(Facade):
     or the blocking facade's ``mongoq_sync.Jobs(db, like=jobs)``, which defers and waits from
     plain threads. Its `defer` and `wait` take the function: ``await tenant.defer(send_email,
     to=...)``.
+
+    In mongoq_sync: task functions are async, declared on a `mongoq.Jobs` (`task`
+    and `periodic` are its own); ``mongoq_sync.Jobs(db, like=jobs)`` defers them,
+    waits for their results and runs them (in the portal's loop) from blocking code.
+    It stays on the database it was built with (no `use`).
     """
 
     def __init__(
@@ -1216,7 +1221,7 @@ class Jobs(Facade):
         """
         return cast(
             "TaskRunSummary",
-            self._call(
+            self._call_run(
                 "run",
                 queues=queues,
                 concurrency=concurrency,

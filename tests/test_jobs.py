@@ -16,6 +16,7 @@ from typing import Any
 
 import anyio
 import pytest
+from pymongo.errors import OperationFailure
 
 from mongoq import InvalidInput, Jobs, PermanentError
 from mongoq.clock import stored_instant
@@ -459,16 +460,55 @@ async def test_a_presence_that_cannot_be_withdrawn_is_logged_and_the_run_ends(
     jobs = new_jobs(instrument(db, faults), clock)
     declare_a(jobs)
     await jobs.setup()
-    faults.fail_before("delete_one", collection="emails_workers")
+    refused = OperationFailure("not authorized on mongoq to execute command", code=13)
+    faults.fail_before("delete_one", collection="emails_workers", error=refused)
 
     caplog.set_level(logging.WARNING, logger="mongoq.jobs")
     await jobs.run(stop_when_empty=True, worker_id="w-1")
 
     [record] = [r for r in caplog.records if "could not withdraw" in r.getMessage()]
     assert (record.mongoq_queue, record.mongoq_worker) == ("emails", "w-1")  # type: ignore[attr-defined]
-    assert "AutoReconnect" in record.getMessage()
+    assert "OperationFailure" in record.getMessage()
     doc = await presence_of(db, "w-1")  # left behind: it counts until it expires
     assert doc is not None and doc["functions"] == ["a"]
+
+
+async def test_a_presence_a_queue_refuses_is_logged_and_the_worker_goes_on(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No right to write one queue's ``_workers`` (a least-privilege role): that queue's
+    announcements are logged, the other queue's are made, every task still runs."""
+    faults = FaultInjector()
+    jobs = new_jobs(instrument(db, faults), clock)
+    declare_a(jobs)
+
+    @jobs.task(queue="reports", name="b")
+    async def b() -> None:
+        return None
+
+    await jobs.setup()
+    refused = OperationFailure("not authorized on mongoq to execute command", code=13)
+    faults.fail_before("update_one", collection="emails_workers", times=100, error=refused)
+    await jobs.queue("emails").put("e1", {"args": [], "kwargs": {}}, function="a")
+    await b.defer()
+    seen: list[dict[str, Any] | None] = []
+
+    @jobs.task(queue="reports", name="look")
+    async def look() -> None:  # runs while the worker runs: its presences as they are
+        seen.append(await db["reports_workers"].find_one({"_id": "w-1"}))
+        seen.append(await presence_of(db, "w-1"))
+
+    await look.defer()
+    caplog.set_level(logging.WARNING, logger="mongoq.jobs")
+    summary = await jobs.run(stop_when_empty=True, worker_id="w-1")
+
+    assert summary.completed == 3
+    reports, emails = seen
+    assert reports is not None and reports["functions"] == ["b", "look"]
+    assert emails is None  # refused: never written
+    records = [r for r in caplog.records if "could not announce" in r.getMessage()]
+    assert records and {r.mongoq_queue for r in records} == {"emails"}  # type: ignore[attr-defined]
+    assert await db["reports_workers"].find_one({"_id": "w-1"}) is None  # withdrawn at the end
 
 
 async def test_a_retried_error_keeps_its_own_cause_in_the_stored_error(

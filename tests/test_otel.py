@@ -5,6 +5,7 @@ SDK provider with an in-memory exporter; none sets the global one."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import textwrap
@@ -21,6 +22,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
+import mongoq_sync
 from mongoq import InvalidInput, Jobs, PermanentError
 from mongoq.testing import ManualClock
 from tests.support.helpers import wait_for
@@ -226,7 +228,8 @@ async def test_a_call_cut_short_by_a_hard_stop_says_cancelled(
     await hang.defer()
     async with anyio.create_task_group() as group:
         group.start_soon(jobs.run)
-        await started.wait()
+        with anyio.fail_after(20):  # a bound for a hang, never a wait
+            await started.wait()
         group.cancel_scope.cancel()
 
     (process,) = spans(exporter, "process emails")
@@ -393,3 +396,65 @@ def test_without_opentelemetry_installed_tracing_is_a_no_op() -> None:
     lines = result.stdout.splitlines()
     assert lines[:2] == ["['args', 'kwargs']", "1"], result.stdout
     assert lines[2].startswith("tracer_provider: ") and "mongoq-queue[otel]" in lines[2]
+
+
+class Failing(SimpleSpanProcessor):
+    """A span processor that raises at every span's start and end (a broken exporter)."""
+
+    def __init__(self) -> None:
+        super().__init__(InMemorySpanExporter())
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        raise RuntimeError("exporter broken at start")
+
+    def on_end(self, span: Any) -> None:
+        raise RuntimeError("exporter broken at end")
+
+
+async def test_a_tracing_failure_never_fails_a_defer_nor_runs_a_call_twice(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    broken = TracerProvider(shutdown_on_exit=False)
+    broken.add_span_processor(Failing())
+    jobs, calls = traced_jobs(db, clock, broken), list[str]()
+
+    @jobs.task(queue="emails", name="send_email")
+    async def send_email(to: str) -> str:
+        calls.append(to)
+        return to
+
+    await jobs.setup()
+    caplog.set_level(logging.DEBUG, logger="mongoq.jobs.tracing")
+    task_id = await send_email.defer("ada@example.com")  # stored, and said so: no error
+    assert [doc["_id"] for doc in await db["emails"].find({}).to_list(None)] == [task_id]
+
+    summary = await jobs.run(stop_when_empty=True)
+    assert (summary.completed, summary.retried, calls) == (1, 0, ["ada@example.com"])
+    doc = await stored(db, "emails", task_id)
+    assert (doc["status"], doc["attempts"], doc["result"]) == ("done", 1, "ada@example.com")
+    failures = [r for r in caplog.records if "tracing failed" in r.getMessage()]
+    assert failures and failures[0].levelno == logging.WARNING  # once, then quieter
+    assert all(r.levelno == logging.DEBUG for r in failures[1:])
+    broken.shutdown()
+
+
+def test_a_blocking_defer_continues_the_calling_threads_span(
+    blocking_db: mongoq_sync.Database, provider: TracerProvider, exporter: InMemorySpanExporter
+) -> None:
+    """The facade's call into its portal carries the calling thread's context: a Django view's
+    request span is the parent of the defer's span."""
+    jobs = Jobs(tracer_provider=provider)
+
+    @jobs.task(queue="emails", name="send_email")
+    async def send_email(to: str) -> None:
+        return None
+
+    producer = mongoq_sync.Jobs(blocking_db, like=jobs, clock=ManualClock())
+    with provider.get_tracer("django").start_as_current_span("POST /orders") as request:
+        task_id = producer.defer(send_email, "ada@example.com")
+    (send,) = spans(exporter, "send emails")
+    assert send.parent is not None
+    assert send.parent.span_id == request.get_span_context().span_id
+    raw = blocking_db.async_database["emails"]
+    doc = blocking_db.call(raw.find_one, {"_id": task_id})
+    assert doc["payload"]["trace"]["traceparent"] == traceparent(send)

@@ -67,8 +67,11 @@ class Spec:
     #: where the constructor finds the facade database (another facade's, for a class built on
     #: top of one)
     database_from: str = "db"
-    #: public methods left out of the facade, each with the reason the facade's docstring gives
+    #: public methods left out of the facade
     excluded: tuple[str, ...] = ()
+    #: a paragraph the facade's docstring adds to the async one's: what differs (why the
+    #: `excluded` are left out)
+    note: str = ""
 
 
 CLASSES = (
@@ -105,10 +108,18 @@ CLASSES = (
         database_params=(),
         database_from="outbox._database",
     ),
-    # Task functions are async: they are declared on a `mongoq.Jobs`, which the facade's
-    # `Jobs(db, like=jobs)` defers, waits for and runs from blocking code. A facade stays on
-    # the database (and portal) it was built with.
-    Spec("mongoq.jobs.registry", "Jobs", "Jobs", excluded=("task", "periodic", "use")),
+    Spec(
+        "mongoq.jobs.registry",
+        "Jobs",
+        "Jobs",
+        excluded=("task", "periodic", "use"),
+        note=(
+            "In mongoq_sync: task functions are async, declared on a `mongoq.Jobs` (`task`\n"
+            "and `periodic` are its own); ``mongoq_sync.Jobs(db, like=jobs)`` defers them,\n"
+            "waits for their results and runs them (in the portal's loop) from blocking code.\n"
+            "It stays on the database it was built with (no `use`)."
+        ),
+    ),
 )
 
 HEADER = '''\
@@ -218,8 +229,8 @@ def _parameters(
     return ", ".join(["self", *declared]), ", ".join(passed)
 
 
-def _docstring(obj: object, indent: str) -> list[str]:
-    doc = inspect.getdoc(obj)
+def _docstring(obj: object, indent: str, note: str = "") -> list[str]:
+    doc = "\n\n".join(part for part in (inspect.getdoc(obj), note) if part)
     if not doc:
         return []
     lines = doc.replace('"""', "'''").splitlines()
@@ -360,14 +371,18 @@ def _method_lines(cls: type, spec: Spec, renames: dict[str, str], used: set[str]
         signature, passed = _parameters(
             function, renames, spec, constructor=False, where=f"{spec.async_name}.{name}"
         )
-        returns = _annotation(inspect.signature(function).return_annotation, renames)
+        async_signature = inspect.signature(function)  # type: ignore[arg-type]
+        returns = _annotation(async_signature.return_annotation, renames)
         awaitable = re.fullmatch(r"Awaitable\[(.*)\]", returns)
         if awaitable:
             returns = awaitable.group(1)
         used |= set(_IDENTIFIER.findall(signature)) | set(_IDENTIFIER.findall(returns))
         lines.append(f"    def {name}({signature}) -> {returns}:")
         lines += _docstring(function, "        ")
-        call = f'self._call("{name}"{", " if passed else ""}{passed})'
+        # A method taking `handle_signals` (a run) goes where the signals are handled; every
+        # other call passes its keywords on untouched (a task function's may have that name).
+        via = "_call_run" if "handle_signals" in async_signature.parameters else "_call"
+        call = f'self.{via}("{name}"{", " if passed else ""}{passed})'
         lines.append(f"        {call}" if returns == "None"
                      else f'        return cast("{returns}", {call})')  # fmt: skip
         lines.append("")
@@ -390,7 +405,7 @@ def generate() -> tuple[str, str]:
         imports.setdefault(spec.module, set()).add(f"{spec.async_name} as {alias}")
         used: set[str] = set()
         lines = [f"class {spec.sync_name}(Facade):"]
-        lines += _docstring(cls, "    ")
+        lines += _docstring(cls, "    ", spec.note)
         lines.append("")
         if not spec.adopted:
             init = cls.__init__  # type: ignore[misc]
@@ -417,8 +432,7 @@ def generate() -> tuple[str, str]:
             if home is None:
                 continue
             if _is_type_variable(home, identifier):  # declared here, not imported
-                kind = type(getattr(importlib.import_module(home), identifier)).__name__
-                variables[identifier] = f'{identifier} = {kind}("{identifier}")'
+                variables[identifier] = _declaration(home, identifier)
             else:
                 imports.setdefault(home, set()).add(identifier)
             imported.add(identifier)
@@ -426,6 +440,16 @@ def generate() -> tuple[str, str]:
     init = _init_source(_exported_types(imports))
     source = _generated_source(imports, sorted(variables.values()), body)
     return _format(source, TARGET), _format(init, INIT)
+
+
+def _declaration(module: str, identifier: str) -> str:
+    """The generated module's own declaration of the type variable `identifier` of
+    `module`: a plain one only (a bound or constraints would name types to import)."""
+    value = getattr(importlib.import_module(module), identifier)
+    if getattr(value, "__bound__", None) is not None or getattr(value, "__constraints__", None):
+        raise GenerationError(f"{module}.{identifier}: a bound or constrained type variable, "
+                              "which the facade does not declare")  # fmt: skip
+    return f'{identifier} = {type(value).__name__}("{identifier}")'
 
 
 def _is_type_variable(module: str, identifier: str) -> bool:

@@ -301,7 +301,11 @@ class Jobs(WorkerHost):
             stop_when_empty=stop_when_empty, stop_when_drained=stop_when_drained,
             give_up_after=give_up_after,
         )  # fmt: skip
-        await self._run_loop(loop, handle_signals=handle_signals)
+        await worker.announce()
+        try:
+            await self._run_loop(loop, handle_signals=handle_signals)
+        finally:  # after the loop: no housekeeping round can announce it again meanwhile
+            await worker.withdraw()
         return worker.summary
 
     def _chosen(self, queues: Sequence[str] | None) -> list[str]:

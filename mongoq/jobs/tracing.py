@@ -13,7 +13,9 @@ Owns no collections.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from typing import Any, Protocol, TypeVar, cast
 
 from mongoq._version import __version__
@@ -21,6 +23,7 @@ from mongoq.errors import InvalidInput, PermanentError
 
 try:
     # Typed when installed; a type check without the extra sees them as Any.
+    from opentelemetry import context as _context  # type: ignore[import-not-found,unused-ignore]
     from opentelemetry import propagate as _propagate  # type: ignore[import-not-found,unused-ignore]
     from opentelemetry import trace as _trace  # type: ignore[import-not-found,unused-ignore]
     from opentelemetry.context import Context  # type: ignore[import-not-found,unused-ignore]
@@ -30,6 +33,8 @@ except ImportError:  # the `otel` extra is not installed
     _INSTALLED = False
 
 __all__ = ["CARRIER", "TracerProviderLike", "Tracing", "check_tracer_provider"]
+
+log = logging.getLogger("mongoq.jobs.tracing")
 
 T = TypeVar("T")
 
@@ -65,12 +70,13 @@ def check_tracer_provider(field: str, provider: object) -> TracerProviderLike | 
 class Tracing:
     """The spans of one `Jobs`, from `provider` (None: OpenTelemetry's global provider)."""
 
-    __slots__ = ("_source", "_tracer", "provider")
+    __slots__ = ("_failed_before", "_source", "_tracer", "provider")
 
     def __init__(self, provider: TracerProviderLike | None) -> None:
         self.provider = provider
         self._source: Any = None  # the provider `_tracer` comes from
         self._tracer: Any = None
+        self._failed_before = False
 
     def _recording(self) -> Any:
         """The tracer of the spans; None while nothing would record them (no SDK configured:
@@ -90,6 +96,22 @@ class Tracing:
             self._source = provider
         return self._tracer
 
+    def _guarded(self, step: str, action: Callable[[], T]) -> T | None:
+        """`action()`, or None when it raises: a failure of tracing (an SDK's processor, a
+        propagator) never fails a defer nor a call, nor makes either run twice. Said once as
+        a WARNING, then at DEBUG."""
+        try:
+            return action()
+        except Exception as exc:
+            level = logging.DEBUG if self._failed_before else logging.WARNING
+            self._failed_before = True
+            log.log(
+                level, "tracing failed at %s, which goes on untraced: %s: %s", step,
+                type(exc).__name__, exc,
+                extra={"mongoq_event": "tracing_failed", "mongoq_step": step},
+            )  # fmt: skip
+            return None
+
     async def send(
         self,
         queue: str,
@@ -102,25 +124,28 @@ class Tracing:
         span's context stored in `payload` (`CARRIER`) when the propagator writes any."""
         if not _INSTALLED:
             return await put(payload)
+        span = self._guarded("send", lambda: self._start_send(queue, function, task_id, payload))
+        if span is None:
+            return await put(payload)
+        try:
+            outcome = await put(payload)
+        except BaseException as error:
+            self._guarded("send", partial(_end, span, None, None, error))
+            raise
+        self._guarded("send", partial(_end, span, None, outcome, None))
+        return outcome
+
+    def _start_send(self, queue: str, function: str, task_id: str, payload: dict[str, Any]) -> Any:
         tracer = self._recording()
         if tracer is None:  # no span; a context the caller was given upstream still travels
-            _carry(payload)
-            return await put(payload)
+            _carry(payload, None)
+            return None
         span = tracer.start_span(
             f"send {queue}", kind=_trace.SpanKind.PRODUCER,
             attributes=_attributes("send", queue, task_id, function),
         )  # fmt: skip
-        with _trace.use_span(
-            span, end_on_exit=True, record_exception=False, set_status_on_exception=False
-        ):
-            _carry(payload)
-            try:
-                outcome = await put(payload)
-            except BaseException as error:
-                _failed(span, error)
-                raise
-            span.set_attribute("mongoq.outcome", outcome)
-            return outcome
+        _carry(payload, _trace.set_span_in_context(span))
+        return span
 
     async def process(
         self,
@@ -133,10 +158,36 @@ class Tracing:
         call: Callable[[], Awaitable[T]],
     ) -> T:
         """``call()`` (the run of `task`, a `Task` of `queue`) in a CONSUMER span whose parent
-        is the context its defer stored (none: a new trace), with the attempt's outcome."""
-        tracer = self._recording() if _INSTALLED else None
-        if tracer is None:
+        is the context its defer stored (none: a new trace), current while it runs, with the
+        call's outcome."""
+        if not _INSTALLED:
             return await call()
+        started = self._guarded(
+            "process", lambda: self._start_process(task, function, queue, worker)
+        )
+        if started is None:
+            return await call()
+        span, token = started
+        try:
+            result = await call()
+        except Exception as error:
+            # As the queue settles it (`TaskBatch.settle_failure`): these fail the task,
+            # any other error is retried until the queue's attempts are used up.
+            final = isinstance(error, PermanentError | InvalidInput)
+            outcome = "failed" if final or task.attempts >= max_attempts else "retry"
+            self._guarded("process", partial(_end, span, token, outcome, error))
+            raise
+        except BaseException as error:  # cancelled: its lease lost, or a hard stop
+            self._guarded("process", partial(_end, span, token, "cancelled", error))
+            raise
+        self._guarded("process", partial(_end, span, token, "done", None))
+        return result
+
+    def _start_process(self, task: Any, function: str, queue: str, worker: str) -> Any:
+        """The call's span, started and made current (with the token that undoes it)."""
+        tracer = self._recording()
+        if tracer is None:
+            return None
         parent, links = _origins(task.payload)
         attributes = _attributes("process", queue, str(task.id), function)
         attributes.update({"messaging.client.id": worker, "mongoq.attempt": task.attempts})
@@ -144,33 +195,30 @@ class Tracing:
             f"process {queue}", context=parent, kind=_trace.SpanKind.CONSUMER,
             attributes=attributes, links=links,
         )  # fmt: skip
-        with _trace.use_span(
-            span, end_on_exit=True, record_exception=False, set_status_on_exception=False
-        ):
-            try:
-                result = await call()
-            except Exception as error:
-                # As the queue settles it (`TaskBatch.settle_failure`): these fail the task,
-                # any other error is retried until the queue's attempts are used up.
-                final = (
-                    isinstance(error, PermanentError | InvalidInput)
-                    or task.attempts >= max_attempts
-                )
-                span.set_attribute("mongoq.outcome", "failed" if final else "retry")
-                _failed(span, error)
-                raise
-            except BaseException as error:  # cancelled: its lease lost, or a hard stop
-                span.set_attribute("mongoq.outcome", "cancelled")
-                _failed(span, error)
-                raise
-            span.set_attribute("mongoq.outcome", "done")
-            return result
+        # Current while the function runs: its own spans, and its defers, continue the trace.
+        return span, _context.attach(_trace.set_span_in_context(span))
 
 
-def _carry(payload: dict[str, Any]) -> None:
-    """The current context into `payload`, when the global propagator writes any."""
+def _end(span: Any, token: Any, outcome: str | None, error: BaseException | None) -> None:
+    """`span` with its outcome (and `error`) ended, and the context before it current again."""
+    try:
+        if outcome is not None:
+            span.set_attribute("mongoq.outcome", outcome)
+        if error is not None:
+            _failed(span, error)
+    finally:
+        try:
+            span.end()
+        finally:
+            if token is not None:
+                _context.detach(token)
+
+
+def _carry(payload: dict[str, Any], context: Any) -> None:
+    """`context` (None: the current one) into `payload`, when the global propagator writes
+    any."""
     carrier: dict[str, str] = {}
-    _propagate.inject(carrier)
+    _propagate.inject(carrier, context=context)
     if carrier:
         payload[CARRIER] = carrier
 

@@ -16,8 +16,8 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import anyio
+from pymongo.errors import ConnectionFailure
 
-from mongoq import _driver
 from mongoq._validation import MAX_BATCH, check_int, check_seconds, check_timeout
 from mongoq.errors import HandlerTimeout, PermanentError
 from mongoq.runtime import changes, wakeups
@@ -89,7 +89,7 @@ class JobsWorker:
             housekeeping_interval=min(queue.lease_ttl for queue in self.queues) / 3,
             name=f"jobs:{','.join(queue.name for queue in self.queues)}",
             next_due=self._next_due if stop_when_drained else None,
-            background=[self._present, *self._listeners()],
+            background=self._listeners(),
             give_up_after=check_timeout("give_up_after", give_up_after),
         )
         return self._loop
@@ -154,9 +154,9 @@ class JobsWorker:
             raise final from timeout
 
     async def _housekeep(self) -> None:
+        await self.announce()
         for queue, names in zip(self.queues, self.functions, strict=True):
             await queue.reclaim_expired()
-            await queue._presence.announce(self.worker_id, names, self._presence_ttl)
             await _say_unknown(queue, names)
 
     @property
@@ -166,34 +166,39 @@ class JobsWorker:
         gone."""
         return min(queue.lease_ttl for queue in self.queues)
 
-    async def _present(self) -> None:
-        """Beside the slots, for the whole run: this worker's presence in each of its queues,
-        announced at the start (the housekeeping rounds renew it) and withdrawn at the end,
-        however the run ends. Best effort: a presence left behind expires by itself."""
-        try:
-            # Shielded: an announcement cancelled in flight could land after the withdrawal.
-            with anyio.move_on_after(PRESENCE_WAIT, shield=True):
-                for queue, names in zip(self.queues, self.functions, strict=True):
+    async def announce(self) -> None:
+        """This worker's presence in each of its queues: at the start of a run, then at each
+        housekeeping round. Shielded and bounded: one cancelled in flight could land after the
+        withdrawal. Best effort: a queue whose write fails (no server, no right to write its
+        ``_workers``) is logged and announced again next round, the rest of the round goes on."""
+        with anyio.move_on_after(PRESENCE_WAIT, shield=True):
+            for queue, names in zip(self.queues, self.functions, strict=True):
+                try:
                     await queue._presence.announce(self.worker_id, names, self._presence_ttl)
-        except _driver.DRIVER_ERRORS as exc:  # the housekeeping rounds announce it again
-            log.debug("announcing worker %s failed at its start: %s", self.worker_id, exc)
-        try:
-            await anyio.sleep_forever()
-        finally:
-            with anyio.move_on_after(PRESENCE_WAIT, shield=True):
-                for queue in self.queues:
-                    await self._withdraw(queue)
+                except Exception as exc:
+                    self._presence_failed("announce", queue, exc)
 
-    async def _withdraw(self, queue: AsyncTaskQueue) -> None:
-        try:
-            await queue._presence.withdraw(self.worker_id)
-        except Exception as exc:  # the run is over either way: its presence expires by itself
-            log.warning(
-                "%s: could not withdraw the presence of worker %s (%s: %s); it counts as "
-                "running until it expires, within %g s", queue.name, self.worker_id,
-                type(exc).__name__, exc, self._presence_ttl,
-                extra={"mongoq_queue": queue.name, "mongoq_worker": self.worker_id},
-            )  # fmt: skip
+    async def withdraw(self) -> None:
+        """This worker's presence removed from each of its queues, once its run has ended
+        (nothing announces any more). Best effort: one left behind expires by itself."""
+        with anyio.move_on_after(PRESENCE_WAIT, shield=True):
+            for queue in self.queues:
+                try:
+                    await queue._presence.withdraw(self.worker_id)
+                except Exception as exc:
+                    self._presence_failed("withdraw", queue, exc)
+
+    def _presence_failed(self, step: str, queue: AsyncTaskQueue, exc: Exception) -> None:
+        # A lost server is said once, by the run loop; anything else (a missing right) here.
+        level = logging.DEBUG if isinstance(exc, ConnectionFailure) else logging.WARNING
+        log.log(
+            level,
+            "%s: could not %s the presence of worker %s (%s: %s); readers count it by its "
+            "expiry, %g s after its last announcement", queue.name, step, self.worker_id,
+            type(exc).__name__, exc, self._presence_ttl,
+            extra={"mongoq_queue": queue.name, "mongoq_worker": self.worker_id,
+                   "mongoq_event": f"presence_{step}_failed"},
+        )  # fmt: skip
 
     async def _next_due(self) -> datetime | None:
         dues = [
@@ -229,11 +234,14 @@ class JobsWorker:
 async def _say_unknown(queue: AsyncTaskQueue, names: list[str]) -> None:
     """Log the due tasks of `queue` this worker does not run (a function it does not know, or
     none): they wait, uncharged, for a worker that knows them."""
-    counts = await queue._due_not_of(queue.clock.now(), names)  # bounded: UNKNOWN_READ
+    counts = await queue._due_by_function(queue.clock.now())  # the oldest UNKNOWN_READ
+    bound = "at least " if sum(counts.values()) >= UNKNOWN_READ else ""
     for function, waiting in counts.items():
+        if function in names:
+            continue
         log.warning(
             "%s: %s%d due task(s) of %s wait: no task function of this worker runs them",
-            queue.name, "at least " if waiting >= UNKNOWN_READ else "", waiting,
+            queue.name, bound, waiting,
             f"task function {function!r}" if function else "no task function (plain tasks)",
             extra={"mongoq_queue": queue.name, "mongoq_function": function or None,
                    "mongoq_waiting": waiting},

@@ -242,8 +242,9 @@ class TaskStats:
     uncharged, for a worker that knows them. Plain tasks (put without a function, for
     `run(handler)`) are counted under ``""``: no `Jobs` worker runs them. "Running" is what
     the workers announce (`mongoq.tasks.presence`); a plain `run` announces nothing, so with
-    no `Jobs` worker live the mapping is empty, and `oldest_due_age` is the signal. At most
-    1,000 due tasks are read for it (the counts are then lower bounds).
+    no `Jobs` worker live the mapping is empty, and `oldest_due_age` is the signal. It counts
+    among the 1,000 oldest due tasks: with more due, the counts are lower bounds (the tasks no
+    worker claims are the oldest due ones, so they are found first).
     """
 
     counts: dict[str, int]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Any, Protocol
@@ -57,8 +57,8 @@ log = logging.getLogger("mongoq.tasks")
 FINISHED = frozenset({DONE, FAILED, CANCELLED, TOMBSTONE})
 #: The most tasks one `list_tasks` page returns.
 MAX_PAGE = 1000
-#: The due tasks read, at most, to count those waiting for a task function no worker runs:
-#: their due range is read past the others' tasks, and "at least" that many says enough.
+#: The due tasks read, at most (the oldest), to count those waiting for a task function no
+#: worker runs: with more due, the counts are lower bounds.
 UNKNOWN_READ = 1000
 
 
@@ -74,7 +74,7 @@ class _Queue(Protocol):
 
     async def _now(self) -> datetime: ...
 
-    async def _due_not_of(self, now: datetime, functions: Sequence[str]) -> dict[str, int]: ...
+    async def _due_by_function(self, now: datetime) -> dict[str, int]: ...
 
     def _finished(self, task_ids: Iterable[TaskId]) -> None: ...
 
@@ -331,8 +331,8 @@ class TaskOperators:
         """Counts per status, due, expired, the oldest due age, and the due tasks waiting for a
         task function no running worker runs (`TaskStats`): ten indexed commands (a count per
         status, due, expired, the oldest due task, the live workers' functions), and one
-        aggregation of at most `UNKNOWN_READ` due tasks when some are due and a worker is
-        live."""
+        aggregation of the `UNKNOWN_READ` oldest due tasks at most when some are due and a
+        worker is live."""
         now = await self._now()
         count = self.collection.count_documents
         counts: dict[str, int] = {
@@ -351,19 +351,30 @@ class TaskOperators:
         age = (now - oldest_due).total_seconds() if oldest_due is not None else None
         # Read whether or not anything is due: the cost stays the same whatever the queue holds.
         known = await self._presence.functions(now)
-        unknown = {} if known is None or not due else await self._due_not_of(now, sorted(known))
+        unknown: dict[str, int] = {}
+        if known is not None and due:
+            unknown = _not_of(await self._due_by_function(now), known)
         return TaskStats(counts, due, expired, age, unknown)
 
-    async def _due_not_of(self: _Queue, now: datetime, functions: Sequence[str]) -> dict[str, int]:
-        """The due tasks none of `functions` runs, counted by task function (``""``: plain
-        tasks), out of at most `UNKNOWN_READ` of them: one aggregation on ``status_lease``."""
+    async def _due_by_function(self: _Queue, now: datetime) -> dict[str, int]:
+        """The oldest due tasks, `UNKNOWN_READ` at most, counted by task function (``""``:
+        plain tasks): one aggregation over the ``status_lease`` range, in its order. Read
+        whatever their function, then filtered: a filter on the function would be applied
+        past the index, reading every due task of a busy queue to find a few. The tasks no
+        worker claims are the oldest due ones, so the first read finds them."""
         rows = await _driver.aggregate_list(
             self.collection,
-            [{"$match": schema.tasks_due_not_of(now, functions)}, {"$limit": UNKNOWN_READ},
-             {"$group": {"_id": "$function", "n": {"$sum": 1}}}],
+            [{"$match": schema.task_due(now)}, {"$sort": dict(schema.DUE_ORDER)},
+             {"$limit": UNKNOWN_READ}, {"$group": {"_id": "$function", "n": {"$sum": 1}}}],
             hint=schema.STATUS_LEASE.name,
         )  # fmt: skip
         return {row["_id"] or "": int(row["n"]) for row in rows}
+
+
+def _not_of(counts: dict[str, int], functions: Iterable[str]) -> dict[str, int]:
+    """`counts` (by task function) but those of `functions`."""
+    runs = set(functions)
+    return {name: n for name, n in counts.items() if name not in runs}
 
 
 def _check_status(field: str, status: Any) -> TaskStatus:

@@ -151,7 +151,7 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         await create_indexes(self.db, self._scheduler.collection, (schema.SCHEDULE_DUE,))
         await create_indexes(
             self.db, self._presence.collection, (schema.WORKER_EXPIRY,),
-            expiries={schema.WORKER_EXPIRY.name: 0},  # expires at the instant it holds
+            expiries={schema.WORKER_EXPIRY.name: schema.WORKER_EXPIRY_SLACK},
         )  # fmt: skip
         await registry.register(self.db, "tasks", self.name, self.clock.now())
 

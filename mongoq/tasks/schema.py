@@ -75,6 +75,7 @@ __all__ = [
     "STATUS_UPDATED",
     "TOMBSTONE_TTL",
     "WORKER_EXPIRY",
+    "WORKER_EXPIRY_SLACK",
     "WORKERS_SUFFIX",
     "IndexSpec",
     "task_as_claimed",
@@ -111,7 +112,6 @@ __all__ = [
     "tasks_held",
     "tasks_listed",
     "tasks_purgeable",
-    "tasks_due_not_of",
     "tasks_unfinished",
     "worker_announcing",
     "worker_by_id",
@@ -194,15 +194,10 @@ def task_in_status(status: TaskStatus) -> dict[str, Any]:
 
 
 def task_due(now: datetime) -> dict[str, Any]:
-    """The pending tasks due at `now`: `stats`' due count and oldest due (``status_lease``)."""
+    """The pending tasks due at `now`: `stats`' due count, oldest due and count of the oldest
+    due by task function, a `Jobs` worker's count of those it does not run
+    (``status_lease``)."""
     return {"status": PENDING, "lease_until": {"$lte": now}}
-
-
-def tasks_due_not_of(now: datetime, functions: Sequence[str]) -> dict[str, Any]:
-    """The pending tasks due at `now` that none of `functions` runs (another function's, or a
-    plain task's): what a `Jobs` worker says waits for others (``status_lease``, the due
-    range read past the rest)."""
-    return {**task_due(now), "function": {"$nin": list(functions)}}  # $nin matches null too
 
 
 def tasks_unfinished(functions: Sequence[str] | None = None) -> dict[str, Any]:
@@ -583,11 +578,13 @@ def schedule_advancing(
 # document when its run ends; a killed worker's document counts no more from ``expires`` on.
 
 WORKERS_SUFFIX = "_workers"
-#: Deletes, some time after its ``expires``, the presence of a worker that could not withdraw
-#: it (killed): TTL, expiring at the instant the field holds. The server's TTL monitor runs
-#: about once a minute, so no reader waits for it: each filters on ``expires`` itself, served
-#: by this index.
-WORKER_EXPIRY = IndexSpec("expires", (("expires", 1),), ttl=True)
+#: Deletes, an hour after its ``expires``, the presence of a worker that could not withdraw it
+#: (killed): TTL. Only clean-up: readers filter on ``expires`` themselves (served by this
+#: index), and the hour keeps the server's wall clock, which TTL goes by, from deleting a live
+#: worker's presence when the queue's clock runs behind it.
+WORKER_EXPIRY = IndexSpec("expires", (("expires", 1),), ttl=True, whole=True)
+#: The hour: seconds after ``expires`` the TTL index deletes a presence.
+WORKER_EXPIRY_SLACK = 3600
 
 
 def worker_by_id(worker_id: str) -> dict[str, Any]:

@@ -159,3 +159,28 @@ def test_mypy_checks_a_blocking_defer_against_the_functions_signature(tmp_path: 
     assert f"views.py:{wrong_name}:" in errors[0]
     assert 'Unexpected keyword argument "subjet"' in errors[0]
     assert f"views.py:{wrong_type}:" in errors[1] and '"int"' in errors[1] and '"str"' in errors[1]
+
+
+def test_an_argument_named_like_the_facades_own_options_is_the_functions(
+    blocking_db: mongoq_sync.Database,
+) -> None:
+    """`handle_signals` is an option of the facade's `run`, not of every call: a task function
+    may take an argument of that name, stored as given (and no signal handler installed)."""
+    local = mongoq.Jobs()
+
+    @local.task(queue="ops", name="restart")
+    async def restart(service: str, handle_signals: bool) -> None:
+        return None
+
+    sync_jobs = mongoq_sync.Jobs(blocking_db, like=local)
+    done: list[str] = []
+    # From another thread: a signal handler, were one installed, would have to be the main's.
+    thread = threading.Thread(
+        target=lambda: done.append(sync_jobs.defer(restart, "api", handle_signals=True))
+    )
+    thread.start()
+    thread.join()
+    assert len(done) == 1
+    assert documents(blocking_db, "ops")[done[0]]["payload"]["kwargs"] == {
+        "service": "api", "handle_signals": True,
+    }  # fmt: skip

@@ -713,7 +713,7 @@ WITNESSES = {
     (TASKS, "update_many", ("_id", "lease_token", "status")),  # heartbeat_many
     # heartbeat_many with a lease no longer held: which still are
     (TASKS, "find", ("_id", "lease_token", "status")),
-    (TASKS, "aggregate", ("function", "lease_until", "status")),  # stats: functions not run
+    (TASKS, "aggregate", ("lease_until", "status")),  # stats: the oldest due, by function
     (f"{TASKS}_workers", "distinct", ("expires",)),  # stats: the live workers' functions
     (MESSAGES, "find", ("_id", "token")),  # claim_many raced: which heads it stamped
     (MESSAGES, "find_one", ("group_id",)),  # ack of a group's last message

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from mongoq import AsyncTaskQueue, NewTask, PutManyResult, ReclaimResult, Task, _driver
+from mongoq._indexes import IndexSpec, create_indexes
 from mongoq.testing import ManualClock
 from tests.support.helpers import (
     LEASE_TTL,
@@ -541,4 +542,19 @@ async def test_setup_creates_the_claim_lease_and_partial_ttl_indexes(
         assert list(ttl["key"]) == [("updated_at", 1)]
         assert ttl["expireAfterSeconds"] == 30 * 24 * 3600
         assert ttl["partialFilterExpression"] == {"status": "tombstone"}
+    # The running workers' presences: every document expires, an hour past its `expires` (a
+    # clean-up only; readers filter on `expires` themselves).
+    presences = await db["tasks_workers"].index_information()
+    assert list(presences["expires"]["key"]) == [("expires", 1)]
+    expected = None if _driver.backend_of(db) is _driver.Backend.MEMORY else 3600
+    assert presences["expires"].get("expireAfterSeconds") == expected
     assert await read_all(db) == before
+
+
+async def test_a_ttl_index_without_a_partial_filter_must_say_it_covers_everything(
+    db: Any,
+) -> None:
+    careless = IndexSpec("gone", (("updated_at", 1),), ttl=True)
+    with pytest.raises(ValueError, match="partial filter"):
+        await create_indexes(db, db["tasks"], (careless,), expiries={"gone": 60})
+    assert "gone" not in await db["tasks"].index_information()
