@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 from mongoq._version import __version__
 from mongoq.errors import InvalidInput, PermanentError
+from mongoq.tasks.batch import FAILS_AT_ONCE
 
 try:
     # Typed when installed; a type check without the extra sees them as Any.
@@ -173,8 +174,8 @@ class Tracing:
         except Exception as error:
             # As the queue settles it (`TaskBatch.settle_failure`): these fail the task,
             # any other error is retried until the queue's attempts are used up.
-            final = isinstance(error, PermanentError | InvalidInput)
-            outcome = "failed" if final or task.attempts >= max_attempts else "retry"
+            final = isinstance(error, FAILS_AT_ONCE) or task.attempts >= max_attempts
+            outcome = "failed" if final else "retry"
             self._guarded("process", partial(_end, span, token, outcome, error))
             raise
         except BaseException as error:  # cancelled: its lease lost, or a hard stop

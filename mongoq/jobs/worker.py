@@ -26,7 +26,6 @@ from mongoq.runtime.handler import call_handler
 from mongoq.runtime.loop import WorkerLoop
 from mongoq.tasks import AsyncTaskQueue, Task, TaskRunSummary
 from mongoq.tasks.batch import TaskBatch
-from mongoq.tasks.operators import UNKNOWN_READ
 
 if TYPE_CHECKING:
     from mongoq.clock import Clock
@@ -63,6 +62,10 @@ class JobsWorker:
         self.worker_id = worker_id
         self.queues = [jobs.queue(name) for name in names]
         self.functions = [jobs.functions_of(name) for name in names]
+        # The shortest lease: a housekeeping round every third of it, and how long an
+        # announcement holds (three rounds: one delayed by a slow server does not make the
+        # worker look gone).
+        self._presence_ttl = min(queue.lease_ttl for queue in self.queues)
         self.summary = TaskRunSummary()
         self._tallies = [Tally(self.summary, "tasks", queue.name) for queue in self.queues]
         self._process = [self._steps(index) for index in range(len(self.queues))]
@@ -86,7 +89,7 @@ class JobsWorker:
             poll_interval=self.poll_interval,
             stop_when_empty=stop_when_empty,
             housekeeping=self._housekeep,
-            housekeeping_interval=min(queue.lease_ttl for queue in self.queues) / 3,
+            housekeeping_interval=self._presence_ttl / 3,
             name=f"jobs:{','.join(queue.name for queue in self.queues)}",
             next_due=self._next_due if stop_when_drained else None,
             background=self._listeners(),
@@ -159,13 +162,6 @@ class JobsWorker:
             await queue.reclaim_expired()
             await _say_unknown(queue, names)
 
-    @property
-    def _presence_ttl(self) -> float:
-        """How long an announcement holds: the shortest lease, three housekeeping rounds (a
-        third of it each), so a round delayed by a slow server does not make the worker look
-        gone."""
-        return min(queue.lease_ttl for queue in self.queues)
-
     async def announce(self) -> None:
         """This worker's presence in each of its queues: at the start of a run, then at each
         housekeeping round. Shielded and bounded: one cancelled in flight could land after the
@@ -234,11 +230,9 @@ class JobsWorker:
 async def _say_unknown(queue: AsyncTaskQueue, names: list[str]) -> None:
     """Log the due tasks of `queue` this worker does not run (a function it does not know, or
     none): they wait, uncharged, for a worker that knows them."""
-    counts = await queue._due_by_function(queue.clock.now())  # the oldest UNKNOWN_READ
-    bound = "at least " if sum(counts.values()) >= UNKNOWN_READ else ""
+    counts, cut = await queue._due_not_of(queue.clock.now(), names)
+    bound = "at least " if cut else ""
     for function, waiting in counts.items():
-        if function in names:
-            continue
         log.warning(
             "%s: %s%d due task(s) of %s wait: no task function of this worker runs them",
             queue.name, bound, waiting,

@@ -18,7 +18,11 @@ from mongoq.tasks.models import Task, check_result
 if TYPE_CHECKING:
     from mongoq.tasks.queue import AsyncTaskQueue
 
-__all__ = ["TaskBatch"]
+__all__ = ["FAILS_AT_ONCE", "TaskBatch"]
+
+#: The errors that fail a task at once, never retried: a handler's `PermanentError`, and a
+#: result (or input) that cannot be stored.
+FAILS_AT_ONCE = (PermanentError, InvalidInput)
 
 
 @dataclass(eq=False)
@@ -47,7 +51,7 @@ class TaskBatch:
         return result
 
     async def settle_failure(self, item: Task, error: Exception) -> str:
-        if isinstance(error, PermanentError | InvalidInput):
+        if isinstance(error, FAILS_AT_ONCE):
             return "failed" if await self.queue.fail(item, error) else "lost"
         return await self._retry(item, error)
 

@@ -76,6 +76,10 @@ class _Queue(Protocol):
 
     async def _due_by_function(self, now: datetime) -> dict[str, int]: ...
 
+    async def _due_not_of(
+        self, now: datetime, functions: Iterable[str]
+    ) -> tuple[dict[str, int], bool]: ...
+
     def _finished(self, task_ids: Iterable[TaskId]) -> None: ...
 
     def _finished_key(self, task_id: TaskId) -> wakeups.Key: ...
@@ -353,8 +357,19 @@ class TaskOperators:
         known = await self._presence.functions(now)
         unknown: dict[str, int] = {}
         if known is not None and due:
-            unknown = _not_of(await self._due_by_function(now), known)
+            unknown, _ = await self._due_not_of(now, known)
         return TaskStats(counts, due, expired, age, unknown)
+
+    async def _due_not_of(
+        self: _Queue, now: datetime, functions: Iterable[str]
+    ) -> tuple[dict[str, int], bool]:
+        """The due tasks none of `functions` runs, by task function (``""``: plain tasks),
+        counted among the `UNKNOWN_READ` oldest due; and whether more were due than read (the
+        counts are then lower bounds)."""
+        counts = await self._due_by_function(now)
+        runs = set(functions)
+        waiting = {name: n for name, n in counts.items() if name not in runs}
+        return waiting, sum(counts.values()) >= UNKNOWN_READ
 
     async def _due_by_function(self: _Queue, now: datetime) -> dict[str, int]:
         """The oldest due tasks, `UNKNOWN_READ` at most, counted by task function (``""``:
@@ -369,12 +384,6 @@ class TaskOperators:
             hint=schema.STATUS_LEASE.name,
         )  # fmt: skip
         return {row["_id"] or "": int(row["n"]) for row in rows}
-
-
-def _not_of(counts: dict[str, int], functions: Iterable[str]) -> dict[str, int]:
-    """`counts` (by task function) but those of `functions`."""
-    runs = set(functions)
-    return {name: n for name, n in counts.items() if name not in runs}
 
 
 def _check_status(field: str, status: Any) -> TaskStatus:

@@ -4,8 +4,8 @@
 the live ones run, to tell the due tasks that wait for a function no running worker knows.
 
 "Live" is decided by each document's ``expires``, never by its presence in the collection: a
-killed worker's document stays until the TTL index deletes it, which a server does about once
-a minute (and the embedded backend never does).
+killed worker's document stays until the TTL index deletes it, an hour past its ``expires``
+(`schema.WORKER_EXPIRY_SLACK`; the embedded backend never does).
 
 Owns the collection ``{name}_workers`` (documents and queries: `mongoq.tasks.schema`).
 """
