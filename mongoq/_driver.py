@@ -82,6 +82,10 @@ def only_duplicates(error: BulkWriteError) -> bool:
 #: The server's refusals of a document over 16 MiB: an update's result (17419), an upsert's
 #: insert (17420), a document built otherwise (10334). Definite: nothing was written.
 TOO_LARGE_CODES = frozenset({17419, 17420, 10334})
+#: The server's refusals of an update whose arithmetic meets a field that holds no number:
+#: TypeMismatch (14: ``$inc``, ``$mul``, pipeline arithmetic on current servers), and the older
+#: codes of ``$add`` (16554) and ``$subtract`` (16556). Definite: nothing was written.
+TYPE_MISMATCH_CODES = frozenset({14, 16554, 16556})
 _BAD_VALUE = 2
 _INDEX_OPTIONS_CONFLICT = 85
 _NAMESPACE_EXISTS = 48
@@ -105,6 +109,12 @@ def too_large(error: BaseException) -> bool:
     if isinstance(error, DocumentTooLarge):
         return True
     return isinstance(error, OperationFailure) and error.code in TOO_LARGE_CODES
+
+
+def type_mismatch(error: BaseException) -> bool:
+    """Whether `error` is a refusal of an update for a field of the wrong type (a malformed
+    document: `TYPE_MISMATCH_CODES`), in a single write or a findAndModify."""
+    return isinstance(error, OperationFailure) and error.code in TYPE_MISMATCH_CODES
 
 
 def missing_index(error: BaseException) -> bool:

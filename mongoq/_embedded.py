@@ -43,6 +43,12 @@ server's error class and code, in development rather than in production:
    form to mongomock's stage table, for the process (it only answers what mongomock refused).
    ``let``, and a pipeline without those two fields, stay refused; a dotted ``localField``
    through an array of documents is not modelled.
+5. Type mismatches: ``$inc`` or ``$mul`` of a field that holds no number (a string, null, a bool,
+   a document) is refused with code 14 (TypeMismatch), the document left as it was: WriteError
+   for update/replace (a write error in bulk_write; update_many keeps the documents updated
+   before it, as on a server), OperationFailure for find_one_and_update. So is an update
+   pipeline whose arithmetic meets a non-number (mongomock fails with Python's TypeError; a
+   server answers 14, or 16554/16556 on older versions for ``$add``/``$subtract``).
 
 Cost: one ``bson.encode`` per document an update changes (mongomock deep-copies it already) and
 one per inserted document; hints are dictionary look-ups. No collection scan is added.
@@ -80,6 +86,7 @@ _COMMAND_OVERHEAD = 16382
 _OBJECT_ID_FIELD = 17
 
 _BAD_VALUE = 2
+_TYPE_MISMATCH = 14
 _ILLEGAL_OPERATION = 20
 _UPDATE_TOO_LARGE = 17419
 _UPSERT_TOO_LARGE = 17420
@@ -90,11 +97,16 @@ _MESSAGES = {
 _MISSING_INDEX = "hint provided does not correspond to an existing index"
 _NO_TRANSACTIONS = "Transaction numbers are only allowed on a replica set member or mongos"
 # The codes this module raises as write errors, whose bulk entries it tidies (see bulk_write).
-_OWN_WRITE_CODES = frozenset({_BAD_VALUE, _UPDATE_TOO_LARGE, _UPSERT_TOO_LARGE})
+_OWN_WRITE_CODES = frozenset({_BAD_VALUE, _TYPE_MISMATCH, _UPDATE_TOO_LARGE, _UPSERT_TOO_LARGE})
+#: The update operators that need a number in the field they change.
+_ARITHMETIC = ("$inc", "$mul")
 
 # The mongomock internals the rules hook into: fail at import, not with a silent rule-less
 # backend, should a mongomock release rename them.
-for _name in ("_insert", "_update", "_delete", "_ensure_uniques", "_store", "bulk_write"):
+for _name in (
+    "_insert", "_update", "_delete", "_ensure_uniques", "_store", "bulk_write",
+    "_apply_update_document", "_apply_update_pipeline",
+):  # fmt: skip
     if not hasattr(_MockCollection, _name):
         raise ImportError(f"mongoq's embedded backend needs mongomock 4.x (no Collection.{_name})")
 if not hasattr(_MockCursor, "_compute_results"):
@@ -207,6 +219,36 @@ class _RollBack(DuplicateKeyError):
         self.error = error
 
 
+# ------------------------------------------------------------------------------------ types
+
+_MISSING = object()
+
+
+def _field_at(document: Mapping[str, Any], path: str) -> Any:
+    """The value at the dotted `path` of `document`, `_MISSING` where there is none."""
+    value: Any = document
+    for part in path.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def _is_number(value: Any) -> bool:
+    """A BSON number (double, int32, int64, decimal): never a bool, which BSON keeps apart."""
+    return isinstance(value, (int, float, bson.Int64, bson.Decimal128)) and not isinstance(
+        value, bool
+    )
+
+
+def _bson_type(value: Any) -> str:
+    """The server's name for `value`'s BSON type, as its error texts give it."""
+    names: dict[type, str] = {
+        str: "string", type(None): "null", bool: "bool", dict: "object", list: "array"
+    }  # fmt: skip
+    return next((name for kind, name in names.items() if isinstance(value, kind)), "unknown")
+
+
 # ------------------------------------------------------------------------------------ hints
 
 
@@ -278,7 +320,7 @@ class _Rules:
     _REPLACED = (
         "_insert", "_ensure_uniques", "_update", "_delete", "insert_one", "bulk_write", "find",
         "aggregate", "count_documents", "find_one_and_update", "find_one_and_replace",
-        "find_one_and_delete",
+        "find_one_and_delete", "_apply_update_document", "_apply_update_pipeline",
     )  # fmt: skip
 
     def __init__(self, collection: Any) -> None:
@@ -341,6 +383,31 @@ class _Rules:
         except _TooLargeToInsert:
             message = _MESSAGES[_UPSERT_TOO_LARGE]
             raise _write_error(message, _UPSERT_TOO_LARGE) from None
+
+    # -- types -----------------------------------------------------------------------------
+
+    def _apply_update_document(self, document: Any, spec: Any, update: Any, *args: Any) -> Any:
+        """Checked before mongomock changes the stored document in place: a refusal leaves it
+        as it was (mongomock would have applied the operators before the failing one)."""
+        for operator in _ARITHMETIC:
+            for path in update.get(operator) or ():
+                value = _field_at(document, path)
+                if value is not _MISSING and not _is_number(value):
+                    message = (
+                        f"Cannot apply {operator} to a value of non-numeric type. "
+                        f"{{_id: {document.get('_id')!r}}} has the field '{path}' of non-numeric "
+                        f"type {_bson_type(value)}"
+                    )
+                    raise _write_error(message, _TYPE_MISMATCH)
+        return self._original["_apply_update_document"](document, spec, update, *args)
+
+    def _apply_update_pipeline(self, document: Any, *args: Any) -> Any:
+        # mongomock computes the new document apart, then swaps it in: a failure changed nothing.
+        try:
+            return self._original["_apply_update_pipeline"](document, *args)
+        except (TypeError, AssertionError) as error:
+            message = f"PlanExecutor error during update :: caused by :: TypeMismatch: {error}"
+            raise _write_error(message, _TYPE_MISMATCH) from None
 
     def insert_one(self, document: Any, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -460,6 +527,9 @@ class _Rules:
         try:
             return self._original[name](*args, **kwargs)
         except WriteError as error:
+            if error.code == _TYPE_MISMATCH:
+                message = (error.details or {}).get("errmsg", str(error))
+                raise _command_error(message, _TYPE_MISMATCH, "TypeMismatch") from None
             if error.code not in _MESSAGES:
                 raise
             raise _command_error(

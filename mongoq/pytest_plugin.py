@@ -37,7 +37,7 @@ from mongoq.clock import ManualClock
 from mongoq.errors import InvalidInput
 from mongoq.tasks import Task, TaskRunSummary
 from mongoq.tasks import schema as task_schema
-from mongoq.tasks.models import PROCESSING
+from mongoq.tasks.models import PROCESSING, read_task
 
 if TYPE_CHECKING:
     from mongoq.clock import Clock
@@ -173,7 +173,7 @@ class JobsHarness:
                     sort=task_schema.DUE_ORDER, limit=limit or 0,
                     hint=task_schema.STATUS_LEASE.name,
                 )  # fmt: skip
-                tasks.extend(Task.from_document(doc) for doc in docs)
+                tasks.extend(read_task(doc) for doc in docs)
         tasks.sort(key=self._due)
         return tasks if limit is None else tasks[:limit]
 

@@ -3,7 +3,8 @@
 mongomock stores an 18 MiB document, ignores hints and has no sessions; `mongoq._embedded` makes
 the backend `mongoq.connect()` gives (and `memory_database()`) refuse as a server does: documents
 over 16 MiB (17419 / 17420, DocumentTooLarge, "object to insert too large"), hints to indexes that
-do not exist (2, BadValue), transactions (20, IllegalOperation). Each test asserts the refusal and
+do not exist (2, BadValue), transactions (20, IllegalOperation), arithmetic on a field that holds
+no number (14, TypeMismatch). Each test asserts the refusal and
 then what is stored. Tests on the `db` fixture run on both embedded lanes and, with
 MONGOQ_TEST_URI, on a real replica set; the transaction tests use `memory_database()` directly
 (a replica set has transactions). Bulk updates use `UpdateMany` filtered on ``_id`` (mongomock
@@ -547,3 +548,58 @@ async def test_a_correlated_lookup_tells_a_bool_from_a_number_and_an_empty_array
         ],
     )  # fmt: skip
     assert {row["_id"]: [m["_id"] for m in row["m"]] for row in rows} == {1: [10], 2: [11], 3: [12]}
+
+
+# ----------------------------------------------------------------------------- type mismatch
+
+
+@pytest.mark.parametrize(
+    "value", ["x", None, True, {"n": 1}], ids=["string", "null", "bool", "doc"]
+)
+async def test_an_inc_of_a_field_that_holds_no_number_is_refused_and_nothing_changes(
+    db: Any, value: Any
+) -> None:
+    await db.c.insert_one({"_id": 1, "a": value, "s": 1})
+    with pytest.raises(WriteError) as refused:
+        await db.c.update_one({"_id": 1}, {"$set": {"s": 2}, "$inc": {"a": 1}})
+    assert refused.value.code == 14 and _driver.type_mismatch(refused.value)
+    assert "non-numeric" in str(refused.value)
+    assert await db.c.find_one({"_id": 1}) == {"_id": 1, "a": value, "s": 1}
+    await db.c.update_one({"_id": 1}, {"$inc": {"missing": 1}})  # a missing field is a 0
+    assert (await db.c.find_one({"_id": 1}))["missing"] == 1
+
+
+async def test_find_one_and_update_of_a_non_number_is_a_command_error(db: Any) -> None:
+    await db.c.insert_one({"_id": 1, "a": "x"})
+    with pytest.raises(OperationFailure) as refused:
+        await db.c.find_one_and_update({"_id": 1}, {"$set": {"b": 1}, "$inc": {"a": 1}})
+    assert not isinstance(refused.value, WriteError)
+    assert refused.value.code == 14 and _driver.type_mismatch(refused.value)
+    assert await db.c.find_one({"_id": 1}) == {"_id": 1, "a": "x"}
+
+
+async def test_update_many_stops_at_the_document_that_holds_no_number(db: Any) -> None:
+    await db.c.insert_many([{"_id": 1, "a": 1}, {"_id": 2, "a": "x"}, {"_id": 3, "a": 3}])
+    with pytest.raises(WriteError) as refused:
+        await db.c.update_many({}, {"$inc": {"a": 1}})
+    assert refused.value.code == 14
+    stored = {doc["_id"]: doc["a"] for doc in await db.c.find({}).to_list(None)}
+    assert stored[2] == "x"  # (which others were updated is the server's order: not asserted)
+
+
+async def test_pipeline_arithmetic_on_a_non_number_is_refused_and_nothing_changes(db: Any) -> None:
+    await db.c.insert_one({"_id": 1, "a": "x"})
+    with pytest.raises(WriteError) as refused:
+        await db.c.update_one({"_id": 1}, [{"$set": {"b": {"$subtract": ["$a", 1]}}}])
+    assert _driver.type_mismatch(refused.value)
+    assert await db.c.find_one({"_id": 1}) == {"_id": 1, "a": "x"}
+
+
+async def test_bulk_write_reports_the_type_mismatch_at_its_index(db: Any) -> None:
+    await db.c.insert_many([{"_id": 1, "a": 1}, {"_id": 2, "a": "x"}])
+    ops = [UpdateMany({"_id": 1}, {"$inc": {"a": 1}}), UpdateMany({"_id": 2}, {"$inc": {"a": 1}})]
+    with pytest.raises(BulkWriteError) as refused:
+        await db.c.bulk_write(ops, ordered=False)
+    (entry,) = refused.value.details["writeErrors"]
+    assert (entry["index"], entry["code"]) == (1, 14)
+    assert (await db.c.find_one({"_id": 1}))["a"] == 2

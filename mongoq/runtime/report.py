@@ -29,7 +29,15 @@ from typing import Any
 
 from mongoq.errors import HandlerTimeout, PermanentError
 
-__all__ = ["ERROR_LIMIT", "GIVEN_UP", "Attempt", "error_line", "error_text", "log_attempt_end"]
+__all__ = [
+    "ERROR_LIMIT",
+    "GIVEN_UP",
+    "Attempt",
+    "error_line",
+    "error_text",
+    "log_attempt_end",
+    "log_set_aside",
+]
 
 #: Outcomes after which the item is not retried by itself.
 GIVEN_UP = frozenset({"failed", "dead", "buried"})
@@ -133,3 +141,33 @@ def _traceback(
 def _is_caller(entry: TracebackType) -> bool:
     module = entry.tb_frame.f_globals.get("__name__")
     return isinstance(module, str) and module.partition(".")[0] in _CALLERS
+
+
+def log_set_aside(
+    logger: logging.Logger,
+    attempt: Attempt,
+    collection: str,
+    field: str,
+    found: str,
+    outcome: str,
+) -> None:
+    """Log, once, that a stored document no run loop can use (a field of the wrong type) was
+    set aside (`outcome`: ``failed``, ``dead``, ``buried``, ``repaired``), so that it never holds
+    back the items behind it. A WARNING naming the collection, the item and the field, with
+    the module's fields and ``mongoq_collection`` and ``mongoq_field``."""
+    fields: dict[str, Any] = {
+        "mongoq_primitive": attempt.primitive,
+        "mongoq_queue": attempt.queue,
+        "mongoq_item": attempt.item,
+        "mongoq_attempt": attempt.number,
+        "mongoq_outcome": outcome,
+        "mongoq_worker": attempt.worker,
+        "mongoq_collection": collection,
+        "mongoq_field": field,
+        "mongoq_error": f"field {field!r} holds {found}",
+    }
+    logger.warning(
+        "%s: %r in %s set aside (%s): field %r holds %s",
+        f"{attempt.primitive}:{attempt.queue}", attempt.item, collection, outcome, field, found,
+        extra=fields,
+    )  # fmt: skip

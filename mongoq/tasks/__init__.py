@@ -4,7 +4,8 @@ retried. It owns the collections ``{name}`` (one document per task), ``{name}_sc
 are in `mongoq.tasks.schema`, the values in `mongoq.tasks.models`. The face (set-up, puts,
 claims, run) is `mongoq.tasks.queue`; the lease holder's calls and `TaskLease` are in
 `mongoq.tasks.settles`, the operator calls in `mongoq.tasks.operators`, the schedules in
-`mongoq.tasks.schedules`, the workers' presences in `mongoq.tasks.presence`."""
+`mongoq.tasks.schedules`, the workers' presences in `mongoq.tasks.presence`, and the setting
+aside of documents no worker can use in `mongoq.tasks.quarantine`."""
 
 from mongoq.tasks.models import (
     NewTask,

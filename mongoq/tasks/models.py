@@ -1,12 +1,14 @@
 """The task queue's values: a task as a snapshot of its document (`Task`), a task as a producer
 writes it (`NewTask`), the result types of the producer, operator and worker calls, the
-statuses; and the validation of what goes into a task document (`new_task`, `check_new_task`,
-`check_new_tasks`, `check_result`). Owns no collections; the layout of the one the queue owns
-is in `mongoq.tasks.schema`.
+statuses; the validation of what goes into a task document (`new_task`, `check_new_task`,
+`check_new_tasks`, `check_result`); and what makes a stored document unusable (`task_fault`,
+`read_task`). Owns no collections; the layout of the one the queue owns is in
+`mongoq.tasks.schema`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -64,9 +66,15 @@ class Task:
     updated_at: datetime | None = None
     #: The task function that runs it (`mongoq.Jobs`); None for a task of `run(handler)`.
     function: str | None = None
+    #: Why the stored document cannot be used as a task (a field of the wrong type, written by
+    #: hand or by another program), e.g. ``"field 'attempts' holds a string ('x')"``; None for
+    #: every document mongoq wrote. Listings show such a task with this set (`read_task`).
+    unreadable: str | None = None
 
     @classmethod
     def from_document(cls, doc: Mapping[str, Any]) -> Task:
+        """The task of a stored document; raises one of `READ_ERRORS` for a document that is
+        not one (`task_fault` then says which field)."""
         get = doc.get  # every claim reads one: positional, in the order of the fields
         return cls(
             doc["_id"],
@@ -103,6 +111,84 @@ class Task:
             "updated_at": self.updated_at,
             "function": self.function,
         }
+
+
+#: What `Task.from_document` raises for a document that is not a task's.
+READ_ERRORS = (KeyError, TypeError, ValueError, OverflowError, AttributeError)
+_INSTANTS = ("lease_until", "created_at", "updated_at")
+_TEXTS = ("worker_id", "lease_token", "error", "function")
+
+
+def _number(value: Any) -> bool:
+    """A count or a priority as mongoq stores one: an int, or a finite float."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _kind(value: Any) -> str:
+    """`value` as an error text names it: its type, and a short sample."""
+    names: dict[type, str] = {
+        str: "a string", type(None): "null", bool: "a bool", int: "an int", dict: "a document",
+        list: "an array", float: "a float", datetime: "a date",
+    }  # fmt: skip
+    name = next((n for kind, n in names.items() if isinstance(value, kind)), type(value).__name__)
+    return f"{name} ({value!r:.40})" if value is not None else name
+
+
+def task_fault(doc: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The first field of `doc` that makes it unusable as a task, and what it holds (``("attempts",
+    "a string ('x')")``); None when every field has a type mongoq writes. Checked only after a
+    read or a write failed: never on the path of a good task."""
+    if "_id" not in doc:
+        return "_id", "nothing"
+    if doc.get("status") not in STATUSES:
+        return "status", _kind(doc.get("status")) if "status" in doc else "nothing"
+    for name in ("attempts", "priority"):
+        if name in doc and not _number(doc[name]):
+            return name, _kind(doc[name])
+    for name in _INSTANTS:
+        if doc.get(name) is not None and not isinstance(doc[name], datetime):
+            return name, _kind(doc[name])
+    for name in _TEXTS:
+        if doc.get(name) is not None and not isinstance(doc[name], str):
+            return name, _kind(doc[name])
+    revision = doc.get("revision")
+    if revision is not None and (isinstance(revision, bool) or not isinstance(revision, str | int)):
+        return "revision", _kind(revision)
+    return None
+
+
+def describe_fault(fault: tuple[str, str]) -> str:
+    """The text of a `task_fault`: ``field 'attempts' holds a string ('x')``."""
+    return f"field {fault[0]!r} holds {fault[1]}"
+
+
+def read_task(doc: Mapping[str, Any]) -> Task:
+    """The task of a stored document for a listing or a page: `Task.from_document`, or, for a
+    document that is not a task's, a `Task` of its readable fields with `unreadable` saying
+    which field is wrong and `status` as stored (never an exception: one bad document never
+    breaks a listing)."""
+    fault = task_fault(doc)
+    if fault is None:
+        try:
+            return Task.from_document(doc)
+        except READ_ERRORS:
+            fault = ("document", "a value mongoq cannot read")
+    status = doc.get("status")
+    return Task(
+        doc.get("_id"),  # type: ignore[arg-type]  # whatever it is: the listing shows it
+        doc.get("payload"),
+        status if isinstance(status, str) else repr(status),  # type: ignore[arg-type]
+        int(doc["attempts"]) if _number(doc.get("attempts")) else 0,
+        int(doc["priority"]) if _number(doc.get("priority")) else 0,
+        revision=doc.get("revision"),
+        lease_until=stored_instant(doc.get("lease_until")),
+        error=doc.get("error") if isinstance(doc.get("error"), str) else None,
+        created_at=stored_instant(doc.get("created_at")),
+        updated_at=stored_instant(doc.get("updated_at")),
+        unreadable=describe_fault(fault),
+    )
 
 
 #: A result this small always fits: a put leaves the task document this much room (the

@@ -32,7 +32,7 @@ from mongoq._validation import (
 from mongoq.clock import Clock, stored_instant, to_millis
 from mongoq.errors import InvalidInput, NotFound
 from mongoq.runtime import changes, wakeups
-from mongoq.tasks import schema
+from mongoq.tasks import quarantine, schema
 from mongoq.tasks.models import (
     CANCELLED,
     DONE,
@@ -46,6 +46,7 @@ from mongoq.tasks.models import (
     TaskPage,
     TaskStats,
     TaskStatus,
+    read_task,
 )
 from mongoq.tasks.presence import Presence
 
@@ -135,7 +136,7 @@ class TaskOperators:
             self.collection, schema.tasks_listed(statuses, cursor), sort=schema.LIST_ORDER,
             limit=limit + 1, hint=schema.STATUS_UPDATED.name,
         )  # fmt: skip
-        tasks = [Task.from_document(doc) for doc in docs[:limit]]
+        tasks = [read_task(doc) for doc in docs[:limit]]
         more = len(docs) > limit
         return TaskPage(tasks, _cursor(tasks[-1]) if more else None)
 
@@ -206,7 +207,9 @@ class TaskOperators:
         First bury expired tasks whose attempts are used up (``failed``), then return the other
         expired ones to pending. Burying first means an exhausted task is never, even briefly,
         pending. Claims take expired tasks over by themselves; this keeps the queue's state and
-        statistics honest when no worker is claiming.
+        statistics honest when no worker is claiming. An expired task whose ``attempts`` is no
+        number (a hand edit), which no claim can take over, is buried too, with an error that
+        says so (and one read more, only then, names it in the log).
         """
         now = await self._now()
         buried = await self.collection.update_many(
@@ -216,11 +219,12 @@ class TaskOperators:
             schema.task_expired_retryable(now, self.max_attempts), schema.task_reclaiming(now)
         )
         if buried.modified_count:  # given up: the attempts ran out with crashed workers
-            count = buried.modified_count
+            count = buried.modified_count - await quarantine.log_buried(self, now)
             fields = {"mongoq_primitive": "tasks", "mongoq_queue": self.name,
                       "mongoq_outcome": "failed", "mongoq_count": count}  # fmt: skip
-            log.warning("%d task(s) failed: their lease expired on the last attempt", count,
-                        extra=fields)  # fmt: skip
+            if count:
+                log.warning("%d task(s) failed: their lease expired on the last attempt", count,
+                            extra=fields)  # fmt: skip
         if requeued.modified_count:
             log.info("requeued %d task(s) whose lease expired", requeued.modified_count)
         return ReclaimResult(buried.modified_count, requeued.modified_count)
@@ -228,7 +232,7 @@ class TaskOperators:
     async def get(self: _Queue, task_id: TaskId) -> Task | None:
         """The task's current document, or None."""
         doc = await self.collection.find_one(schema.task_by_id(check_id("task_id", task_id)))
-        return None if doc is None else Task.from_document(doc)
+        return None if doc is None else read_task(doc)
 
     async def requeue(self: _Queue, task_id: TaskId) -> bool:
         """Operator: put a ``failed`` task back to pending with fresh attempts."""
@@ -302,7 +306,7 @@ class TaskOperators:
                     if doc is None:
                         missing = True
                         break
-                    task = Task.from_document(doc)
+                    task = read_task(doc)
                     if task.status in FINISHED:
                         finished = task
                         break

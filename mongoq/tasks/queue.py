@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import partial
 from typing import Any
 
 import anyio
 from pymongo import ReturnDocument
+from pymongo.errors import OperationFailure
 
 from mongoq import _driver, registry
 from mongoq._indexes import create_indexes
@@ -44,9 +45,11 @@ from mongoq.runtime.candidates import take_candidates
 from mongoq.runtime.events import Tally, report_start_delay
 from mongoq.runtime.handler import call_handler
 from mongoq.runtime.loop import WorkerHost, WorkerLoop
-from mongoq.tasks import schema
+from mongoq.tasks import quarantine, schema
 from mongoq.tasks.batch import TaskBatch
 from mongoq.tasks.models import (
+    PROCESSING,
+    READ_ERRORS,
     NewTask,
     PutManyResult,
     PutOutcome,
@@ -239,23 +242,43 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         """
         worker = self._worker(worker_id)
         names = check_functions("functions", functions)
+        for _ in range(quarantine.ROUNDS):
+            task, set_aside = await self._claim_once(worker, names)
+            if not set_aside:
+                return task
+        return None
+
+    async def _claim_once(self, worker: str, names: list[str] | None) -> tuple[Task | None, bool]:
+        """One claim, and whether what it found was a document no worker can use instead (set
+        aside: the caller claims again)."""
         now = await self._now()
-        claiming = schema.task_claiming(worker, _token(), now, self.lease_ttl)
-        with _driver.index_required(self.collection, schema.CLAIM_INDEX):
-            # As it was: when it fell due is in it; the claimed task follows from the update.
-            before = await self.collection.find_one_and_update(
-                schema.task_claimable(now, self.max_attempts, names),
-                claiming,
-                sort=schema.CLAIM_ORDER,
-                hint=schema.CLAIM_INDEX,
-                return_document=ReturnDocument.BEFORE,
-            )
+        token = _token()
+        claiming = schema.task_claiming(worker, token, now, self.lease_ttl)
+        due = schema.task_claimable(now, self.max_attempts, names)
+        try:
+            with _driver.index_required(self.collection, schema.CLAIM_INDEX):
+                # As it was: when it fell due is in it; the claimed task follows from the update.
+                before = await self.collection.find_one_and_update(
+                    due, claiming, sort=schema.CLAIM_ORDER, hint=schema.CLAIM_INDEX,
+                    return_document=ReturnDocument.BEFORE,
+                )  # fmt: skip
+        except OperationFailure as refusal:
+            if not _driver.type_mismatch(refusal):
+                raise
+            await quarantine.set_aside_first(self, due, now, refusal)
+            return None, True
         if before is None:
-            return None
+            return None, False
+        claimed = schema.task_as_claimed(before, claiming)
+        try:
+            task = Task.from_document(claimed)
+        except READ_ERRORS:
+            fence = schema.task_unchanged(claimed, {"status": PROCESSING})
+            await quarantine.set_aside(self, claimed, fence, now)
+            return None, True
         report_start_delay("tasks", self.name, stored_instant(before.get("lease_until")), now)
-        task = Task.from_document(schema.task_as_claimed(before, claiming))
         log.debug("claimed %r (attempt %d) for %s", task.id, task.attempts, worker)
-        return task
+        return task, False
 
     async def claim_many(
         self, n: int, worker_id: str | None = None, *, functions: Sequence[str] | None = None
@@ -274,19 +297,35 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         check_int("n", n, low=1, high=MAX_BATCH)
         worker = self._worker(worker_id)
         names = check_functions("functions", functions)
+        for _ in range(quarantine.ROUNDS):
+            tasks = await self._claim_many_once(n, worker, names)
+            if tasks is not None:
+                return tasks
+        return []
+
+    async def _claim_many_once(
+        self, n: int, worker: str, names: list[str] | None
+    ) -> list[Task] | None:
+        """One batched claim; None when it took nothing but set documents no worker can use
+        aside (the caller claims again)."""
         now = await self._now()
         token = _token()
         claiming = schema.task_claiming(worker, token, now, self.lease_ttl)
-        candidates = await take_candidates(
-            self.collection,
-            schema.task_claimable(now, self.max_attempts, names),
-            claiming,
-            sort=schema.CLAIM_ORDER,
-            n=n,
-            hint=schema.CLAIM_INDEX,
-            fields=("lease_until",),
-            whole_first=True,  # when the update took them all, they need no reading back
-        )
+        due = schema.task_claimable(now, self.max_attempts, names)
+        try:
+            candidates = await take_candidates(
+                self.collection, due, claiming, sort=schema.CLAIM_ORDER, n=n,
+                hint=schema.CLAIM_INDEX, fields=("lease_until",),
+                whole_first=True,  # when the update took them all, they need no reading back
+            )  # fmt: skip
+        except OperationFailure as refusal:
+            if not _driver.type_mismatch(refusal):
+                raise
+            # The update stopped at a malformed candidate, having stamped some before it.
+            await quarantine.set_aside_candidates(self, due, now, refusal)
+            taken = schema.task_taken_by(token, claiming["$set"]["lease_until"])
+            docs = await _driver.find_list(self.collection, taken, hint=schema.STATUS_LEASE.name)
+            return (await self._readable(docs, now))[0] or None
         if not candidates.docs:
             return []
         ids = [candidate["_id"] for candidate in candidates.docs]
@@ -298,12 +337,30 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         else:
             docs = await _driver.find_list(self.collection, schema.tasks_claimed(ids, token))
         order = {task_id: index for index, task_id in enumerate(ids)}
-        tasks = sorted((Task.from_document(doc) for doc in docs), key=lambda t: order[t.id])
-        due = {c["_id"]: stored_instant(c.get("lease_until")) for c in candidates.docs}
+        readable, set_aside = await self._readable(docs, now)
+        if set_aside and not readable:
+            return None
+        tasks = sorted(readable, key=lambda t: order[t.id])
+        due_at = {c["_id"]: stored_instant(c.get("lease_until")) for c in candidates.docs}
         for task in tasks:
-            report_start_delay("tasks", self.name, due[task.id], now)
+            report_start_delay("tasks", self.name, due_at[task.id], now)
         log.debug("claimed %d task(s) for %s", len(tasks), worker)
         return tasks
+
+    async def _readable(self, docs: Sequence[Mapping[str, Any]], now: datetime) -> tuple[
+        list[Task], int
+    ]:  # fmt: skip
+        """The tasks of claimed `docs`, and how many of them could not be read as tasks: those
+        are set aside (failed, fenced on this claim's token), never run."""
+        tasks: list[Task] = []
+        set_aside = 0
+        for doc in docs:
+            try:
+                tasks.append(Task.from_document(doc))
+            except READ_ERRORS:
+                fence = schema.task_unchanged(doc, {"status": PROCESSING})
+                set_aside += await quarantine.set_aside(self, doc, fence, now)
+        return tasks, set_aside
 
     # ------------------------------------------------------------------------------ worker
 

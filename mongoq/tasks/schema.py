@@ -65,6 +65,7 @@ __all__ = [
     "CLAIM_ORDER",
     "DUE_ORDER",
     "EXPIRED_ON_LAST_ATTEMPT",
+    "UNUSABLE_EXPIRED",
     "INDEXES",
     "LIST_ORDER",
     "PURGEABLE",
@@ -89,6 +90,7 @@ __all__ = [
     "task_expired",
     "task_expired_exhausted",
     "task_expired_retryable",
+    "tasks_buried_unusable",
     "task_extending",
     "task_cancellable",
     "task_cancelling",
@@ -106,6 +108,9 @@ __all__ = [
     "task_removing",
     "task_requeuing",
     "task_retrying",
+    "task_setting_aside",
+    "task_taken_by",
+    "task_unchanged",
     "tasks_claimed",
     "tasks_done",
     "tasks_failed",
@@ -162,6 +167,13 @@ def task_claiming(worker: str, token: str, now: datetime, lease_ttl: float) -> d
     }
 
 
+def task_taken_by(token: str, lease_until: datetime) -> dict[str, Any]:
+    """The tasks one claim stamped (its `token`, the lease end it wrote): `claim_many`'s read
+    back after the server refused its update part-way for a malformed document
+    (``status_lease``: one equality range)."""
+    return {"status": PROCESSING, "lease_until": lease_until, "lease_token": token}
+
+
 def task_as_claimed(before: Mapping[str, Any], claiming: Mapping[str, Any]) -> dict[str, Any]:
     """The document `task_claiming`'s update `claiming` makes of `before` (no query): the
     claim asks for the document as it was, to read when the task fell due, and derives the
@@ -215,8 +227,11 @@ def task_expired(now: datetime) -> dict[str, Any]:
 
 
 def task_expired_exhausted(now: datetime, max_attempts: int) -> dict[str, Any]:
-    """Expired on their last attempt: `reclaim_expired` buries them (``status_lease``)."""
-    return {**task_expired(now), "attempts": {"$gte": max_attempts}}
+    """Expired on their last attempt, or with attempts that are no number (a hand edit,
+    missing: no claim can take them over, nor a requeue count them): `reclaim_expired` buries
+    them (``status_lease``)."""
+    no_number = {"attempts": {"$not": {"$type": "number"}}}
+    return {**task_expired(now), "$or": [{"attempts": {"$gte": max_attempts}}, no_number]}
 
 
 def task_expired_retryable(now: datetime, max_attempts: int) -> dict[str, Any]:
@@ -224,9 +239,23 @@ def task_expired_retryable(now: datetime, max_attempts: int) -> dict[str, Any]:
     return {**task_expired(now), "attempts": {"$lt": max_attempts}}
 
 
-def task_burying(now: datetime) -> dict[str, Any]:
-    """`reclaim_expired`'s end of a `task_expired_exhausted` task: failed."""
-    return task_failing(now, EXPIRED_ON_LAST_ATTEMPT)
+#: The error of a task `reclaim_expired` buried because its attempts are no number.
+UNUSABLE_EXPIRED = (
+    "unreadable task document: field 'attempts' holds no number; set aside when its lease expired"
+)
+
+
+def task_burying(now: datetime) -> list[dict[str, Any]]:
+    """`reclaim_expired`'s end of a `task_expired_exhausted` task: failed, with the error that
+    says which of the two it was (a pipeline: one command for both)."""
+    error = {"$cond": [{"$isNumber": "$attempts"}, EXPIRED_ON_LAST_ATTEMPT, UNUSABLE_EXPIRED]}
+    return [{"$set": {**task_failing(now, None)["$set"], "error": error}}]
+
+
+def tasks_buried_unusable(now: datetime) -> dict[str, Any]:
+    """The tasks a `task_burying` at `now` set aside for their attempts: `reclaim_expired`'s
+    read of which, only when it buried some (``status_updated``: one equality range)."""
+    return {"status": FAILED, "updated_at": now, "error": UNUSABLE_EXPIRED}
 
 
 def task_reclaiming(now: datetime) -> dict[str, Any]:
@@ -445,6 +474,19 @@ def tasks_cancelled(task_ids: Sequence[TaskId]) -> dict[str, Any]:
     """Those of `task_ids` cancelled: a holder (or a batch) telling a cancel from a loss; by
     ``_id``."""
     return {"_id": {"$in": list(task_ids)}, "status": CANCELLED}
+
+
+def task_unchanged(doc: Mapping[str, Any], due: Mapping[str, Any]) -> dict[str, Any]:
+    """A set-aside's fence: the task read as `doc`, still matching `due` (the filter it was
+    read by), still holding the lease token it was read with; by ``_id``. A task that changed
+    meanwhile (put again, claimed) is left alone."""
+    return {**due, "_id": doc["_id"], "lease_token": doc.get("lease_token")}
+
+
+def task_setting_aside(now: datetime, error: str) -> dict[str, Any]:
+    """A task document no worker can use, failed with `error` (which names the field): its
+    other fields are left as they were, for whoever looks."""
+    return task_failing(now, error)
 
 
 def task_failed(task_id: TaskId) -> dict[str, Any]:

@@ -883,6 +883,8 @@ def is_heartbeat_many(op: Operation) -> bool:
 
 
 def _extends(update: Any) -> bool:
+    if not isinstance(update, dict):  # a pipeline (the reclaim's burial)
+        return False
     return set(update.get("$max", {})) == {"lease_until"} and set(update.get("$set", {})) == {
         "updated_at"
     }

@@ -440,7 +440,7 @@ async def test_reclaim_buries_exhausted_expired_tasks_before_requeueing_the_othe
     before = {task_id: await read(db, task_id) for task_id in ("live", "waiting")}
 
     requeue = faults.pause_before(
-        "update_many", match=lambda op: op.filter["attempts"] == {"$lt": 2}
+        "update_many", match=lambda op: op.filter.get("attempts") == {"$lt": 2}
     )
     result: list[ReclaimResult] = []
 
