@@ -14,6 +14,7 @@ from mongoq import _driver
 from mongoq._version import __version__ as __version__
 from mongoq.clock import Clock, ServerClock, SystemClock
 from mongoq.errors import (
+    HandlerAbandoned,
     HandlerTimeout,
     IndexesMissing,
     InvalidInput,
@@ -76,6 +77,7 @@ __all__ = [
     "GroupPage",
     "GroupRunSummary",
     "GroupStats",
+    "HandlerAbandoned",
     "HandlerTimeout",
     "IndexesMissing",
     "InvalidInput",

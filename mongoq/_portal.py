@@ -535,6 +535,19 @@ def in_worker_thread(function: Callable[..., T], field: str) -> Callable[..., An
     async def handler(*args: Any) -> T:
         if not limiter:  # created in the loop, on first use
             limiter.append(anyio.CapacityLimiter(HANDLER_THREADS))
-        return await anyio.to_thread.run_sync(function, *args, limiter=limiter[0])
+        thread = asyncio.ensure_future(
+            anyio.to_thread.run_sync(function, *args, limiter=limiter[0])
+        )
+        try:
+            return await asyncio.shield(thread)
+        except asyncio.CancelledError:
+            # A thread cannot be interrupted: it runs to its end, and its result is what it
+            # returned (the run loop decides what it counts for: a result under a hard stop is
+            # recorded, one past its time limit is not; past the grace, the loop moves on).
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
+            await asyncio.wait({thread})
+            return thread.result()
 
     return handler

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pymongo.errors import ServerSelectionTimeoutError
 
 __all__ = [
+    "HandlerAbandoned",
     "HandlerTimeout",
     "IndexesMissing",
     "InvalidInput",
@@ -65,6 +66,14 @@ class IndexesMissing(MongoqError):
 class HandlerTimeout(MongoqError, TimeoutError):
     """A handler ran past the `timeout` its run loop was given and was cancelled; the attempt
     counts as failed (retried with backoff, given up after the last attempt)."""
+
+
+class HandlerAbandoned(LeaseLost):
+    """A handler was cancelled (past its time limit, its lease lost, its worker stopping) and
+    did not end within the grace that follows (it swallowed the cancellation, or blocks in a
+    thread). It is left running: its lease is no longer renewed, its item is not settled (the
+    lease expires and the item is claimable again), and its slot is free for other work.
+    Counted ``lost``."""
 
 
 class NotFound(MongoqError, LookupError):

@@ -149,7 +149,8 @@ class JobsWorker:
         function's retry policy as any failure does."""
         try:
             return await call_handler(partial(function.run, task), clock=clock,
-                                      limit=function.timeout)  # fmt: skip
+                                      limit=function.timeout,
+                                      name=f"task {task.id!r} ({function.name})")  # fmt: skip
         except HandlerTimeout as timeout:  # raised outside the call: the policy applies here
             final = function.final(timeout, task)
             if final is timeout:
@@ -220,6 +221,7 @@ class JobsWorker:
             # The queue's schedules (the periodic functions'): one read at each next tick.
             listeners.append(partial(queue._scheduler.run, self.poll_interval))
             listeners.append(partial(listen, queue._wake_key, index))
+            listeners.extend(queue._holders_told(self.poll_interval))
             listeners.append(partial(
                 changes.watch, queue.collection, changes.TASKS_DUE, partial(wake, index),
                 clock=queue.clock, retry=self.poll_interval, name=f"jobs:{queue.name}",

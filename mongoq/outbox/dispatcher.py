@@ -26,12 +26,13 @@ from mongoq._unreachable import names_unreachable_server
 from mongoq._validation import (
     check_async_handler,
     check_int,
+    check_interval,
     check_seconds,
     check_stop_when,
     check_timeout,
     check_worker_id,
 )
-from mongoq.errors import InvalidInput, LeaseLost, PermanentError
+from mongoq.errors import HandlerAbandoned, InvalidInput, LeaseLost, PermanentError
 from mongoq.outbox.models import Delivery, Event, OutboxRunSummary, check_handler
 from mongoq.outbox.store import AsyncOutbox
 from mongoq.runtime import changes
@@ -129,7 +130,7 @@ class OutboxDispatcher(WorkerHost):
         self.max_attempts = check_int("max_attempts", max_attempts, low=1)
         self.backoff = backoff if backoff is not None else default_backoff
         self.handler_timeout = check_timeout("handler_timeout", handler_timeout)
-        self.poll_interval = check_seconds("poll_interval", poll_interval, positive=True)
+        self.poll_interval = check_interval("poll_interval", poll_interval)
         self.summary = OutboxRunSummary()
         self._tally = Tally(self.summary, "outbox", outbox.prefix)
         #: one per running handler: cancelled when a renewal finds every lane lost
@@ -289,8 +290,18 @@ class OutboxDispatcher(WorkerHost):
             await call_handler(
                 partial(self.handlers[delivery.handler], delivery.event, context),
                 clock=self.outbox.clock, limit=self.handler_timeout, guard=guard,
-                timed=self._tally.handler_time,
+                timed=self._tally.handler_time, name=f"delivery {delivery.id}",
             )  # fmt: skip
+        except HandlerAbandoned as exc:
+            # It runs on, unsupervised. Its key's other deliveries must not wait behind it under
+            # a lane this worker keeps renewing: it is retried after its backoff (or buried on
+            # its last attempt), as after any failure, and counted lost.
+            self._tally("lost")
+            if delivery.attempt >= self.max_attempts:
+                call = self.outbox.bury(delivery, error=exc)
+            else:
+                call = self.outbox.reschedule(delivery, delay=self._delay(delivery), error=exc)
+            await self._settle(delivery, "lost", call, True)
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True):
                 await self._settle(delivery, "released", self.outbox.release(delivery))

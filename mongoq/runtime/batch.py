@@ -11,7 +11,8 @@ never touches the database itself. Owns no collections.
 Invariants the slot keeps for every primitive:
 - an item a renewal found lost is never started, and never settled, by this slot; if its
   handler is running, it is cancelled (its work could not be recorded);
-- a handler past its time limit is cancelled and settled as a failure (`HandlerTimeout`);
+- a handler past its time limit is cancelled and settled as a failure (`HandlerTimeout`); one
+  that ignores its cancellation past the grace is abandoned, counted lost, never settled;
 - before a handler starts, its lease is known to hold with a third of it left
   (`mongoq.runtime.lease`): by the claim or the last full renewal, each dated from before its
   request, or by a renewal of that item alone; an item whose lease cannot be shown live is
@@ -34,7 +35,7 @@ import anyio.lowlevel
 
 from mongoq import _driver
 from mongoq.clock import Clock
-from mongoq.errors import LeaseLost
+from mongoq.errors import HandlerAbandoned, LeaseLost
 from mongoq.runtime import lease as leases
 from mongoq.runtime.handler import call_handler
 from mongoq.runtime.keepalive import KeepAlive
@@ -200,7 +201,12 @@ class _Batch(Generic[Item]):
                         result = await call_handler(
                             partial(self.holder.handle, current), clock=self.clock,
                             limit=self.limit, guard=guard, timed=self.timed,
+                            name=self.describe(current),
                         )  # fmt: skip
+                    except HandlerAbandoned:  # still running: never settled, never renewed
+                        if current in self.unsettled:
+                            self.unsettled.remove(current)
+                            self.count("lost", 1)
                     except Exception as exc:
                         if isinstance(exc, LeaseLost) and guard.cancel_called:
                             continue  # cancelled; counted lost by the renewal that found it

@@ -1,23 +1,42 @@
-"""`call_handler`: one call of a user's handler under the two limits a run loop puts on it, a
-time limit on the primitive's clock and the lease. Past the limit the handler is cancelled and
-`HandlerTimeout` raised (a failed attempt); when the lease is found lost meanwhile (taken over,
-removed), its renewal cancels the handler's guard scope and `LeaseLost` is raised: the work can
-no longer be recorded, and another worker may be running it. Owns no collections.
+"""`call_handler`: one call of a user's handler under the limits a run loop puts on it: a time
+limit on the primitive's clock, the lease, and the run's own cancellation. Past the limit the
+handler is cancelled and `HandlerTimeout` raised (a failed attempt); when the lease is found
+lost meanwhile (taken over, removed, cancelled), its renewal cancels the guard scope and
+`LeaseLost` is raised: the work can no longer be recorded, and another worker may be running it.
+
+The handler runs in an asyncio task of its own, cancelled once when one of those limits comes.
+A handler that ignores its cancellation (a bare ``except:`` around an ``await``, a blocking call
+in a thread) is given `GRACE` seconds of the clock to end; then it is abandoned: left running,
+`HandlerAbandoned` raised (its item is not settled, its lease no longer renewed, its slot free),
+one WARNING names it. A cancel scope around the handler itself would deliver the cancellation
+again at every checkpoint, a busy loop of the event loop for as long as the handler ignores it.
+The running handlers are known by task (`running`), for the watchdog (`mongoq.runtime.watchdog`).
+Owns no collections.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import math
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 
 from mongoq.clock import Clock
-from mongoq.errors import HandlerTimeout, LeaseLost
+from mongoq.errors import HandlerAbandoned, HandlerTimeout, LeaseLost
 
-__all__ = ["call_handler"]
+__all__ = ["GRACE", "call_handler", "running"]
+
+log = logging.getLogger("mongoq.worker")
 
 T = TypeVar("T")
+
+#: Seconds of the clock a cancelled handler has to end before it is abandoned.
+GRACE = 5.0
+#: The handlers running now, by their task: what each is (e.g. ``task 't1'``).
+running: dict[asyncio.Task[Any], str] = {}
 
 
 async def call_handler(
@@ -27,35 +46,81 @@ async def call_handler(
     limit: float | None = None,
     guard: anyio.CancelScope | None = None,
     timed: Callable[[float], None] | None = None,
+    name: str = "handler",
+    grace: float = GRACE,
 ) -> T:
     """``await call()``, cancelled after `limit` seconds of `clock` time (`HandlerTimeout`), or
     when `guard` (a scope the lease's renewal cancels once it finds the lease lost) is
-    cancelled (`LeaseLost`). The handler's own exceptions come out as they are. `timed` hears
-    how long the handler ran, in seconds of `clock` time, however it ended."""
+    cancelled (`LeaseLost`), or when the caller is cancelled (the cancellation goes on); a
+    handler that does not end within `grace` seconds of its cancellation is abandoned
+    (`HandlerAbandoned`). The handler's own exceptions come out as they are. `timed` hears how
+    long the handler ran, in seconds of `clock` time, however it ended; `name` names the
+    handler in the log."""
     started = clock.now()
     try:
-        return await _limited(call, clock, limit, guard)
+        if limit is None and guard is None:
+            return await call()  # nothing to supervise here: the caller's own call does it
+        return await _supervised(call, clock, limit, guard, name, grace)
     finally:
         if timed is not None:
             timed((clock.now() - started).total_seconds())
 
 
-async def _limited(
+async def _supervised(
     call: Callable[[], Awaitable[T]],
     clock: Clock,
     limit: float | None,
     guard: anyio.CancelScope | None,
+    name: str,
+    grace: float,
 ) -> T:
+    ended = anyio.Event()
+    handler: asyncio.Task[T] = asyncio.get_running_loop().create_task(_awaited(call))
+    handler.add_done_callback(lambda _: ended.set())
+    running[handler] = name
+    try:
+        why = await _stop_reason(ended, clock, limit, guard)
+    except BaseException:  # the caller's cancellation: the handler stops first, or is left
+        await _cancel(handler, ended, clock, grace, name, "the worker stopped")
+        if _finished(handler) and anyio.current_effective_deadline() == -math.inf:
+            # It finished anyway (a thread cannot be interrupted): its result is recorded,
+            # and the run loop's cancel scope delivers the cancellation again at once after.
+            return handler.result()
+        raise
+    if why is None:
+        running.pop(handler, None)
+        return handler.result()
+    await _cancel(handler, ended, clock, grace, name, why)
+    failure = None if handler.cancelled() else handler.exception()
+    if why == _LOST:
+        raise LeaseLost("the lease was lost while the handler ran; it was cancelled") from failure
+    # Even if it returned anyway (a thread, or a cancellation swallowed).
+    raise HandlerTimeout(f"timed out after {limit:g} s") from failure
+
+
+def _finished(handler: asyncio.Task[Any]) -> bool:
+    """Whether `handler` ended with a result (neither cancelled nor failed)."""
+    return handler.done() and not handler.cancelled() and handler.exception() is None
+
+
+async def _awaited(call: Callable[[], Awaitable[T]]) -> T:
+    return await call()
+
+
+_LOST = "its lease was lost"
+_TIMED_OUT = "it ran past its time limit"
+
+
+async def _stop_reason(
+    ended: anyio.Event, clock: Clock, limit: float | None, guard: anyio.CancelScope | None
+) -> str | None:
+    """Wait for the handler to end; None when it did, else why it must stop: `_TIMED_OUT`, or
+    `_LOST` (`guard` cancelled). The caller's cancellation is raised."""
     scope = guard if guard is not None else anyio.CancelScope()
     timed_out = False
-    results: list[T] = []
-    failure: BaseException | None = None
     with scope:
-        if limit is None:
-            # No task of its own: the handler runs exactly as if awaited directly.
-            results.append(await call())
-        else:
-            async with anyio.create_task_group() as group:
+        async with anyio.create_task_group() as group:
+            if limit is not None:
 
                 async def time_limit() -> None:
                     nonlocal timed_out
@@ -64,17 +129,50 @@ async def _limited(
                     group.cancel_scope.cancel()
 
                 group.start_soon(time_limit)
-                try:
-                    results.append(await call())
-                except anyio.get_cancelled_exc_class():
-                    raise  # the group's own (the limit) or the caller's: the group sorts it out
-                except BaseException as error:  # raised below, outside the group: not in one
-                    failure = error
-                group.cancel_scope.cancel()  # the time limit, once the handler is done
+            await ended.wait()
+            group.cancel_scope.cancel()  # the time limit, once the handler is done
     if scope.cancelled_caught:
-        raise LeaseLost("the lease was lost while the handler ran; it was cancelled") from failure
-    if timed_out:  # even if it returned anyway (a thread, or a cancellation swallowed)
-        raise HandlerTimeout(f"timed out after {limit:g} s") from failure
-    if failure is not None:
-        raise failure
-    return results[0]
+        return _LOST
+    return _TIMED_OUT if timed_out else None
+
+
+async def _cancel(
+    handler: asyncio.Task[Any], ended: anyio.Event, clock: Clock, grace: float, name: str,
+    why: str,
+) -> None:  # fmt: skip
+    """Cancel `handler` once and give it `grace` seconds to end; `HandlerAbandoned` when it
+    does not (it runs on, unsupervised)."""
+    handler.cancel()
+    with anyio.CancelScope(shield=True):
+        async with anyio.create_task_group() as group:
+
+            async def give_up() -> None:
+                await clock.sleep(grace)
+                group.cancel_scope.cancel()
+
+            group.start_soon(give_up)
+            await ended.wait()
+            group.cancel_scope.cancel()
+    if handler.done():
+        running.pop(handler, None)
+        return
+    handler.add_done_callback(_when_abandoned_ends(name))
+    log.warning(
+        "%s: abandoned, still running %g s after it was cancelled (%s): it ignores its "
+        "cancellation; its lease is no longer renewed and its slot is free",
+        name, grace, why, extra={"mongoq_handler": name, "mongoq_outcome": "lost"},
+    )  # fmt: skip
+    raise HandlerAbandoned(f"{name} ignored its cancellation ({why}) and was abandoned")
+
+
+def _when_abandoned_ends(name: str) -> Callable[[asyncio.Task[Any]], None]:
+    """What an abandoned handler's task does when it ends at last: forgotten, and its outcome
+    read (asyncio would otherwise log "exception was never retrieved")."""
+
+    def ended(task: asyncio.Task[Any]) -> None:
+        running.pop(task, None)
+        outcome = "cancelled" if task.cancelled() else repr(task.exception())
+        log.info("%s: the abandoned handler ended at last (%s)", name, outcome,
+                 extra={"mongoq_handler": name})  # fmt: skip
+
+    return ended

@@ -45,6 +45,7 @@ class KeepAlive:
     renewals: int = field(default=0, init=False)
     _next: datetime = field(init=False)
     _group: Any = field(default=None, init=False)
+    _sleep: anyio.CancelScope | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self._next = self.first_at
@@ -69,9 +70,18 @@ class KeepAlive:
         # Raises the cancellation here when the enclosing block is being cancelled.
         await self._group.__aexit__(None, None, None)
 
+    def renew_now(self) -> None:
+        """Renew at once, not at the next interval: the lease may have ended elsewhere (the
+        item was cancelled or removed), and a renewal is how the holder finds out."""
+        self._next = self.clock.now()
+        if self._sleep is not None:
+            self._sleep.cancel()
+
     async def _run(self) -> None:
         while True:
-            await self.clock.sleep_until(self._next)
+            with anyio.CancelScope() as self._sleep:
+                await self.clock.sleep_until(self._next)
+            self._sleep = None
             try:
                 held = await self.renew()
             except _driver.DRIVER_ERRORS as exc:

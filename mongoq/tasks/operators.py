@@ -32,7 +32,7 @@ from mongoq._validation import (
 from mongoq.clock import Clock, stored_instant, to_millis
 from mongoq.errors import InvalidInput, NotFound
 from mongoq.runtime import changes, wakeups
-from mongoq.tasks import quarantine, schema
+from mongoq.tasks import cancels, quarantine, schema
 from mongoq.tasks.models import (
     CANCELLED,
     DONE,
@@ -72,6 +72,7 @@ class _Queue(Protocol):
     name: str
     clock: Clock
     _presence: Presence
+    _stop_base: wakeups.Key
 
     async def _now(self) -> datetime: ...
 
@@ -161,10 +162,12 @@ class TaskOperators:
         """End a pending or running task ``cancelled`` (one command); False, and no change, if
         the task is finished already or does not exist.
 
-        A running task is cancelled in the database at once: its holder's next renewal (every
-        ``lease_ttl / 3``) finds it gone, its handler is cancelled, and no settle of that
-        claim takes effect any more. A handler that finishes before that renewal finds its
-        completion refused (the task stays cancelled). A put with a new revision makes a
+        A running task is cancelled in the database at once, and its holder is told: at once
+        in this process, within a poll interval of its worker's run from another process (two,
+        for a task cancelled in its first; `mongoq.tasks.cancels`); its renewal then finds the
+        task gone, its handler is cancelled, and no settle of that claim takes effect any
+        more. A handler that finishes before that finds its completion
+        refused (the task stays cancelled). A put with a new revision makes a
         cancelled task pending again, as for a done or failed one.
         """
         task_id = check_id("task_id", task_id)
@@ -177,9 +180,10 @@ class TaskOperators:
             return False
         self._finished([task_id])
         running = before.get("status") == PROCESSING
+        if running:
+            cancels.tell_holders(self._stop_base, [task_id])
         log.info(
-            "cancelled task %r%s", task_id, " (running: its handler stops at its next renewal)"
-            if running else "",
+            "cancelled task %r%s", task_id, " (running: its holder is told)" if running else "",
             extra={"mongoq_primitive": "tasks", "mongoq_queue": self.name,
                    "mongoq_item": str(task_id), "mongoq_outcome": "cancelled"},
         )  # fmt: skip
@@ -253,6 +257,7 @@ class TaskOperators:
         if result.matched_count != 1:
             return False
         self._finished([task_id])
+        cancels.tell_holders(self._stop_base, [task_id])
         return True
 
     def _route_end(self: _Queue, event: Mapping[str, Any]) -> None:
@@ -260,6 +265,7 @@ class TaskOperators:
         key = event.get("documentKey") or {}
         if "_id" in key:
             self._finished([key["_id"]])
+            cancels.tell_holders(self._stop_base, [key["_id"]])  # (a holder's own end: no-op)
 
     # The timeout runs on the queue's clock (a test's ManualClock), which anyio's cannot do.
     async def wait(

@@ -17,19 +17,24 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from mongoq import _driver
 from mongoq.runtime.report import Attempt, log_set_aside
 from mongoq.tasks import schema
 from mongoq.tasks.models import describe_fault, task_fault
 
-if TYPE_CHECKING:
-    from mongoq.tasks.queue import AsyncTaskQueue
-
 __all__ = ["ROUNDS", "log_buried", "set_aside", "set_aside_candidates", "set_aside_first"]
 
 log = logging.getLogger("mongoq.tasks")
+
+
+class _Queue(Protocol):
+    """What a set-aside uses of the queue: its name and its collection."""
+
+    name: str
+    collection: Any
+
 
 #: Documents one claim sets aside before it says "nothing due" for now: each round sets one
 #: aside (or finds it changed), so the bound only keeps a claim finite.
@@ -39,7 +44,7 @@ _WINDOW = 1000
 
 
 async def set_aside(
-    queue: AsyncTaskQueue, doc: Mapping[str, Any], fence: Mapping[str, Any], now: datetime
+    queue: _Queue, doc: Mapping[str, Any], fence: Mapping[str, Any], now: datetime
 ) -> bool:
     """Fail the task read as `doc` (fenced by `fence`) with an error naming its first bad field;
     False when it is not unusable after all, or changed meanwhile."""
@@ -54,7 +59,7 @@ async def set_aside(
 
 
 async def set_aside_first(
-    queue: AsyncTaskQueue, due: Mapping[str, Any], now: datetime, refusal: BaseException
+    queue: _Queue, due: Mapping[str, Any], now: datetime, refusal: BaseException
 ) -> None:
     """After the server refused a claim for a type mismatch: set aside the first candidate,
     the one the refused claim would have taken (same filter, order and index). `refusal` is
@@ -69,7 +74,7 @@ async def set_aside_first(
 
 
 async def set_aside_candidates(
-    queue: AsyncTaskQueue, due: Mapping[str, Any], now: datetime, refusal: BaseException
+    queue: _Queue, due: Mapping[str, Any], now: datetime, refusal: BaseException
 ) -> None:
     """After the server refused a batched claim's update part-way for a type mismatch: set
     aside every unusable candidate among those it could have read (`_WINDOW`, in claim
@@ -86,7 +91,7 @@ async def set_aside_candidates(
         await set_aside(queue, doc, schema.task_unchanged(doc, due), now)
 
 
-async def log_buried(queue: AsyncTaskQueue, now: datetime) -> int:
+async def log_buried(queue: _Queue, now: datetime) -> int:
     """After `reclaim_expired` buried tasks at `now`: log those it set aside for their
     attempts (one read), one WARNING each; how many they were."""
     docs = await _driver.find_list(
@@ -100,7 +105,7 @@ async def log_buried(queue: AsyncTaskQueue, now: datetime) -> int:
     return len(docs)
 
 
-def _attempt(queue: AsyncTaskQueue, doc: Mapping[str, Any]) -> Attempt:
+def _attempt(queue: _Queue, doc: Mapping[str, Any]) -> Attempt:
     """The log record's subject: the task of `doc`, its worker if it names one."""
     worker = doc.get("worker_id")
     return Attempt("tasks", queue.name, str(doc["_id"]), None,

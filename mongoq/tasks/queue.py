@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import partial
 from typing import Any
@@ -45,7 +45,7 @@ from mongoq.runtime.candidates import take_candidates
 from mongoq.runtime.events import Tally, report_start_delay
 from mongoq.runtime.handler import call_handler
 from mongoq.runtime.loop import WorkerHost, WorkerLoop
-from mongoq.tasks import quarantine, schema
+from mongoq.tasks import cancels, quarantine, schema
 from mongoq.tasks.batch import TaskBatch
 from mongoq.tasks.models import (
     PROCESSING,
@@ -131,6 +131,7 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         self._leases: dict[str, TaskLease] = {}
         self._wake_key = wakeups.key_of("tasks", db, name)
         self._finished_base = wakeups.key_of("tasks.finished", db, name)
+        self._stop_base = wakeups.key_of("tasks.stop", db, name)
         self._scheduler = Scheduler(self)
         self._presence = Presence(self)
 
@@ -457,7 +458,8 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
     ) -> WorkerLoop[Any]:
         """`run`'s loop around its claim and process `steps`: expired leases reclaimed every
         ``lease_ttl / 3``, woken by this process's puts and the collection's change stream,
-        the schedules ticked beside it when `schedules`."""
+        the schedules ticked beside it when `schedules`, the holders of cancelled tasks told
+        (`mongoq.tasks.cancels`)."""
         return WorkerLoop(
             claim=steps[0],
             process=steps[1],
@@ -470,10 +472,18 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
             name=f"tasks:{self.name}",
             next_due=self._next_due if stop_when_drained else None,
             wake_key=self._wake_key,
-            background=[partial(self._scheduler.run, poll)] if schedules else [],
+            background=[
+                *([partial(self._scheduler.run, poll)] if schedules else []),
+                *self._holders_told(poll),
+            ],
             changes=(self.collection, changes.TASKS_DUE),
             give_up_after=give_up_after,
         )
+
+    def _holders_told(self, poll: float) -> list[Callable[[], Coroutine[Any, Any, None]]]:
+        """What runs beside a run loop so that the holders of a task cancelled or removed in
+        another process hear of it within a poll interval (`mongoq.tasks.cancels`)."""
+        return [partial(cancels.watch_held, self, poll)]
 
     async def _next_due(self, functions: Sequence[str] | None = None) -> datetime | None:
         """When the next task left (of `functions` only, when given) becomes claimable (a
@@ -511,7 +521,7 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
                 async with lease:
                     result = await call_handler(
                         partial(holder.handler, task), clock=self.clock, limit=limit,
-                        guard=lease._guard(), timed=tally.handler_time,
+                        guard=lease._guard(), timed=tally.handler_time, name=f"task {task.id!r}",
                     )  # fmt: skip
                     # Finished: a hard stop from here on still records it (as a batch does),
                     # bounded like a batch's final settle.

@@ -8,6 +8,7 @@ the queue's collection (see `mongoq.tasks.schema`) and own none.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 from collections.abc import Iterable, Sequence
@@ -21,12 +22,12 @@ from mongoq import _driver
 from mongoq._unreachable import names_unreachable_server
 from mongoq._validation import check_batch, check_seconds
 from mongoq.clock import Clock
-from mongoq.errors import InvalidInput, LeaseLost, PermanentError
+from mongoq.errors import HandlerAbandoned, InvalidInput, LeaseLost, PermanentError
 from mongoq.runtime import wakeups
 from mongoq.runtime.keepalive import KeepAlive
 from mongoq.runtime.loop import WORKER_STOPPED
 from mongoq.runtime.report import Attempt, error_text, log_attempt_end
-from mongoq.tasks import schema
+from mongoq.tasks import cancels, schema
 from mongoq.tasks.models import Task, TaskId, check_result
 
 if TYPE_CHECKING:
@@ -68,6 +69,10 @@ class TaskLease:
     cancelled: bool = False
     _keepalive: KeepAlive | None = field(default=None, repr=False)
     _abandoned: bool = field(default=False, repr=False)
+    #: when the block was entered (the queue's clock): `mongoq.tasks.cancels` polls for the
+    #: tasks held longer than a poll interval
+    held_since: datetime | None = field(default=None, repr=False)
+    _listening: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
 
     @property
     def lost(self) -> bool:
@@ -142,6 +147,10 @@ class TaskLease:
         """What the exit of the block does when it left the task unsettled (see `leased`)."""
         if self.settled or self._abandoned:
             return
+        if isinstance(exc, HandlerAbandoned):  # still running: settling would run it twice
+            self.outcome = "lost"
+            self._abandoned = True
+            return
         if self.lost:
             if self.outcome != "unknown":  # a settle without an answer may have applied
                 self.outcome = "cancelled" if self.cancelled else "lost"
@@ -180,9 +189,15 @@ class TaskLease:
             name=f"task {self.task.id!r}",
         )
         await self._keepalive.__aenter__()
+        self.held_since = self.queue.clock.now()
+        # Told at once of a cancel or a removal (this process, a change stream, a poll).
+        keepalive = self._keepalive
+        stop = cancels.stop_key(self.queue._stop_base, self.task.id)
+        self._listening.enter_context(wakeups.listen(stop, keepalive.renew_now))
         return self
 
     async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self._listening.close()
         try:
             assert self._keepalive is not None
             await self._keepalive.__aexit__(exc_type, exc, tb)
@@ -213,6 +228,8 @@ class TaskSettles:
     _leases: dict[str, TaskLease]
     #: `wakeups.key_of("tasks.finished", db, name)`: the ends of this queue's tasks
     _finished_base: wakeups.Key
+    #: `wakeups.key_of("tasks.stop", db, name)`: what tells a task's holders to renew now
+    _stop_base: wakeups.Key
 
     if TYPE_CHECKING:
 

@@ -141,7 +141,14 @@ async def test_a_lease_too_old_is_renewed_before_the_handler_starts_and_a_lost_o
         clock.set(holder.until)  # the claim's lease has run out by the next item
         return f"result {item}"
 
+    async def unanswered(items: Sequence[str]) -> list[bool]:
+        # The batch's own renewal (due long before) renews nothing: each item must be renewed
+        # alone before it starts.
+        holder.calls.append(("renew", list(items)))
+        raise AutoReconnect("injected")
+
     holder.handle = advance_then_handle  # type: ignore[method-assign]
+    holder.renew = unanswered  # type: ignore[method-assign]
     await run(holder)
     assert ("renew_one", "b") in holder.calls and ("renew_one", "c") in holder.calls
     completed = [call for call in holder.calls if call[0] == "complete"]

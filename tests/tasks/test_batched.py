@@ -1157,8 +1157,8 @@ async def test_a_batch_longer_than_the_lease_keeps_every_lease_through_heartbeat
     async def worker() -> None:
         summaries.append(await run_until_empty(queue, handler, batch_size=3))
 
-    def napping() -> bool:  # the handler, the heartbeat and the reclaim timer sleep
-        return clock.sleepers == 3 and in_flight.count == 0
+    def napping() -> bool:  # the handler, the heartbeat, the reclaim and the cancels' poll sleep
+        return clock.sleepers == 4 and in_flight.count == 0
 
     start = clock.now()
     async with anyio.create_task_group() as group:

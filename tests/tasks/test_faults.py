@@ -446,8 +446,8 @@ async def test_run_survives_transient_claim_errors(
     async def worker() -> None:
         summary.append(await queue.run(handler, poll_interval=5, worker_id="w", schedules=False))
 
-    def napping() -> bool:  # the slot and the reclaim timer sleep on the clock, nothing in flight
-        return clock.sleepers == 2 and in_flight.count == 0
+    def napping() -> bool:  # the slot, the reclaim timer and the poll of cancels sleep, idle
+        return clock.sleepers == 3 and in_flight.count == 0
 
     async with anyio.create_task_group() as group:
         group.start_soon(worker)
