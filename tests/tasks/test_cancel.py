@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from mongoq import InvalidInput, LeaseLost, NewTask, Task
-from mongoq.testing import ManualClock
+from mongoq.testing import ManualClock, settle
 from tests.support.helpers import LEASE_TTL, claim_one, new_queue, read, wait_for
 
 
@@ -173,3 +173,71 @@ async def test_a_task_cancelled_in_a_batch_is_stopped_and_counted_cancelled(
         task_id: (await read(db, task_id) or {}).get("status") for task_id in ("t0", "t1", "t2")
     }
     assert docs == {"t0": "cancelled", "t1": "done", "t2": "done"}
+
+
+def _running(queue: Any, seen: list[str], poll: float) -> Any:
+    async def handler(task: Task) -> None:
+        seen.append("started")
+        try:
+            await anyio.sleep_forever()
+        except anyio.get_cancelled_exc_class():
+            seen.append("cancelled")
+            raise
+
+    return queue.run(handler, poll_interval=poll)
+
+
+async def test_a_cancel_in_the_same_process_stops_the_running_handler_at_once(
+    db: Any, clock: ManualClock
+) -> None:
+    queue = await new_queue(db, clock)
+    await queue.put("t1")
+    seen: list[str] = []
+
+    async with anyio.create_task_group() as group:
+        results: list[Any] = []
+
+        async def run() -> None:
+            results.append(await _running(queue, seen, poll=60))
+
+        group.start_soon(run)
+        await wait_for(lambda: seen == ["started"], "the handler to start")
+        assert await queue.cancel("t1") is True
+        # No clock move: neither a renewal nor a poll is due.
+        await wait_for(lambda: seen == ["started", "cancelled"], "the handler to be cancelled")
+        queue.stop()
+    (summary,) = results
+    assert (summary.cancelled, summary.lost, summary.retried) == (1, 0, 0)
+    assert (await read(db, "t1") or {})["status"] == "cancelled"
+
+
+async def test_a_cancel_from_another_process_reaches_the_handler_within_two_polls(
+    db: Any, clock: ManualClock
+) -> None:
+    poll = 1.0
+    queue = await new_queue(db, clock)
+    await queue.put("t1")
+    seen: list[str] = []
+
+    async with anyio.create_task_group() as group:
+        results: list[Any] = []
+
+        async def run() -> None:
+            results.append(await _running(queue, seen, poll=poll))
+
+        group.start_soon(run)
+        await wait_for(lambda: seen == ["started"], "the handler to start")
+        # Another process's cancel: the database changes, nothing in this process is told.
+        cancelled = await db["tasks"].update_one(
+            {"_id": "t1"}, {"$set": {"status": "cancelled", "lease_token": None}}
+        )
+        assert cancelled.modified_count == 1
+        for _ in range(2):  # two polls, far from the first renewal (a third of the lease)
+            await settle(5)
+            clock.advance(poll)
+            if seen != ["started"]:
+                break
+        await wait_for(lambda: seen == ["started", "cancelled"], "the handler to be cancelled")
+        queue.stop()
+    (summary,) = results
+    assert summary.cancelled == 1
