@@ -9,7 +9,7 @@ from dataclasses import fields, is_dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-__all__ = ["format_age", "mask_uri_credentials", "one_line", "parse_age", "plain"]
+__all__ = ["for_log", "format_age", "mask_uri_credentials", "one_line", "parse_age", "plain"]
 
 _AGE = re.compile(r"(\d+(?:\.\d+)?)([smhd]?)")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -21,6 +21,15 @@ _URI_USERINFO = re.compile(r"(mongodb(?:\+srv)?://)[^@/\s]+@")
 def mask_uri_credentials(text: str) -> str:
     """`text` with the user and password of every ``mongodb://`` URI in it made ``***``."""
     return _URI_USERINFO.sub(r"\1***@", text)
+
+
+def for_log(value: Any) -> str:
+    """`value` as a log message's ``%s`` shows it: printable text as it is, text with a line
+    break, a carriage return or a terminal escape escaped as `repr` does (``a\\nb``), so that
+    an id, a name or a URL path cannot forge a line of a text log. The raw value belongs in
+    the record's ``extra`` fields."""
+    text = value if isinstance(value, str) else str(value)
+    return text if text.isprintable() else repr(text)[1:-1]
 
 
 def parse_age(text: str) -> float | None:

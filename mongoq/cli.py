@@ -19,11 +19,13 @@ metrics, run the demo.
     mongoq outbox list [--prefix P] [--status S] [--handler H] [--event-type T] [--limit N]
     mongoq outbox requeue EVENT_ID HANDLER [--prefix P]
     mongoq outbox purge [--prefix P] [--dead-older-than AGE] [--completed-older-than AGE]
-    mongoq metrics [--port 9108] [--addr A] [--tasks NAME ...] [--groups P ...] [--outbox P ...]
+    mongoq metrics [--port 9108] [--addr 127.0.0.1] [--tasks NAME ...] [--groups P ...]
+                   [--outbox P ...]
     mongoq dashboard [--host 127.0.0.1] [--port 8188] [--allow-actions] [--token T]
                      [--allowed-host NAME ...] [--sample-interval S]
     mongoq worker MODULE:ATTRIBUTE [--concurrency N] [--queues Q ...] [--batch-size N]
-                  [--metrics-port P] [--ready-file PATH] [--in-process]
+                  [--metrics-port P [--metrics-addr 127.0.0.1]] [--ready-file PATH]
+                  [--in-process]
     mongoq demo [--tasks N] [--workers N] [--batch-size N] [--seed N]
                 [--dashboard [--host H] [--port P]]
 
@@ -427,6 +429,9 @@ async def _metrics(args: argparse.Namespace) -> int:
         raise MongoqError(f"cannot serve on {args.addr}:{args.port}: {error}") from error
     try:
         print(f"serving metrics on {server.url} (Ctrl-C stops)", flush=True)
+        if args.addr in _ANY_ADDRESS:
+            print(f"mongoq: warning: the metrics are reachable on {args.addr}, not only from "
+                  "this machine (--addr 127.0.0.1 keeps them here)", file=sys.stderr)  # fmt: skip
         await _serve_until_stopped(server.url)
     finally:
         server.close()
@@ -739,7 +744,9 @@ def _add_others(commands: Any) -> None:
     sub = _command(commands, "metrics", _metrics, text)
     sub.set_defaults(connects=False)
     sub.add_argument("--port", type=int, default=9108, help="default: 9108")
-    sub.add_argument("--addr", default="0.0.0.0")
+    sub.add_argument("--addr", default="127.0.0.1",
+                     help="default: 127.0.0.1 (this machine only); 0.0.0.0 or :: is every "
+                     "interface, with a warning")  # fmt: skip
     for name, metavar in (("tasks", "QUEUE"), ("groups", "PREFIX"), ("outbox", "PREFIX")):
         sub.add_argument(f"--{name}", nargs="+", default=[], metavar=metavar)
     sub = _command(commands, "demo", _demo, "run the task-queue demo (embedded backend default)")

@@ -440,10 +440,10 @@ _EMBEDDED_REFUSED = (
 )
 
 
-def _names(field_name: str, names: Iterable[str]) -> list[str]:
+def _names(field_name: str, names: Iterable[str], *, prefix: bool = False) -> list[str]:
     if isinstance(names, str) or not isinstance(names, Iterable):
         raise InvalidInput(field_name, f"must be a list of names, got {names!r}")
-    return [check_name(field_name, name) for name in names]
+    return [check_name(field_name, name, prefix=prefix) for name in names]
 
 
 def serve(
@@ -454,9 +454,11 @@ def serve(
     tasks: Iterable[str] = (),
     groups: Iterable[str] = (),
     outbox: Iterable[str] = (),
-    addr: str = "0.0.0.0",
+    addr: str = "127.0.0.1",
 ) -> MetricsServer:
-    """Export the stats of the named primitives on ``http://addr:port/metrics``.
+    """Export the stats of the named primitives on ``http://addr:port/metrics``: by default
+    on this machine only (``addr="0.0.0.0"`` or ``"::"`` listens on every interface, where
+    anyone who reaches the port reads the queues' names and sizes).
 
     `tasks` are task-queue names, `groups` group-transport prefixes, `outbox` outbox prefixes
     (e.g. ``"mongoq_outbox_"``). `uri` as for `mongoq.connect` (None: ``MONGOQ_URI``); the
@@ -471,8 +473,8 @@ def serve(
         raise InvalidInput("port", f"must be an int from 0 to 65535, got {port!r}")
     if not isinstance(addr, str):
         raise InvalidInput("addr", f"must be a string, got {addr!r}")
-    queues, transports = _names("tasks", tasks), _names("groups", groups)
-    outboxes = _names("outbox", outbox)
+    queues, transports = _names("tasks", tasks), _names("groups", groups, prefix=True)
+    outboxes = _names("outbox", outbox, prefix=True)
     if not (queues or transports or outboxes):
         raise InvalidInput("tasks", "name at least one task queue, group transport or outbox")
     portal = Portal()

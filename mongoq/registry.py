@@ -12,6 +12,11 @@ Collection ``mongoq_registry``, one document per primitive::
 Every write is one upsert by ``_id`` (no secondary index). A primitive whose collections were
 dropped stays listed until `unregister` removes it; one set up before this registry existed
 appears at its next `setup`. No task queue may be named ``mongoq_registry``.
+
+It also keeps primitives apart: `check_collections` (one read by ``_id``, which `register`
+does too, and a set-up before it writes anything) refuses a primitive any of whose collections
+(`collections_of`) is one of another registered primitive's, e.g. a task queue ``g_messages``
+beside a group transport ``g``: the two would read each other's documents.
 """
 
 from __future__ import annotations
@@ -24,16 +29,29 @@ from typing import Any, Literal
 from mongoq import _driver
 from mongoq._version import __version__
 from mongoq.clock import stored_instant
+from mongoq.errors import InvalidInput
 
 log = logging.getLogger("mongoq.registry")
 
-__all__ = ["REGISTRY", "Primitive", "Registration", "register", "registered", "unregister"]
+__all__ = [
+    "REGISTRY",
+    "Primitive",
+    "Registration",
+    "check_collections",
+    "collections_of",
+    "register",
+    "registered",
+    "unregister",
+]
 
 #: The registry's collection, the same in every database.
 REGISTRY = "mongoq_registry"
 Primitive = Literal["tasks", "groups", "outbox"]
 #: The order `registered` lists them in.
 _KINDS: tuple[Primitive, ...] = ("tasks", "groups", "outbox")
+#: What each calls itself in a refusal, and the argument its name is given as.
+_TITLES = {"tasks": ("task queue", "name"), "groups": ("group transport", "prefix"),
+           "outbox": ("outbox", "prefix")}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -54,13 +72,80 @@ def _id(primitive: Primitive, name: str) -> str:
     return f"{primitive}:{name}"
 
 
+def _suffixes(primitive: Primitive) -> tuple[str, ...]:
+    """What `primitive` appends to its name to name each of its collections."""
+    # Imported here: the primitives import this module, and their schema modules hold the
+    # suffixes.
+    if primitive == "tasks":
+        from mongoq.tasks.schema import SCHEDULES_SUFFIX, WORKERS_SUFFIX
+
+        return ("", SCHEDULES_SUFFIX, WORKERS_SUFFIX)
+    if primitive == "groups":
+        from mongoq.groups import schema as groups
+
+        return tuple(f"_{part}" for part in (groups.MESSAGES, groups.LOCKS, groups.COUNTERS,
+                                             groups.DEAD))  # fmt: skip
+    from mongoq.outbox import schema as outbox
+
+    return (outbox.EVENTS, outbox.DELIVERIES, outbox.SEQUENCES, outbox.LANES, outbox.HISTORY)
+
+
+def collections_of(primitive: Primitive, name: str) -> tuple[str, ...]:
+    """The collections `primitive` `name` owns, as its face names them."""
+    return tuple(f"{name}{suffix}" for suffix in _suffixes(primitive))
+
+
+def _owners(collections: set[str]) -> set[tuple[Primitive, str]]:
+    """Every primitive that would own one of `collections`, whether it exists or not."""
+    return {
+        (kind, collection.removesuffix(suffix))
+        for kind in _KINDS
+        for suffix in _suffixes(kind)
+        for collection in collections
+        if collection.endswith(suffix) and len(collection) > len(suffix)
+    }
+
+
+async def check_collections(db: Any, primitive: Primitive, name: str) -> None:
+    """`InvalidInput` naming both if a collection of `primitive` `name` is one of another
+    registered primitive's: one read of the registry by ``_id``, of the few primitives that
+    could own one of them. A registry that cannot be read checks nothing (`register` says
+    so)."""
+    title, field_name = _TITLES[primitive]
+    mine = set(collections_of(primitive, name))
+    if REGISTRY in mine:
+        raise InvalidInput(field_name, f"{title} {name!r} would use {REGISTRY!r}, mongoq's "
+                                       "registry of queues")  # fmt: skip
+    others = sorted(_id(kind, owner) for kind, owner in _owners(mine) - {(primitive, name)})
+    try:
+        docs = await _driver.find_list(
+            _driver.collection(db, REGISTRY), {"_id": {"$in": others}},
+            projection={"primitive": 1, "name": 1},
+        )  # fmt: skip
+    except _driver.DRIVER_ERRORS:
+        return
+    for doc in sorted(docs, key=lambda doc: str(doc["_id"])):
+        other, other_name = doc.get("primitive"), doc.get("name")
+        if other not in _KINDS or not isinstance(other_name, str):
+            continue  # unreadable: `registered` skips it too
+        shared = mine.intersection(collections_of(other, other_name))
+        if shared:
+            raise InvalidInput(
+                field_name, f"{title} {name!r} would share the collection {min(shared)!r} with "
+                f"{_TITLES[other][0]} {other_name!r}, set up in this database (choose another "
+                "name, or `mongoq.registry.unregister` the other if it is gone)",
+            )  # fmt: skip
+
+
 async def register(
     db: Any, primitive: Primitive, name: str, now: datetime, options: dict[str, Any] | None = None
 ) -> None:
-    """Record that `primitive` `name` was set up now, with `options` (one upsert; idempotent).
-    A write the server refuses (a role without access to the registry) is logged, never
-    raised: the registry serves operators' tools, and a worker's start-up must not depend on
-    it."""
+    """Record that `primitive` `name` was set up now, with `options` (one upsert; idempotent),
+    after `check_collections` (one read): `InvalidInput` if its collections are another's.
+    A read or write the server refuses (a role without access to the registry) is logged,
+    never raised: the registry serves operators' tools, and a worker's start-up must not
+    depend on it."""
+    await check_collections(db, primitive, name)
     try:
         await _write(db, primitive, name, now, __version__, options or {})
     except _driver.DRIVER_ERRORS as exc:

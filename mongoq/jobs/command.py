@@ -42,6 +42,9 @@ def add_worker_arguments(sub: argparse.ArgumentParser, positive: Any, batch: Any
                           "help": "tasks one claim takes (default: 1)"}),
         ("--metrics-port", {"type": int, "metavar": "PORT",
                             "help": "Prometheus metrics on PORT (the metrics extra)"}),
+        ("--metrics-addr", {"default": "127.0.0.1", "metavar": "ADDR",
+                            "help": "the metrics' address (default: 127.0.0.1, this machine "
+                            "only; 0.0.0.0 or :: is every interface)"}),
         ("--ready-file", {"type": Path, "metavar": "PATH",
                           "help": "written while the worker runs (a readiness probe)"}),
         ("--in-process", {"action": "store_true",
@@ -83,7 +86,7 @@ async def worker(args: argparse.Namespace, uri: str | None) -> int:
             )
         jobs.use(db)
         await jobs.setup(args.queues)
-        with _metrics(args.metrics_port), _ready(args.ready_file):
+        with _metrics(args.metrics_port, args.metrics_addr), _ready(args.ready_file):
             summary = await jobs.run(
                 queues=args.queues, concurrency=args.concurrency, batch_size=args.batch_size,
                 handle_signals=True,
@@ -95,7 +98,8 @@ async def worker(args: argparse.Namespace, uri: str | None) -> int:
 
 
 @contextlib.contextmanager
-def _metrics(port: int | None) -> Iterator[None]:
+def _metrics(port: int | None, addr: str) -> Iterator[None]:
+    """`RunMetrics` on ``http://addr:port/metrics`` while the worker runs (nothing for None)."""
     if port is None:
         yield
         return
@@ -104,7 +108,7 @@ def _metrics(port: int | None) -> Iterator[None]:
 
         from mongoq.metrics import RunMetrics
     with RunMetrics():
-        server, thread = start_http_server(port)
+        server, thread = start_http_server(port, addr)
         try:
             yield
         finally:

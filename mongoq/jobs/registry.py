@@ -303,7 +303,8 @@ class Jobs(WorkerHost):
         )  # fmt: skip
         await worker.announce()
         try:
-            await self._run_loop(loop, handle_signals=handle_signals)
+            lease = min(queue.lease_ttl for queue in worker.queues)
+            await self._run_loop(loop, handle_signals=handle_signals, lease=lease)
         finally:  # after the loop: no housekeeping round can announce it again meanwhile
             await worker.withdraw()
         return worker.summary

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from pymongo.errors import ConnectionFailure
 
-from mongoq._validation import MAX_BATCH, check_int, check_seconds, check_timeout
+from mongoq._validation import MAX_BATCH, check_int, check_interval, check_timeout
 from mongoq.errors import HandlerTimeout, PermanentError
 from mongoq.runtime import changes, wakeups
 from mongoq.runtime.events import Tally
@@ -58,7 +58,7 @@ class JobsWorker:
         self.jobs = jobs
         self.concurrency = check_int("concurrency", concurrency, low=1)
         self.batch_size = check_int("batch_size", batch_size, low=1, high=MAX_BATCH)
-        self.poll_interval = check_seconds("poll_interval", poll_interval, positive=True)
+        self.poll_interval = check_interval("poll_interval", poll_interval)
         self.worker_id = worker_id
         self.queues = [jobs.queue(name) for name in names]
         self.functions = [jobs.functions_of(name) for name in names]

@@ -38,7 +38,7 @@ from mongoq import _driver
 from mongoq._validation import check_worker_id
 from mongoq.clock import Clock
 from mongoq.errors import MongoqError
-from mongoq.runtime import changes, wakeups
+from mongoq.runtime import changes, wakeups, watchdog
 from mongoq.runtime.outage import Outage
 
 __all__ = [
@@ -469,13 +469,22 @@ class WorkerHost:
             self._identity = (os.getpid(), default_worker_id())
         return self._identity[1]
 
-    async def _run_loop(self, loop: WorkerLoop[Any], *, handle_signals: bool) -> None:
+    async def _run_loop(
+        self, loop: WorkerLoop[Any], *, handle_signals: bool, lease: float | None = None
+    ) -> None:
+        """Run `loop` until it returns, watched for a blocked event loop (`watchdog`) past a
+        third of `lease` (default: this primitive's ``lease_ttl``)."""
         note_embedded(self.db, loop.name)
         self._loops.add(loop)
         if self._stop_pending:
             loop.stop()
+        shortest = lease if lease is not None else getattr(self, "lease_ttl", None)
         try:
-            await loop.run(handle_signals=handle_signals)
+            if shortest is None:
+                await loop.run(handle_signals=handle_signals)
+            else:
+                async with watchdog.watching(shortest / 3, loop.name):
+                    await loop.run(handle_signals=handle_signals)
         finally:
             self._loops.discard(loop)
             if not self._loops:

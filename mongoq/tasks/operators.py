@@ -23,6 +23,7 @@ from mongoq._validation import (
     check_batch,
     check_id,
     check_int,
+    check_interval,
     check_seconds,
     check_timeout,
     check_window,
@@ -287,7 +288,7 @@ class TaskOperators:
         `poll_interval` seconds otherwise: never a tight poll."""
         task_id = check_id("task_id", task_id)
         limit = check_timeout("timeout", timeout)
-        poll = check_seconds("poll_interval", poll_interval, positive=True)
+        poll = check_interval("poll_interval", poll_interval)
         now = await self._now()
         deadline = None if limit is None else now + timedelta(seconds=limit)
         ended = anyio.Event()

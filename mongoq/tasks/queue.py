@@ -31,6 +31,8 @@ from mongoq._validation import (
     check_async_handler,
     check_functions,
     check_int,
+    check_interval,
+    check_lease_seconds,
     check_name,
     check_seconds,
     check_stop_when,
@@ -118,7 +120,7 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         if self.name == registry.REGISTRY:
             raise InvalidInput("name", f"{registry.REGISTRY!r} is mongoq's registry of queues")
         self.max_attempts = check_int("max_attempts", max_attempts, low=1)
-        self.lease_ttl = check_seconds("lease_ttl", lease_ttl, positive=True)
+        self.lease_ttl = check_lease_seconds("lease_ttl", lease_ttl)
         self.backoff_base = check_seconds("backoff_base", backoff_base)
         self.backoff_cap = check_seconds("backoff_cap", backoff_cap)
         self.tombstone_ttl = int(check_seconds("tombstone_ttl", tombstone_ttl, positive=True))
@@ -145,6 +147,7 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         stop a retention, drop its index (``await queue.collection.drop_index("retain_done")``).
         The queue is recorded in the database's registry (`mongoq.registry`).
         """
+        await registry.check_collections(self.db, "tasks", self.name)
         expiries = {
             schema.TOMBSTONE_TTL.name: self.tombstone_ttl,
             schema.RETAIN_DONE.name: self.retain_done,
@@ -425,7 +428,7 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         check_stop_when(stop_when_empty, stop_when_drained)
         check_int("concurrency", concurrency, low=1)
         check_int("batch_size", batch_size, low=1, high=MAX_BATCH)
-        poll = check_seconds("poll_interval", poll_interval, positive=True)
+        poll = check_interval("poll_interval", poll_interval)
         limit = check_timeout("handler_timeout", handler_timeout)
         give_up = check_timeout("give_up_after", give_up_after)
         worker = self._worker(worker_id)

@@ -42,9 +42,18 @@ NOT_AN_ATTEMPT_DELAY = 5.0
 
 
 def _claimed(task: Task) -> Task:
-    """`task`, refused unless it is one `claim` returned (its lease fields set)."""
+    """`task`, refused unless it is one `claim` returned: its lease fields set, and every field
+    a fence is built from of the type a claim gives it (a document such as ``{"$ne": None}``
+    in a hand-built `Task` would match another holder's task: operator injection)."""
     if not isinstance(task, Task) or task.lease_token is None or task.worker_id is None:
         raise InvalidInput("task", "must be a Task returned by claim()")
+    if not isinstance(task.lease_token, str) or not isinstance(task.worker_id, str):
+        raise InvalidInput("task", "its lease_token and worker_id must be strings, as claim() sets")
+    if isinstance(task.id, bool) or not isinstance(task.id, str | int):
+        raise InvalidInput("task", "its id must be a string or an int, as claim() sets")
+    revision = task.revision
+    if revision is not None and (isinstance(revision, bool) or not isinstance(revision, str | int)):
+        raise InvalidInput("task", "its revision must be a string, an int or None")
     return task
 
 

@@ -6,12 +6,13 @@ never break `get`, `list_tasks`, `wait` or `stats`. Each test reads the stored d
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 import pytest
 
-from mongoq import Task
+from mongoq import InvalidInput, Task
 from mongoq.testing import ManualClock
 from tests.support.helpers import LEASE_TTL, new_queue, read
 
@@ -173,3 +174,33 @@ async def test_a_document_with_an_unknown_status_is_listed_and_never_claimed(
     task = await queue.get("odd")
     assert task is not None and task.unreadable == "field 'status' holds an int (7)"
     assert (await read(db, "odd") or {})["status"] == 7
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [
+        {"lease_token": {"$ne": None}},
+        {"worker_id": {"$exists": True}},
+        {"id": {"$gt": ""}},
+        {"revision": {"$ne": "x"}},
+        {"id": True},
+    ],
+    ids=["token", "worker", "id", "revision", "bool-id"],
+)
+async def test_a_hand_built_task_with_fields_of_the_wrong_type_settles_nothing(
+    db: Any, clock: ManualClock, forged: dict[str, Any]
+) -> None:
+    queue = await new_queue(db, clock)
+    await queue.put("t1")
+    held = await queue.claim("holder")
+    assert held is not None
+    before = await read(db, "t1")
+    fake = dataclasses.replace(held, **forged)
+
+    for call in (queue.heartbeat, queue.complete, queue.fail, queue.release_for_retry):
+        with pytest.raises(InvalidInput) as refused:
+            await call(fake)
+        assert refused.value.field == "task"
+    with pytest.raises(InvalidInput):
+        await queue.heartbeat_many([fake])
+    assert await read(db, "t1") == before
