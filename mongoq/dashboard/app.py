@@ -254,9 +254,10 @@ async def _sections(
 ) -> list[tuple[str, str]]:
     now = opened.clock.now()
     if isinstance(opened, AsyncTaskQueue):
-        failed = await opened.list_tasks("failed", limit=SECTION_LIMIT)
-        running = await opened.list_tasks("processing", limit=SECTION_LIMIT)
-        pending = await opened.list_tasks("pending", limit=SECTION_LIMIT)
+        # Their payloads and results are not shown here: not read either (each up to 16 MiB).
+        failed = await opened.list_tasks("failed", limit=SECTION_LIMIT, payloads=False)
+        running = await opened.list_tasks("processing", limit=SECTION_LIMIT, payloads=False)
+        pending = await opened.list_tasks("pending", limit=SECTION_LIMIT, payloads=False)
         purgeable = ["done", "failed", "cancelled", "tombstone"]
         return [
             ("Failed tasks", pages.failed_tasks(name, failed.tasks, now, actions)),

@@ -27,6 +27,7 @@ from mongoq.dashboard.pages import (
     link,
     show,
     table,
+    unreadable_mark,
 )
 from mongoq.groups.models import NEVER_CLAIMED, DeadLetter
 from mongoq.tasks import Task
@@ -103,6 +104,7 @@ def task_page(queue: str, task: Task, now: datetime, actions: bool) -> str:
         act = confirm_link("tasks", queue, "cancel", "Cancel", **id_fields("id", task.id))
     return "".join([
         state, f'<p class="item-actions">{act}</p>' if act else "",
+        f"<p>{unreadable_mark(task.unreadable)}</p>" if task.unreadable else "",
         _section("History", _fields(history) + kept),
         _section("Payload", as_json(task.payload)),
         _section("Result", as_json(task.result) if task.status == "done" or task.result

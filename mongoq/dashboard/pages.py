@@ -185,6 +185,11 @@ def delivery_link(prefix: str, event_id: str, handler: str) -> str:
     return f"/delivery/{quote(prefix, safe='')}?{query}"
 
 
+def unreadable_mark(fault: str | None) -> str:
+    """What marks an item whose stored document has a field of the wrong type."""
+    return "" if fault is None else f' <span class="error">unreadable: {escape(fault)}</span>'
+
+
 def id_cell(href: str, value: Any) -> str:
     """A table cell holding an id as a link to its page."""
     return f'<td><a class="id" href="{escape(href)}">{show(value)}</a></td>'
@@ -203,8 +208,9 @@ def _task_rows(
     for task in tasks:
         act = confirm_link("tasks", name, verb, label, **id_fields("id", task.id))
         mark = f' data-task="{escape(str(task.id))}"' if marked else ""
+        last = f"{act if actions else ''}{unreadable_mark(task.unreadable)}"
         rows.append(f"<tr{mark}>{id_cell(task_link(name, task.id), task.id)}{cells(task)}"
-                    f"<td>{act if actions else ''}</td></tr>")  # fmt: skip
+                    f"<td>{last}</td></tr>")  # fmt: skip
     return rows
 
 

@@ -10,7 +10,7 @@ when the run ends; `AsyncTaskQueue.stats` reads them. Owns no collections.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from datetime import datetime, timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -204,6 +204,15 @@ class JobsWorker:
         ]
         return min((due for due in dues if due is not None), default=None)
 
+    @staticmethod
+    def _heard(
+        queue: AsyncTaskQueue, index: int, wake: Callable[[int, Any], None],
+        event: Mapping[str, Any],
+    ) -> None:  # fmt: skip
+        """A change event of `queue`'s tasks: its holders told of a cancel, else a wake-up."""
+        if queue._heard(event):
+            wake(index, event)
+
     def _listeners(self) -> list[Callable[[], Coroutine[Any, Any, Any]]]:
         """Beside the slots: each queue's wake-ups and change stream, waking the loop."""
 
@@ -223,8 +232,9 @@ class JobsWorker:
             listeners.append(partial(listen, queue._wake_key, index))
             listeners.extend(queue._holders_told(self.poll_interval))
             listeners.append(partial(
-                changes.watch, queue.collection, changes.TASKS_DUE, partial(wake, index),
-                clock=queue.clock, retry=self.poll_interval, name=f"jobs:{queue.name}",
+                changes.watch, queue.collection, changes.TASKS_DUE_OR_STOPPED,
+                partial(self._heard, queue, index, wake), clock=queue.clock,
+                retry=self.poll_interval, name=f"jobs:{queue.name}",
             ))  # fmt: skip
         return listeners
 

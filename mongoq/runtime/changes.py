@@ -26,7 +26,16 @@ from pymongo.errors import ConnectionFailure
 from mongoq import _driver
 from mongoq.clock import Clock
 
-__all__ = ["DELIVERIES_READY", "GROUPS_READY", "TASKS_DUE", "TASKS_ENDED", "share", "watch"]
+__all__ = [
+    "DELIVERIES_READY",
+    "GROUPS_READY",
+    "TASKS_DUE",
+    "TASKS_DUE_OR_STOPPED",
+    "TASKS_ENDED",
+    "share",
+    "stopped_task",
+    "watch",
+]
 
 log = logging.getLogger("mongoq.worker")
 
@@ -64,6 +73,41 @@ TASKS_DUE: list[dict[str, Any]] = [
     },
     _ONLY_IDS,
 ]
+#: What a task queue's run loop watches: `TASKS_DUE`, and a task cancelled or removed (ended
+#: ``cancelled`` / ``tombstone``), whose holder in this process must stop (`stopped_task`).
+TASKS_DUE_OR_STOPPED: list[dict[str, Any]] = [
+    {
+        "$match": {
+            "$or": [
+                {"operationType": {"$in": ["insert", "replace"]}},
+                {
+                    "operationType": "update",
+                    "updateDescription.updatedFields.status": {
+                        "$in": ["pending", "cancelled", "tombstone"]
+                    },
+                },
+            ]
+        }
+    },
+    {
+        "$project": {
+            "_id": 1, "operationType": 1, "documentKey": 1,
+            "updateDescription.updatedFields.status": 1,
+        }
+    },
+]  # fmt: skip
+
+
+def stopped_task(event: Mapping[str, Any]) -> Any | None:
+    """The id of the task a `TASKS_DUE_OR_STOPPED` event says was cancelled or removed; None
+    for an event of work made due."""
+    fields = (event.get("updateDescription") or {}).get("updatedFields") or {}
+    if fields.get("status") not in ("cancelled", "tombstone"):
+        return None
+    key = event.get("documentKey") or {}
+    return key.get("_id")
+
+
 #: A group's lock made (a first publish) or released (an ack, a nack without delay).
 GROUPS_READY: list[dict[str, Any]] = [
     {

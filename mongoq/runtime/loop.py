@@ -139,6 +139,7 @@ class WorkerLoop(Generic[Item]):
         wake_key: wakeups.Key | None = None,
         background: Sequence[Callable[[], Coroutine[Any, Any, Any]]] = (),
         changes: tuple[Any, Sequence[Mapping[str, Any]]] | None = None,
+        on_change: Callable[[Mapping[str, Any]], bool] | None = None,
         give_up_after: float | None = None,
     ) -> None:
         if (claim is None) == (claim_many is None):
@@ -167,6 +168,7 @@ class WorkerLoop(Generic[Item]):
         self._wake_key = wake_key
         self._background = tuple(background)  # run beside the slots, cancelled after them
         self._changes = changes  # (collection, pipeline): a change stream's events wake it
+        self._on_change = on_change  # hears each event first; it wakes the loop if this says so
         self._wakes = 0  # wake-ups so far: one that came while a slot claimed is not missed
         self._poller: int | None = None  # the idle slot that polls for all of them
         self._waiting: list[anyio.Event] = []  # the other idle slots, oldest first
@@ -237,7 +239,7 @@ class WorkerLoop(Generic[Item]):
             if self._changes is not None:
                 collection, pipeline = self._changes
                 group.start_soon(partial(
-                    changes.watch, collection, pipeline, lambda _: self.wake(), clock=self._clock,
+                    changes.watch, collection, pipeline, self._changed, clock=self._clock,
                     retry=self._poll_interval, name=self.name,
                 ))  # fmt: skip
             listening = (
@@ -253,6 +255,10 @@ class WorkerLoop(Generic[Item]):
                         for number in range(self._concurrency):
                             slots.start_soon(self._slot, number)
             group.cancel_scope.cancel()  # the signal watcher, once every slot has returned
+
+    def _changed(self, event: Mapping[str, Any]) -> None:
+        if self._on_change is None or self._on_change(event):
+            self.wake()
 
     async def _housekeep(self) -> None:
         while True:

@@ -4,7 +4,9 @@ its next renewal (a third of a lease later: five minutes at the default lease).
 - In the same process, `cancel` and `remove` notify the task's key (`stop_key`), which every
   open lease of the task listens to (`mongoq.runtime.wakeups`); so does a change event of a
   task's end that a `wait` of this process hears (`changes.TASKS_ENDED`).
-- From another process, `watch_held` reads every poll interval which of the tasks this queue
+- On a replica set, a run loop's change stream (`changes.TASKS_DUE_OR_STOPPED`, the one that
+  wakes it for new work) brings a cancel or a removal from any process, and notifies the key.
+- Where there is none, `watch_held` reads every poll interval which of the tasks this queue
   instance has held for at least that long were cancelled: one read a poll, only
   while such tasks run (a task shorter than a poll costs nothing; its settle is refused anyway,
   the task being cancelled). A task cancelled within its first poll interval is found at the

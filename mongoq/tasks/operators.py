@@ -126,17 +126,22 @@ class TaskOperators:
         *,
         limit: int = 100,
         after: str | None = None,
+        payloads: bool = True,
     ) -> TaskPage:
         """Tasks in `status` (every status when None), least recently changed first, the id
         breaking ties; at most `limit` (up to 1,000) a page. Pass the page's `next` as `after`
         for the following page: the order is stable, so a task is listed once unless it changes
-        between two pages (then it moves to the end). One indexed query a page."""
+        between two pages (then it moves to the end). One indexed query a page. With
+        `payloads=False` the page reads neither payloads nor results (both None in it): a
+        listing of many tasks whose payloads are large stays small. A task whose stored fields
+        have the wrong type is listed with `Task.unreadable` saying which."""
         statuses = STATUSES if status is None else (_check_status("status", status),)
         check_int("limit", limit, low=1, high=MAX_PAGE)
         cursor = None if after is None else _parse_cursor(after)
         docs = await _driver.find_list(
             self.collection, schema.tasks_listed(statuses, cursor), sort=schema.LIST_ORDER,
             limit=limit + 1, hint=schema.STATUS_UPDATED.name,
+            projection=None if payloads else dict(schema.WITHOUT_PAYLOADS),
         )  # fmt: skip
         tasks = [read_task(doc) for doc in docs[:limit]]
         more = len(docs) > limit
@@ -164,10 +169,10 @@ class TaskOperators:
         the task is finished already or does not exist.
 
         A running task is cancelled in the database at once, and its holder is told: at once
-        in this process, within a poll interval of its worker's run from another process (two,
-        for a task cancelled in its first; `mongoq.tasks.cancels`); its renewal then finds the
-        task gone, its handler is cancelled, and no settle of that claim takes effect any
-        more. A handler that finishes before that finds its completion
+        in this process, by its worker's change stream on a replica set, and within a poll
+        interval of its worker otherwise (two, for a task cancelled in its first;
+        `mongoq.tasks.cancels`); its renewal then finds the task gone, its handler is
+        cancelled, and no settle of that claim takes effect any more. A handler that finishes before that finds its completion
         refused (the task stays cancelled). A put with a new revision makes a
         cancelled task pending again, as for a done or failed one.
         """

@@ -479,13 +479,24 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
                 *([partial(self._scheduler.run, poll)] if schedules else []),
                 *self._holders_told(poll),
             ],
-            changes=(self.collection, changes.TASKS_DUE),
+            changes=(self.collection, changes.TASKS_DUE_OR_STOPPED),
+            on_change=self._heard,
             give_up_after=give_up_after,
         )
 
+    def _heard(self, event: Mapping[str, Any]) -> bool:
+        """A change event of `changes.TASKS_DUE_OR_STOPPED`: a task cancelled or removed tells
+        its holders in this process (False: nothing to claim); any other, True (claim)."""
+        stopped = changes.stopped_task(event)
+        if stopped is None:
+            return True
+        cancels.tell_holders(self._stop_base, [stopped])
+        return False
+
     def _holders_told(self, poll: float) -> list[Callable[[], Coroutine[Any, Any, None]]]:
-        """What runs beside a run loop so that the holders of a task cancelled or removed in
-        another process hear of it within a poll interval (`mongoq.tasks.cancels`)."""
+        """What runs beside a run loop so that the holders of a task cancelled in another
+        process hear of it within a poll interval where no change stream tells them
+        (`mongoq.tasks.cancels`)."""
         return [partial(cancels.watch_held, self, poll)]
 
     async def _next_due(self, functions: Sequence[str] | None = None) -> datetime | None:

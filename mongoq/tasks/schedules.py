@@ -56,7 +56,6 @@ RECHECK = 60.0
 TICK_BATCH = 100
 #: The shortest `every` a schedule takes, in seconds (`_checked_every`).
 MIN_EVERY = 1.0
-_MAX_NAME = 200
 
 
 def _croniter() -> Any:
@@ -291,9 +290,9 @@ class Scheduler:
 
 
 def _checked_name(name: Any) -> str:
+    """A schedule's name, checked as a queue's is (at most 128 bytes, printable): its ticks'
+    task ids (``name@<tick>``) then stay well within an id's limit."""
     checked: str = check_name("name", name)
-    if len(checked) > _MAX_NAME:
-        raise InvalidInput("name", f"must be at most {_MAX_NAME} characters")
     return checked
 
 

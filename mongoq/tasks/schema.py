@@ -75,6 +75,7 @@ __all__ = [
     "STATUS_LEASE",
     "STATUS_UPDATED",
     "TOMBSTONE_TTL",
+    "WITHOUT_PAYLOADS",
     "WORKER_EXPIRY",
     "WORKER_EXPIRY_SLACK",
     "WORKERS_SUFFIX",
@@ -295,6 +296,9 @@ def task_removing(now: datetime) -> dict[str, Any]:
 STATUS_UPDATED = IndexSpec("status_updated", (("status", 1), ("updated_at", 1), ("_id", 1)))
 #: The listing's order: least recently changed first, the id breaking ties (a stable order).
 LIST_ORDER = [("updated_at", 1), ("_id", 1)]
+#: A listing's projection without the user's values (`list_tasks(payloads=False)`): each is
+#: up to 16 MiB; every other field is small.
+WITHOUT_PAYLOADS = MappingProxyType({"payload": 0, "result": 0})
 #: The states an operator may purge: finished ones, never work still to do.
 PURGEABLE: tuple[TaskStatus, ...] = (DONE, FAILED, CANCELLED, TOMBSTONE)
 

@@ -650,3 +650,32 @@ async def test_a_finish_stamped_just_before_a_sample_is_counted_by_the_next(
     await sampler.sample()
     rates = [p["per_minute"] for p in sampler.series()["series"]["tasks:emails"]]
     assert rates == [None, 5.0]
+
+
+async def test_a_task_no_worker_can_use_is_shown_marked_on_the_queue_and_task_pages(
+    db: Any, clock: ManualClock
+) -> None:
+    await seed(db, clock)
+    await db["emails"].update_one({"_id": "digest-3"}, {"$set": {"attempts": "x"}})
+    async with client(app_of(db, clock)) as http:
+        queue_page = await http.get("/tasks/emails")
+        task_page = await http.get("/task/emails", params={"id": "digest-3"})
+        overview = await http.get("/")
+
+    assert (queue_page.status_code, task_page.status_code, overview.status_code) == (200,) * 3
+    mark = "unreadable: field &#x27;attempts&#x27; holds a string (&#x27;x&#x27;)"
+    assert mark in queue_page.text and mark in task_page.text
+
+
+async def test_a_listing_without_payloads_reads_none_and_keeps_the_rest(
+    db: Any, clock: ManualClock
+) -> None:
+    queue = AsyncTaskQueue(db, "big", clock=clock)
+    await queue.setup()
+    await queue.put("t1", {"blob": "x" * 100_000})
+
+    page = await queue.list_tasks(payloads=False)
+
+    (task,) = page.tasks
+    assert (task.id, task.status, task.payload, task.unreadable) == ("t1", "pending", None, None)
+    assert (await queue.list_tasks()).tasks[0].payload == {"blob": "x" * 100_000}

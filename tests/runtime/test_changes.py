@@ -99,7 +99,7 @@ async def test_a_change_event_wakes_an_idle_worker_at_once(db: Any, clock: Manua
     async with anyio.create_task_group() as group:
         group.start_soon(partial(queue.run, handler, poll_interval=POLL, concurrency=4))
         await wait_for(lambda: napping(queue) and bool(watch.streams), "every slot idle")
-        assert watch.pipelines == [changes.TASKS_DUE]
+        assert watch.pipelines == [changes.TASKS_DUE_OR_STOPPED]
         await make_due_behind_the_workers_back(db, clock, "t1")
         await settle()
         assert ran == [] and napping(queue)  # nothing told it yet: it would wait for its poll
@@ -330,3 +330,43 @@ async def test_no_task_write_is_a_replacement_so_the_end_filter_hears_updates_on
 
 def _bulk_requests(op: Operation) -> list[Any]:
     return list(op.args[0]) if op.name == "bulk_write" and op.args else []
+
+
+async def test_a_cancel_event_from_another_process_stops_the_running_handler_at_once(
+    db: Any, clock: ManualClock
+) -> None:
+    queue = await new_queue(db, clock)
+    watch = FakeWatch()
+    queue.collection.watch = watch
+    await queue.put("t1")
+    seen: list[str] = []
+
+    async def handler(task: Task) -> None:
+        seen.append("started")
+        try:
+            await anyio.sleep_forever()
+        except anyio.get_cancelled_exc_class():
+            seen.append("cancelled")
+            raise
+
+    async with anyio.create_task_group() as group:
+        results: list[Any] = []
+
+        async def run() -> None:
+            results.append(await queue.run(handler, poll_interval=POLL))
+
+        group.start_soon(run)
+        await wait_for(lambda: seen == ["started"] and bool(watch.streams), "the handler")
+        # Another process cancels it: the database changes, and its change event comes.
+        await db[QUEUE].update_one(
+            {"_id": "t1"}, {"$set": {"status": "cancelled", "lease_token": None}}
+        )
+        await watch.streams[0].send.send({
+            "_id": {"token": 2}, "operationType": "update", "documentKey": {"_id": "t1"},
+            "updateDescription": {"updatedFields": {"status": "cancelled"}},
+        })  # fmt: skip
+        await wait_for(lambda: seen == ["started", "cancelled"], "the handler to be cancelled")
+        queue.stop()
+    (summary,) = results
+    assert (summary.cancelled, summary.lost) == (1, 0)
+    assert (await read(db, "t1") or {})["status"] == "cancelled"
