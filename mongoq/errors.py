@@ -73,7 +73,8 @@ class HandlerAbandoned(LeaseLost):
     did not end within the grace that follows (it swallowed the cancellation, or blocks in a
     thread). It is left running: its lease is no longer renewed, its item is not settled (the
     lease expires and the item is claimable again), and its slot is free for other work.
-    Counted ``lost``."""
+    Counted ``lost``. ``asyncio.run`` waits for every task at its end: a process holding one
+    that never ends does not exit by itself (`mongoq worker` exits all the same)."""
 
 
 class NotFound(MongoqError, LookupError):

@@ -13,8 +13,10 @@ import anyio
 import pytest
 
 from mongoq import _driver, cli
-from mongoq.testing import ManualClock
-from tests.support.helpers import until
+from mongoq.jobs import command
+from mongoq.runtime import handler
+from mongoq.testing import ManualClock, settle
+from tests.support.helpers import until, wait_for
 
 APP = """
 import mongoq
@@ -124,3 +126,62 @@ def test_a_bad_target_is_one_line(
     assert cli.main(["worker", target, "--in-process"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("mongoq: error: worker: ") and said in err
+
+
+RUNAWAY = """
+import anyio
+import mongoq
+
+jobs = mongoq.Jobs()
+release = anyio.Event()
+
+
+@jobs.task(queue="runaway", timeout=1)
+async def swallow() -> None:
+    while not release.is_set():
+        try:
+            await release.wait()
+        except BaseException:  # the careless function under test
+            pass
+"""
+
+
+async def test_a_worker_whose_call_was_abandoned_still_exits_when_stopped(
+    db: Any, clock: ManualClock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``asyncio.run`` would wait for the abandoned call for ever: the worker exits at once."""
+    (tmp_path / "runaway_app.py").write_text(RUNAWAY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("runaway_app", None)
+    import runaway_app  # type: ignore[import-not-found]
+
+    jobs = runaway_app.jobs.use(db)
+    jobs.clock = clock
+    await jobs.setup()
+    task_id = await runaway_app.swallow.defer()
+    monkeypatch.setattr(_driver, "connect", lambda *args, **kwargs: db)
+    monkeypatch.setattr(_driver, "close", _closed)
+    exits: list[int] = []
+    monkeypatch.setattr(command, "exit_now", exits.append)
+    codes: list[int] = []
+
+    async def worker() -> None:
+        codes.append(await cli.run(["worker", "runaway_app:jobs", "--in-process"]))
+
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(worker)
+            await until(partial(_statuses, db, "runaway"), lambda s: s == ["processing"], "run")
+            await wait_for(lambda: bool(handler.running), "the call to start")
+            clock.advance(1)  # its time limit: cancelled once, swallowed
+            await settle(10)
+            clock.advance(handler.GRACE)  # abandoned
+            await wait_for(lambda: bool(handler.abandoned), "the call to be abandoned")
+            jobs.stop()
+        assert codes == [0] and exits == [0]
+        assert await _statuses(db, "runaway") == ["processing"]  # left to its lease
+    finally:
+        runaway_app.release.set()
+        await settle(5)
+        sys.modules.pop("runaway_app", None)
+    assert (await db["runaway"].find_one({"_id": task_id}) or {})["attempts"] == 1

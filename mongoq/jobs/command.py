@@ -24,6 +24,7 @@ from typing import Any
 from mongoq import _driver
 from mongoq.errors import MongoqError
 from mongoq.jobs.registry import Jobs
+from mongoq.runtime import handler
 
 __all__ = ["add_worker_arguments", "load_jobs", "worker"]
 
@@ -92,9 +93,20 @@ async def worker(args: argparse.Namespace, uri: str | None) -> int:
                 handle_signals=True,
             )  # fmt: skip
         log.info("worker stopped: %s", summary)
-        return 0
     finally:
         await _driver.close(db)
+    if handler.abandoned:
+        # asyncio.run would wait for them at its end, for ever if they never end.
+        log.warning("worker: exiting with %d abandoned handler(s) still running",
+                    len(handler.abandoned))  # fmt: skip
+        exit_now(0)
+    return 0
+
+
+def exit_now(code: int) -> None:
+    """End the process at once with `code`, its logs flushed, leaving its tasks behind."""
+    logging.shutdown()
+    os._exit(code)
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ import anyio
 from mongoq.clock import Clock
 from mongoq.errors import HandlerAbandoned, HandlerTimeout, LeaseLost
 
-__all__ = ["GRACE", "call_handler", "running"]
+__all__ = ["GRACE", "abandoned", "call_handler", "running"]
 
 log = logging.getLogger("mongoq.worker")
 
@@ -37,6 +37,9 @@ T = TypeVar("T")
 GRACE = 5.0
 #: The handlers running now, by their task: what each is (e.g. ``task 't1'``).
 running: dict[asyncio.Task[Any], str] = {}
+#: Those of them abandoned (`HandlerAbandoned`) and still running: ``asyncio.run`` waits for
+#: every task at its end, so a process with one that never ends does not exit by itself.
+abandoned: set[asyncio.Task[Any]] = set()
 
 
 async def call_handler(
@@ -156,6 +159,7 @@ async def _cancel(
     if handler.done():
         running.pop(handler, None)
         return
+    abandoned.add(handler)
     handler.add_done_callback(_when_abandoned_ends(name))
     log.warning(
         "%s: abandoned, still running %g s after it was cancelled (%s): it ignores its "
@@ -171,6 +175,7 @@ def _when_abandoned_ends(name: str) -> Callable[[asyncio.Task[Any]], None]:
 
     def ended(task: asyncio.Task[Any]) -> None:
         running.pop(task, None)
+        abandoned.discard(task)
         outcome = "cancelled" if task.cancelled() else repr(task.exception())
         log.info("%s: the abandoned handler ended at last (%s)", name, outcome,
                  extra={"mongoq_handler": name})  # fmt: skip

@@ -172,9 +172,9 @@ class TaskOperators:
         in this process, by its worker's change stream on a replica set, and within a poll
         interval of its worker otherwise (two, for a task cancelled in its first;
         `mongoq.tasks.cancels`); its renewal then finds the task gone, its handler is
-        cancelled, and no settle of that claim takes effect any more. A handler that finishes before that finds its completion
-        refused (the task stays cancelled). A put with a new revision makes a
-        cancelled task pending again, as for a done or failed one.
+        cancelled, and no settle of that claim takes effect any more. A handler that finishes
+        before that finds its completion refused (the task stays cancelled). A put with a new
+        revision makes a cancelled task pending again, as for a done or failed one.
         """
         task_id = check_id("task_id", task_id)
         now = await self._now()
