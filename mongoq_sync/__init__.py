@@ -28,6 +28,7 @@ errors are mongoq's own, exported here too: ``mongoq_sync.Task is mongoq.Task``.
 from mongoq._portal import Database, connect
 from mongoq.clock import Clock
 from mongoq.errors import (
+    HandlerAbandoned,
     HandlerTimeout,
     IndexesMissing,
     InvalidInput,
@@ -104,6 +105,7 @@ __all__ = [
     "GroupPage",
     "GroupRunSummary",
     "GroupStats",
+    "HandlerAbandoned",
     "HandlerTimeout",
     "IndexesMissing",
     "InvalidInput",

@@ -333,14 +333,25 @@ class TaskQueue(Facade):
         return cast("bool", self._call("fail", task, error))
 
     def list_tasks(
-        self, status: TaskStatus | None = None, *, limit: int = 100, after: str | None = None
+        self,
+        status: TaskStatus | None = None,
+        *,
+        limit: int = 100,
+        after: str | None = None,
+        payloads: bool = True,
     ) -> TaskPage:
         """Tasks in `status` (every status when None), least recently changed first, the id
         breaking ties; at most `limit` (up to 1,000) a page. Pass the page's `next` as `after`
         for the following page: the order is stable, so a task is listed once unless it changes
-        between two pages (then it moves to the end). One indexed query a page.
+        between two pages (then it moves to the end). One indexed query a page. With
+        `payloads=False` the page reads neither payloads nor results (both None in it): a
+        listing of many tasks whose payloads are large stays small. A task whose stored fields
+        have the wrong type is listed with `Task.unreadable` saying which.
         """
-        return cast("TaskPage", self._call("list_tasks", status, limit=limit, after=after))
+        return cast(
+            "TaskPage",
+            self._call("list_tasks", status, limit=limit, after=after, payloads=payloads),
+        )
 
     def requeue_failed(self, task_ids: Iterable[TaskId] | None = None) -> int:
         """Operator: put every ``failed`` task (or those of `task_ids` that are failed) back to
@@ -352,11 +363,13 @@ class TaskQueue(Facade):
         """End a pending or running task ``cancelled`` (one command); False, and no change, if
         the task is finished already or does not exist.
 
-        A running task is cancelled in the database at once: its holder's next renewal (every
-        ``lease_ttl / 3``) finds it gone, its handler is cancelled, and no settle of that
-        claim takes effect any more. A handler that finishes before that renewal finds its
-        completion refused (the task stays cancelled). A put with a new revision makes a
-        cancelled task pending again, as for a done or failed one.
+        A running task is cancelled in the database at once, and its holder is told: at once
+        in this process, by its worker's change stream on a replica set, and within a poll
+        interval of its worker otherwise (two, for a task cancelled in its first;
+        `mongoq.tasks.cancels`); its renewal then finds the task gone, its handler is
+        cancelled, and no settle of that claim takes effect any more. A handler that finishes
+        before that finds its completion refused (the task stays cancelled). A put with a new
+        revision makes a cancelled task pending again, as for a done or failed one.
         """
         return cast("bool", self._call("cancel", task_id))
 
@@ -374,7 +387,9 @@ class TaskQueue(Facade):
         First bury expired tasks whose attempts are used up (``failed``), then return the other
         expired ones to pending. Burying first means an exhausted task is never, even briefly,
         pending. Claims take expired tasks over by themselves; this keeps the queue's state and
-        statistics honest when no worker is claiming.
+        statistics honest when no worker is claiming. An expired task whose ``attempts`` is no
+        number (a hand edit), which no claim can take over, is buried too, with an error that
+        says so (and one read more, only then, names it in the log).
         """
         return cast("ReclaimResult", self._call("reclaim_expired"))
 
@@ -588,7 +603,8 @@ class GroupTransport(Facade):
 
     def setup(self) -> None:
         """Create the indexes every query needs, and record the transport in the database's
-        registry (`mongoq.registry`); idempotent.
+        registry (`mongoq.registry`); idempotent. `InvalidInput`, before anything is written, if
+        a collection of it is another registered primitive's.
         """
         self._call("setup")
 
@@ -633,7 +649,9 @@ class GroupTransport(Facade):
         every candidate first, it reads the next ones and their heads (three more a round): it
         returns nothing only when no group is due. A group whose head cannot be stamped, is
         empty, or must go to the dead letters is settled the way `claim` would and released or
-        dropped (a few more commands, for those groups only).
+        dropped (a few more commands, for those groups only). A batch that had to set aside a
+        document no lease can carry (`mongoq.groups.quarantine`), and leased nothing else, is
+        claimed again.
         """
         return cast(
             "list[GroupLease]", self._call("claim_many", n, worker_id, min_priority=min_priority)
@@ -769,12 +787,17 @@ class GroupTransport(Facade):
         return cast("int", self._call("redrive", seqs, group_id=group_id, limit=limit))
 
     def recover_orphans(self, *, older_than: float | None = None) -> int:
-        """Ready the groups of messages whose publisher died before readying the group.
+        """Ready the groups of messages whose publisher died before readying the group, and
+        the groups whose lock no claim can see (a priority or a due time of the wrong type,
+        written by hand or by another program: repaired from the group's head, one WARNING
+        each; see `mongoq.groups.quarantine`).
 
         Looks at messages older than `older_than` seconds (default: `lease_ttl`) whose group
         has no lock document; returns how many groups it readied. One aggregation and, if any,
-        one bulk upsert. After its first run, a transport looks only at the messages published
-        since the previous run (less a margin of `lease_ttl`), through the ``published`` index.
+        one bulk upsert; then two index reads of the locks no claim can see (none, and one
+        lock, on a healthy transport). After its first run, a transport looks only at the
+        messages published since the previous run (less a margin of `lease_ttl`), through the
+        ``published`` index.
         """
         return cast("int", self._call("recover_orphans", older_than=older_than))
 
@@ -857,7 +880,8 @@ class Outbox(Facade):
         handler (and any lane missing from a handler that has lanes), and record the outbox
         in the database's registry (`mongoq.registry`); idempotent. Run it once before the
         first publish: collections created implicitly inside concurrent transactions conflict
-        with each other.
+        with each other. `InvalidInput`, before anything is written, if a collection of it is
+        another registered primitive's.
         """
         self._call("setup")
 

@@ -10,6 +10,7 @@ from mongoq.groups.models import (
     GroupRunSummary,
     GroupStats,
     NewMessage,
+    UnreadableDocument,
 )
 from mongoq.groups.transport import AsyncGroupTransport
 
@@ -23,4 +24,5 @@ __all__ = [
     "GroupRunSummary",
     "GroupStats",
     "NewMessage",
+    "UnreadableDocument",
 ]

@@ -15,7 +15,7 @@ from mongoq._unreachable import names_unreachable_server
 from mongoq._validation import check_id, check_int, check_seconds, id_token, parse_id_token
 from mongoq.clock import stored_instant
 from mongoq.errors import InvalidInput
-from mongoq.groups import schema
+from mongoq.groups import quarantine, schema
 from mongoq.groups.models import (
     GROUP_STATES,
     PRIORITIES,
@@ -25,7 +25,14 @@ from mongoq.groups.models import (
     GroupPage,
     GroupStats,
     NewMessage,
+    count_of,
+    describe_fault,
+    kind_of,
+    lock_fault,
+    message_fault,
+    priority_of,
 )
+from mongoq.runtime.report import Attempt, log_set_aside
 
 __all__ = ["GroupOperators"]
 
@@ -36,8 +43,10 @@ class _Transport(Protocol):
     """What the operator calls use of the transport they are mixed into."""
 
     db: Any
+    prefix: str
     messages: Any
     locks: Any
+    counters: Any
     dead: Any
     lease_ttl: float
     _recovered_until: datetime | None
@@ -45,6 +54,8 @@ class _Transport(Protocol):
     async def _now(self) -> datetime: ...
 
     async def publish_many(self, messages: Iterable[NewMessage]) -> list[int]: ...
+
+    async def _finish_burial(self, head: Mapping[str, Any], now: datetime) -> None: ...
 
 
 @names_unreachable_server
@@ -84,6 +95,7 @@ class GroupOperators:
             sort=schema.SEQ_ORDER,
             limit=limit,
         )
+        docs = [doc for doc in docs if _redrivable(self, doc)]
         if not docs:
             return 0
         await self.publish_many(NewMessage.from_dead_letter(doc) for doc in docs)
@@ -94,12 +106,17 @@ class GroupOperators:
         return len(docs)
 
     async def recover_orphans(self: _Transport, *, older_than: float | None = None) -> int:
-        """Ready the groups of messages whose publisher died before readying the group.
+        """Ready the groups of messages whose publisher died before readying the group, and
+        the groups whose lock no claim can see (a priority or a due time of the wrong type,
+        written by hand or by another program: repaired from the group's head, one WARNING
+        each; see `mongoq.groups.quarantine`).
 
         Looks at messages older than `older_than` seconds (default: `lease_ttl`) whose group
         has no lock document; returns how many groups it readied. One aggregation and, if any,
-        one bulk upsert. After its first run, a transport looks only at the messages published
-        since the previous run (less a margin of `lease_ttl`), through the ``published`` index.
+        one bulk upsert; then two index reads of the locks no claim can see (none, and one
+        lock, on a healthy transport). After its first run, a transport looks only at the
+        messages published since the previous run (less a margin of `lease_ttl`), through the
+        ``published`` index.
         """
         seconds = self.lease_ttl if older_than is None else check_seconds("older_than", older_than)
         now = await self._now()
@@ -111,8 +128,9 @@ class GroupOperators:
             self.messages, schema.orphan_groups(cutoff, since, self.locks.name)
         )
         self._recovered_until = cutoff
+        repaired = await quarantine.sweep_locks(self, now)
         if not orphans:
-            return 0
+            return repaired
         await self.locks.bulk_write(
             [
                 _driver.update_by_id(
@@ -123,7 +141,7 @@ class GroupOperators:
             ordered=False,
         )
         log.warning("readied %d orphaned group(s)", len(orphans))
-        return len(orphans)
+        return len(orphans) + repaired
 
     async def list_groups(
         self: _Transport,
@@ -196,15 +214,48 @@ def _parse_cursor(cursor: Any) -> GroupId:
 def _group_info(
     lock: Mapping[str, Any], head: Mapping[str, Any] | None, now: datetime
 ) -> GroupInfo:
+    """A listing's row, whatever the lock and its head hold (never an exception: one bad
+    document never breaks a page); `unreadable` names what no claim can use."""
     published = stored_instant(head.get("published_at")) if head else None
+    error = head.get("last_error") if head else None
     return GroupInfo(
         group_id=lock["_id"],
         state=schema.lock_state(lock, now),
-        priority=int(lock.get("priority", 0)),
+        priority=priority_of(lock.get("priority")) or 0,
         available_at=stored_instant(lock.get("available_at")),
         head_seq=head.get("seq") if head else None,
         head_published_at=published,
         head_age=(now - published).total_seconds() if published is not None else None,
-        head_deliveries=int(head.get("deliveries") or 0) if head else None,
-        head_error=head.get("last_error") if head else None,
+        head_deliveries=(count_of(head.get("deliveries") or 0) or 0) if head else None,
+        head_error=error if isinstance(error, str) else None,
+        unreadable=_unreadable(lock, head),
     )
+
+
+def _unreadable(lock: Mapping[str, Any], head: Mapping[str, Any] | None) -> str | None:
+    """What `GroupInfo.unreadable` says of a lock and its head summary (`head_summaries_of`)."""
+    fault = lock_fault(lock)
+    if fault is not None:
+        return f"lock: {describe_fault(fault)}"
+    if head is None:
+        return None
+    # The row of `head_summaries_of` as the message's own fields.
+    fields = {"_id": head.get("seq"), "group_id": lock["_id"]}
+    fields.update((name, head[name]) for name in ("deliveries", "last_error", "published_at")
+                  if name in head)  # fmt: skip
+    fault = message_fault(fields)
+    return None if fault is None else f"head {head.get('seq')!r}: {describe_fault(fault)}"
+
+
+def _redrivable(transport: _Transport, doc: Mapping[str, Any]) -> bool:
+    """Whether a dead letter can be published again: its group id is one (a dead letter edited
+    by hand may hold anything: it is left where it is, with one WARNING)."""
+    try:
+        check_id("group_id", doc.get("group_id"))
+        return True
+    except InvalidInput:
+        fault = ("group_id", kind_of(doc.get("group_id")) if "group_id" in doc else "nothing")
+    attempt = Attempt("groups", transport.prefix, f"{doc.get('group_id')}/{doc.get('_id')}",
+                      None, None)  # fmt: skip
+    log_set_aside(log, attempt, transport.dead.name, *fault, "reported")
+    return False

@@ -23,7 +23,12 @@ Collections (names start with ``{prefix}_``):
 - ``dead``: dead letters, ``{_id: seq, group_id, event, priority, published_at, deliveries,
   error, dead_at}``.
 
-Queries by ``_id`` (the settles, the sequence allocator) need no declared index.
+Queries by ``_id`` (the settles, the sequence allocator, the set-asides' fences) need no
+declared index. A document of the wrong shape (written by hand, by another program) is set
+aside by `mongoq.groups.quarantine` with the filters and updates under "set aside" below: each
+fenced on the document as it was read (``$eq`` on every field it rewrites), so that a good change
+made meanwhile is never overwritten, and a stored value that looks like an operator is never
+taken for one.
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ from mongoq.groups.models import (
     NEVER_CLAIMED,
     GroupId,
     NewMessage,
+    count_of,
+    lock_faults,
+    priority_of,
 )
 
 MESSAGES, LOCKS, COUNTERS, DEAD = "messages", "locks", "counters", "dead"
@@ -124,7 +132,9 @@ def lock_due(floor: int, now: datetime, refused: Sequence[GroupId] = ()) -> Filt
 
 def lock_any(floor: int) -> Filter:
     """Every group at or above priority `floor`, in `CLAIM_ORDER` the one due first whatever
-    its state: when ``run(stop_when_drained=True)`` wakes next; `CLAIM`."""
+    its state: when ``run(stop_when_drained=True)`` wakes next; and (floor 0) the sweep for due
+    times no claim can compare: BSON sorts null, numbers, strings, documents, arrays and bools
+    before every date, so such locks come first; `CLAIM`."""
     return {"priority": {"$in": [p for p in ALL_PRIORITIES if p >= floor]}}
 
 
@@ -285,21 +295,37 @@ def head_is_free(head: Mapping[str, Any], now: datetime) -> bool:
 def heads_free(heads: Sequence[Mapping[str, Any]], now: datetime) -> Filter:
     """claim_many's stamp of the heads it read, `head_stamping`'s fence; by ``_id``."""
     # Each head exactly as read (its token and delivery count): the read comes before the
-    # lease, and a head un-stamped, nacked or restamped since would be counted wrong.
+    # lease, and a head un-stamped, nacked or restamped since would be counted wrong. With
+    # ``$eq``: a stored value is compared, never taken for an operator; a delivery count that
+    # is missing matches as null (both count as 0, as in `head_stamping`).
     as_read = [
-        {"_id": h["_id"], "token": h.get("token"), "deliveries": h.get("deliveries", 0)}
+        {"_id": h["_id"], "token": {"$eq": h.get("token")},
+         "deliveries": {"$eq": h.get("deliveries")}}
         for h in heads
-    ]
+    ]  # fmt: skip
+    # A stamp's end that is no date counts as passed, as `head_is_free` and `head_stamping`
+    # (which compares across types: such values sort before dates) have it.
+    ended = {"stamp_until": {"$not": {"$gt": now}}}
     return {
         "_id": {"$in": [h["_id"] for h in heads]},
         "dead": None,
-        "$and": [{"$or": as_read}, {"$or": [{"token": None}, {"stamp_until": {"$lte": now}}]}],
+        "$and": [{"$or": as_read}, {"$or": [{"token": None}, ended]}],
     }
 
 
-def heads_stamping(token: str, lease_until: datetime) -> Update:
-    """claim_many's stamp (on `heads_free`, by ``_id``): token, its end, one more delivery."""
-    return {"$set": {"token": token, "stamp_until": lease_until}, "$inc": {"deliveries": 1}}
+def heads_stamping(token: str, lease_until: datetime) -> list[Update]:
+    """claim_many's stamp (on `heads_free`, by ``_id``, a pipeline update): token, its end, one
+    more delivery, counted as `head_stamping` counts it (no count yet is 0; a count that is no
+    number makes the server refuse the update: the head is then set aside)."""
+    return [
+        {
+            "$set": {
+                "token": {"$literal": token},
+                "stamp_until": lease_until,
+                "deliveries": {"$add": [{"$ifNull": ["$deliveries", 0]}, 1]},
+            }
+        }
+    ]
 
 
 def heads_stamped(seqs: Sequence[int], token: str) -> Filter:
@@ -375,12 +401,13 @@ def lock_found_empty(group_id: GroupId, token: str, seen: Mapping[str, Any]) -> 
     with) the head (the drop-if-empty fence); by ``_id``."""
     # Fails if a publish counted itself (``version``) since that read. The last seq too, for
     # claim_many, which reads the lock before its lease: a lock dropped and made again
-    # meanwhile starts its version over, not its last seq.
+    # meanwhile starts its version over, not its last seq. ``$eq``: the values come from the
+    # database, and a stored document must never act as an operator.
     return {
         "_id": group_id,
         "token": token,
-        "version": seen.get("version"),
-        "last_seq": seen.get("last_seq"),
+        "version": {"$eq": seen.get("version")},
+        "last_seq": {"$eq": seen.get("last_seq")},
     }
 
 
@@ -413,7 +440,10 @@ def head_unstamping() -> Update:
 
 def burial_error(head: Mapping[str, Any], max_deliveries: int) -> str:
     """The error a head buried after `max_deliveries` carries: its last one (no query)."""
-    return head.get("last_error") or f"not acked after {max_deliveries} deliveries"
+    last = head.get("last_error")
+    return (
+        last if isinstance(last, str) and last else f"not acked after {max_deliveries} deliveries"
+    )
 
 
 def head_buriable(seq: int, token: str) -> Filter:
@@ -431,17 +461,21 @@ def dead_letter_of(seq: int) -> Filter:
     return {"_id": seq}
 
 
-def dead_letter_document(head: Mapping[str, Any]) -> dict[str, Any]:
-    """A burial's copy (replacing `dead_letter_of`): the dead letter of a marked head."""
-    mark = head["dead"]
+def dead_letter_document(
+    head: Mapping[str, Any], error: str | None, dead_at: Any
+) -> dict[str, Any]:
+    """A burial's copy (replacing `dead_letter_of`): the dead letter of a marked head, with its
+    mark's `error` and time. A priority or a delivery count that is no number is copied as 0,
+    a publish time that is no date as null: a dead letter always reads back (`DeadLetter`)."""
+    published = head.get("published_at")
     return {
         "group_id": head["group_id"],
         "event": head.get("event"),
-        "priority": head.get("priority", 0),
-        "published_at": head.get("published_at"),
-        "deliveries": head.get("deliveries", 0),
-        "error": mark.get("error"),
-        "dead_at": mark.get("at"),
+        "priority": priority_of(head.get("priority")) or 0,
+        "published_at": published if isinstance(published, datetime) else None,
+        "deliveries": count_of(head.get("deliveries")) or 0,
+        "error": error,
+        "dead_at": dead_at,
     }
 
 
@@ -496,8 +530,12 @@ def orphan_groups(before: datetime, since: datetime | None, locks: str) -> list[
 
 
 def orphan_readying(orphan: Mapping[str, Any]) -> Update:
-    """`recover_orphans`' upsert (on `lock_of`): `lock_readying` for a row of `orphan_groups`."""
-    return lock_readying(int(orphan.get("priority") or 0), int(orphan.get("last_seq") or 0))
+    """`recover_orphans`' upsert (on `lock_of`): `lock_readying` for a row of `orphan_groups`
+    (a priority that is no claim's readies at 0; a last seq that is no int counts as 0: the
+    drop of the group then waits for a claim that finds it empty)."""
+    last = orphan.get("last_seq")
+    last_seq = last if isinstance(last, int) and not isinstance(last, bool) else 0
+    return lock_readying(priority_of(orphan.get("priority")) or 0, last_seq)
 
 
 # ------------------------------------------------------------------------------------ stats
@@ -507,6 +545,113 @@ def orphan_readying(orphan: Mapping[str, Any]) -> Update:
 def messages_all() -> Filter:
     """`stats`' oldest message: every message, sorted by `SEQ_ORDER` (the ``_id`` index)."""
     return {}
+
+
+# -------------------------------------------------------------------------------- set aside
+# What `mongoq.groups.quarantine` sends for a document no claim, settle or publish can use.
+
+#: The sweep's order for `locks_unclaimable`: the `CLAIM` index's own.
+LOCK_REPAIR_ORDER: Sort = list(CLAIM.keys)
+
+
+def locks_unclaimable() -> Filter:
+    """Locks whose priority no claim asks for (a string, null, missing, out of range, a
+    fraction): `recover_orphans`' sweep, sorted by `LOCK_REPAIR_ORDER`; `CLAIM`, whose ranges
+    outside the claims' five points it walks (none on a healthy transport)."""
+    return {"priority": {"$nin": list(ALL_PRIORITIES)}}
+
+
+def _as_read(doc: Mapping[str, Any], fields: Sequence[str]) -> Filter:
+    """A fence on `doc` as read: its ``_id``, and each of `fields` equal to what was read (or
+    still missing); ``$eq`` so that a stored value never acts as an operator."""
+    fence: Filter = {"_id": {"$eq": doc["_id"]}}
+    for name in fields:
+        fence[name] = {"$eq": doc[name]} if name in doc else {"$exists": False}
+    return fence
+
+
+#: The fields of a lock a repair reads and may rewrite.
+_LOCK_STATE = ("priority", "available_at", "token", "version", "last_seq", "parked")
+
+
+def lock_as_read(lock: Mapping[str, Any]) -> Filter:
+    """A lock's repair or drop, fenced on the lock as read (a publish, a claim or a settle
+    since then changed one of its fields: the lock is left to them); by ``_id``."""
+    return _as_read(lock, _LOCK_STATE)
+
+
+def lock_repairing(
+    lock: Mapping[str, Any], head: Mapping[str, Any] | None, now: datetime, *, holder: bool
+) -> Update:
+    """A repair of `lock` (on `lock_as_read`) from what its head `head` says: a priority no
+    claim asks for becomes the head's (else 0); a due time that is no date becomes now, or the
+    end of the head's live stamp (its holder is not taken over); fences of the wrong type are
+    reset and, unless the caller is the lease `holder` that read them, the token cleared with
+    them: a lease taken before the damage carries fences nothing can check any more (its
+    head's stamp keeps the head its own until it ends). A group id cannot be repaired."""
+    head = head or {}
+    fixes: dict[str, Any] = {}
+    for name, _ in lock_faults(lock):
+        if name == "priority":
+            fixes["priority"] = priority_of(head.get("priority")) or 0
+        elif name == "available_at":
+            fixes.update(available_at=_stamp_end(head, now), parked=False)
+        elif name == "version":
+            fixes["version"] = 0
+        elif name == "last_seq":
+            # The head's seq, or 0: never above the group's last, so the drop of a group whose
+            # last message is acked still reads what is left first (`ack`).
+            seq = head.get("_id")
+            fixes["last_seq"] = seq if isinstance(seq, int) and not isinstance(seq, bool) else 0
+        elif name in ("token", "parked"):
+            fixes[name] = None if name == "token" else False
+    if not holder and ("version" in fixes or "last_seq" in fixes):
+        fixes["token"] = None
+    return {"$set": fixes}
+
+
+def _stamp_end(head: Mapping[str, Any], now: datetime) -> datetime:
+    """When a group whose due time was lost is claimable: now, or when its head's live stamp
+    ends."""
+    until = stored_instant(head.get("stamp_until"))
+    held = isinstance(head.get("token"), str)
+    return until if held and until is not None and until > now else now
+
+
+#: The fields of a message a set-aside reads: the ones a claim's stamp depends on.
+_HEAD_STATE = ("token", "stamp_until", "deliveries", "dead")
+
+
+def head_as_read(head: Mapping[str, Any]) -> Filter:
+    """A set-aside's mark of a head the caller does not hold (its stamp was refused), fenced on
+    the head as read (restamped, nacked or marked since: left alone); by ``_id``."""
+    return _as_read(head, _HEAD_STATE)
+
+
+def set_aside_error(what: str, fault: tuple[str, str]) -> str:
+    """The error a set-aside document's dead letter carries: ``unreadable group message: field
+    'deliveries' holds a string ('x'); set aside``."""
+    return f"unreadable group {what}: field {fault[0]!r} holds {fault[1]}; set aside"
+
+
+#: The largest seq of a collection first: its numeric ``_id`` s, by ``_id``.
+LAST_SEQ_ORDER: Sort = [("_id", -1)]
+
+
+def seqs_stored() -> Filter:
+    """Messages or dead letters with a numeric seq (`LAST_SEQ_ORDER`, limit 1: the largest a
+    counter repair must stay above); by ``_id``."""
+    return {"_id": {"$type": "number"}}
+
+
+def seq_counter_as_read(value: Any) -> Filter:
+    """A counter repair, fenced on the value as read (another repair won: left alone); ``_id``."""
+    return {"_id": SEQ_COUNTER, "value": {"$eq": value}}
+
+
+def seq_resetting(value: int) -> Update:
+    """A counter repair (on `seq_counter_as_read`): the last seq handed out, as a number."""
+    return {"$set": {"value": value}}
 
 
 #: Every declared index, in the order `AsyncGroupTransport.setup` creates them.

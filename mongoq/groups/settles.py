@@ -13,14 +13,15 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from pymongo import DeleteOne, ReturnDocument
+from pymongo.errors import OperationFailure
 
 from mongoq import _driver
 from mongoq._unreachable import names_unreachable_server
-from mongoq._validation import check_batch, check_seconds
+from mongoq._validation import check_batch, check_lease_seconds, check_seconds
 from mongoq.clock import Clock
 from mongoq.groups import schema
-from mongoq.groups.models import GroupId, GroupLease, check_lease
-from mongoq.runtime.report import Attempt, error_text, log_attempt_end
+from mongoq.groups.models import GroupId, GroupLease, check_lease, kind_of
+from mongoq.runtime.report import Attempt, error_text, log_attempt_end, log_set_aside
 
 __all__ = ["GroupSettles"]
 
@@ -84,8 +85,8 @@ class GroupSettles:
         than asked, one or two reads tell which leases were lost.
         """
         leases = check_batch("leases", leases)
-        for lease in leases:
-            check_lease(lease)
+        for index, lease in enumerate(leases):
+            check_lease(lease, f"leases[{index}]")
         if not leases:
             return []
         pairs = [(lease.seq, lease.token) for lease in leases]
@@ -187,8 +188,8 @@ class GroupSettles:
         """Keep the group for `lease_ttl` (default: the transport's) more seconds from now,
         the head's stamp with it. False if no longer held."""
         check_lease(lease)
-        seconds = self.lease_ttl if lease_ttl is None else check_seconds(
-            "lease_ttl", lease_ttl, positive=True
+        seconds = self.lease_ttl if lease_ttl is None else check_lease_seconds(
+            "lease_ttl", lease_ttl
         )  # fmt: skip
         now = await self._now()
         until = now + timedelta(seconds=seconds)
@@ -208,10 +209,10 @@ class GroupSettles:
         """`extend` for many leases: the locks, a read of which are still held, and the stamps
         of those heads (three commands). Returns, per lease, whether it is still held."""
         leases = check_batch("leases", leases)
-        for lease in leases:
-            check_lease(lease)
-        seconds = self.lease_ttl if lease_ttl is None else check_seconds(
-            "lease_ttl", lease_ttl, positive=True
+        for index, lease in enumerate(leases):
+            check_lease(lease, f"leases[{index}]")
+        seconds = self.lease_ttl if lease_ttl is None else check_lease_seconds(
+            "lease_ttl", lease_ttl
         )  # fmt: skip
         if not leases:
             return []
@@ -254,11 +255,24 @@ class GroupSettles:
     async def _unclaim(self, lease: GroupLease) -> bool:
         """Give back a lease whose head never reached the handler: the group is claimable at
         once and the delivery the claim counted is taken back."""
-        if not await self._release(lease.group_id, lease.token, await self._now()):
+        now = await self._now()
+        if not await self._release(lease.group_id, lease.token, now):
             return False
-        await self.messages.update_one(
-            schema.message_held(lease.seq, lease.token), schema.head_unstamping()
-        )
+        try:
+            await self.messages.update_one(
+                schema.message_held(lease.seq, lease.token), schema.head_unstamping()
+            )
+        except OperationFailure as refusal:
+            if not _driver.type_mismatch(refusal):
+                raise
+            # Its delivery count became no number since the claim (edited by hand): the stamp
+            # is still this lease's, so the head is set aside now rather than at the next claim.
+            await self._bury(lease.seq, lease.token, now, "unreadable group message: field "
+                             "'deliveries' holds no number; set aside")  # fmt: skip
+            log_set_aside(
+                log, self._attempt(lease.group_id, lease.seq, None, lease.worker_id),
+                self.messages.name, "deliveries", "no number", "dead",
+            )  # fmt: skip
         return True
 
     async def _drop_if_empty(
@@ -286,14 +300,31 @@ class GroupSettles:
         )
         if marked is None:
             return False
-        await self._finish_burial(marked)
+        await self._finish_burial(marked, now)
         return True
 
-    def _attempt(self, group_id: GroupId, seq: int, number: int, worker: str | None) -> Attempt:
+    def _attempt(
+        self, group_id: GroupId, seq: int, number: int | None, worker: str | None
+    ) -> Attempt:
         return Attempt("groups", self.prefix, f"{group_id}/{seq}", number, worker)
 
-    async def _finish_burial(self, head: Mapping[str, Any]) -> None:
+    async def _finish_burial(self, head: Mapping[str, Any], now: datetime) -> None:
+        """Copy the marked `head` to the dead letters and delete it (both idempotent). A mark
+        that is no burial's (a ``dead`` field written by hand) is finished as one, its dead
+        letter saying so, with one WARNING."""
+        mark = head["dead"]
+        if isinstance(mark, Mapping) and isinstance(mark.get("error"), str | None):
+            error, dead_at = mark.get("error"), mark.get("at")
+        else:
+            fault = ("dead", kind_of(mark))
+            error, dead_at = schema.set_aside_error("message", fault), now
+            log_set_aside(
+                log, self._attempt(head["group_id"], head["_id"], None, None),
+                self.messages.name, *fault, "dead",
+            )  # fmt: skip
         await self.dead.replace_one(
-            schema.dead_letter_of(head["_id"]), schema.dead_letter_document(head), upsert=True
+            schema.dead_letter_of(head["_id"]),
+            schema.dead_letter_document(head, error, dead_at),
+            upsert=True,
         )
         await self.messages.delete_one(schema.head_marked_dead(head["_id"]))

@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 from pymongo import ReturnDocument
+from pymongo.errors import BulkWriteError, OperationFailure
 
 from mongoq import _driver, registry
 from mongoq._indexes import create_schema_indexes
@@ -26,15 +27,18 @@ from mongoq._validation import (
     MAX_BATCH,
     check_async_handler,
     check_int,
+    check_interval,
+    check_lease_seconds,
     check_name,
     check_seconds,
     check_stop_when,
     check_timeout,
 )
 from mongoq.clock import Clock, ServerClock, stored_instant
-from mongoq.groups import schema
+from mongoq.groups import quarantine, schema
 from mongoq.groups.batch import GroupBatch
 from mongoq.groups.models import (
+    READ_ERRORS,
     GroupId,
     GroupLease,
     GroupRunSummary,
@@ -42,6 +46,9 @@ from mongoq.groups.models import (
     check_priority,
     checked_message,
     checked_messages,
+    count_of,
+    head_fault,
+    lock_fault,
 )
 from mongoq.groups.operators import GroupOperators
 from mongoq.groups.settles import GroupSettles
@@ -58,6 +65,8 @@ log = logging.getLogger("mongoq.groups")
 
 #: `_take_head`'s answer when the head belongs to another live lease.
 _REFUSED = object()
+#: `_lease_from_batch`'s answer when it set a document aside (the batch is claimed again).
+_SET_ASIDE = object()
 
 
 @names_unreachable_server
@@ -88,8 +97,8 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
     ) -> None:
         super().__init__()
         _driver.backend_of(db)
-        self.prefix = check_name("prefix", prefix)
-        self.lease_ttl = check_seconds("lease_ttl", lease_ttl, positive=True)
+        self.prefix = check_name("prefix", prefix, prefix=True)
+        self.lease_ttl = check_lease_seconds("lease_ttl", lease_ttl)
         if max_deliveries is not None:
             check_int("max_deliveries", max_deliveries, low=1)
         self.max_deliveries = max_deliveries
@@ -107,21 +116,38 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
 
     async def setup(self) -> None:
         """Create the indexes every query needs, and record the transport in the database's
-        registry (`mongoq.registry`); idempotent."""
+        registry (`mongoq.registry`); idempotent. `InvalidInput`, before anything is written, if
+        a collection of it is another registered primitive's."""
+        await registry.check_collections(self.db, "groups", self.prefix)
         await create_schema_indexes(self.db, schema.INDEXES, self._collection)
         await registry.register(self.db, "groups", self.prefix, self.clock.now())
 
     # ---------------------------------------------------------------------------- publish
 
     async def _allocate(self, count: int) -> int:
-        """Reserve `count` consecutive sequence numbers; returns the first."""
-        counter = await self.counters.find_one_and_update(
+        """Reserve `count` consecutive sequence numbers; returns the first. A counter whose
+        value is no number is repaired, or reported with `UnreadableDocument`, before anything
+        is written (`quarantine.repair_counter`)."""
+        try:
+            counter = await self._reserve(count)
+        except OperationFailure as refusal:
+            if not _driver.type_mismatch(refusal):
+                raise
+            await quarantine.repair_counter(self)
+            counter = await self._reserve(count)  # refused again: raised as the server says
+        value = quarantine.seq_value(counter["value"])  # a Decimal128 or a float counts too
+        if value is None:  # an $inc the server applied, to NaN or an infinity: reported
+            await quarantine.repair_counter(self)
+            raise AssertionError("repair_counter raises for a value that says no seq")
+        return value - count + 1
+
+    async def _reserve(self, count: int) -> Any:
+        return await self.counters.find_one_and_update(
             schema.seq_counter(),
             schema.seq_reserving(count),
             upsert=True,
             return_document=ReturnDocument.AFTER,
         )
-        return int(counter["value"]) - count + 1
 
     async def publish(self, group_id: GroupId, event: Any, *, priority: int = 0) -> int:
         """Append `event` to `group_id`'s FIFO; returns its sequence number (3 commands). This
@@ -138,9 +164,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         # message without a ready group until `recover_orphans` finds it.
         with anyio.CancelScope(shield=True):
             await self.messages.insert_one(schema.message_document(seq, message, now))
-            await self.locks.update_one(
-                schema.lock_of(message.group_id), schema.lock_readying(priority, seq), upsert=True
-            )
+            await self._ready({message.group_id: (priority, seq)}, now, bulk=False)
         wakeups.notify(self._wake_key)
         return seq
 
@@ -164,18 +188,45 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
             await self.messages.insert_many(
                 [schema.message_document(s, m, now) for s, m in zip(seqs, checked, strict=True)]
             )
-            await self.locks.bulk_write(
-                [
-                    _driver.update_by_id(
-                        self.db, schema.lock_of(group), schema.lock_readying(priority, last),
-                        upsert=True,
-                    )
-                    for group, (priority, last) in groups.items()
-                ],
-                ordered=False,
-            )  # fmt: skip
+            await self._ready(groups, now, bulk=True)
         wakeups.notify(self._wake_key)
         return seqs
+
+    async def _ready(
+        self, groups: Mapping[GroupId, tuple[int, int]], now: datetime, *, bulk: bool
+    ) -> None:
+        """Ready each group of `groups` (group -> its priority, its last seq published): one
+        upsert, or with `bulk` one unordered bulk of them. A lock whose fences hold no number
+        (the server refuses the ``$inc``) is repaired (`quarantine.repair_lock_of`) and
+        readied again."""
+        try:
+            if not bulk:
+                ((group, (priority, last)),) = groups.items()
+                await self.locks.update_one(
+                    schema.lock_of(group), schema.lock_readying(priority, last), upsert=True
+                )
+            else:
+                await self.locks.bulk_write(
+                    [
+                        _driver.update_by_id(
+                            self.db, schema.lock_of(group), schema.lock_readying(priority, last),
+                            upsert=True,
+                        )
+                        for group, (priority, last) in groups.items()
+                    ],
+                    ordered=False,
+                )  # fmt: skip
+        except OperationFailure as refusal:
+            refused = _refused_groups(refusal, list(groups))
+            if not refused:
+                raise
+            for group in refused:
+                await quarantine.repair_lock_of(self, group, now)
+            for group in refused:  # refused again: raised as the server says
+                priority, last = groups[group]
+                await self.locks.update_one(
+                    schema.lock_of(group), schema.lock_readying(priority, last), upsert=True
+                )
 
     # ------------------------------------------------------------------------------ claim
 
@@ -217,8 +268,15 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
             if head is None:
                 await self._drop_if_empty(lock["_id"], token, lock, now)
                 continue
-            deliveries = int(head["deliveries"])
-            return GroupLease.from_documents(lock, head, token, worker, lease_until, deliveries)
+            try:
+                deliveries = int(head["deliveries"])
+                return GroupLease.from_documents(lock, head, token, worker, lease_until, deliveries)
+            except READ_ERRORS:  # a document no lease can carry: set it aside, claim on
+                lease = await self._set_aside_claimed(lock, head, token, worker, now, lease_until)
+                if isinstance(lease, GroupLease):
+                    return lease
+                if lease is None:  # the set-aside changed nothing (the document changed
+                    refused.append(lock["_id"])  # meanwhile): not met again in this call
 
     async def claim_many(
         self, n: int, worker_id: str | None = None, *, min_priority: int = 0
@@ -233,11 +291,23 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         every candidate first, it reads the next ones and their heads (three more a round): it
         returns nothing only when no group is due. A group whose head cannot be stamped, is
         empty, or must go to the dead letters is settled the way `claim` would and released or
-        dropped (a few more commands, for those groups only).
+        dropped (a few more commands, for those groups only). A batch that had to set aside a
+        document no lease can carry (`mongoq.groups.quarantine`), and leased nothing else, is
+        claimed again.
         """
         check_int("n", n, low=1, high=MAX_BATCH)
         worker = self._worker(worker_id)
         check_priority("min_priority", min_priority)
+        for _ in range(quarantine.ROUNDS):
+            leases, set_aside = await self._claim_batch(n, worker, min_priority)
+            if leases or not set_aside:
+                return leases
+        return []
+
+    async def _claim_batch(
+        self, n: int, worker: str, min_priority: int
+    ) -> tuple[list[GroupLease], bool]:
+        """One round of `claim_many`: its leases, and whether it set a document aside."""
         now = await self._now()
         token = f"{worker}:{uuid.uuid4().hex}"
         lease_until = now + timedelta(seconds=self.lease_ttl)
@@ -252,7 +322,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         )
         order = [candidate["_id"] for candidate in candidates.docs]
         if not order:
-            return []
+            return [], False
         # Read before the lease, a lock's version and last seq may be older than now: the
         # fences on them (`lock_drained`, `lock_found_empty`) then fail and release instead.
         locks = (
@@ -265,17 +335,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         )
         heads, seen = await self._heads_of_candidates(candidates.docs, locks)
         free = [head for head in heads.values() if schema.head_is_free(head, now)]
-        stamped_ids = {head["_id"] for head in free}
-        if free:
-            stamped = await self.messages.update_many(
-                schema.heads_free(free, now), schema.heads_stamping(token, lease_until)
-            )
-            if stamped.modified_count != len(free):  # raced: ask which ones are ours
-                ours = await _driver.find_list(
-                    self.messages, schema.heads_stamped(list(stamped_ids), token),
-                    projection={"_id": 1},
-                )  # fmt: skip
-                stamped_ids = {doc["_id"] for doc in ours}
+        stamped_ids, set_aside = await self._stamp_heads(free, token, now, lease_until)
         leases: list[GroupLease] = []
         for group_id in order:
             try:
@@ -286,9 +346,41 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
                 # One group's follow-up failed: its lease expires by itself; the others stand.
                 log.warning("claim_many: settling group %r failed", group_id, exc_info=True)
                 continue
-            if lease is not None:
+            if lease is _SET_ASIDE:
+                set_aside = True
+            elif lease is not None:
                 leases.append(lease)
-        return leases
+        return leases, set_aside
+
+    async def _stamp_heads(
+        self, free: list[dict[str, Any]], token: str, now: datetime, lease_until: datetime
+    ) -> tuple[set[Any], bool]:
+        """claim_many's stamp of the `free` heads it read: the seqs it stamped, and whether it
+        set heads aside: when the server refused the stamp for a head whose delivery count is
+        no number (it stops there: some heads may be stamped), those heads are dead-lettered
+        and the others read back."""
+        stamped_ids = {head["_id"] for head in free}
+        if not free:
+            return stamped_ids, False
+        set_aside = False
+        try:
+            stamped = await self.messages.update_many(
+                schema.heads_free(free, now), schema.heads_stamping(token, lease_until)
+            )
+            if stamped.modified_count == len(free):
+                return stamped_ids, False
+        except OperationFailure as refusal:
+            unusable = [(head, head_fault(head)) for head in free]
+            if not _driver.type_mismatch(refusal) or not any(fault for _, fault in unusable):
+                raise
+            for head, fault in unusable:
+                if fault is not None:
+                    set_aside |= await quarantine.set_aside_head(self, head, fault, now)
+        # Raced, or refused part-way: ask which ones are ours.
+        ours = await _driver.find_list(
+            self.messages, schema.heads_stamped(list(stamped_ids), token), projection={"_id": 1}
+        )
+        return {doc["_id"] for doc in ours}, set_aside
 
     async def _heads_of_candidates(
         self, candidates: list[dict[str, Any]], locks: Mapping[GroupId, Any]
@@ -316,9 +408,10 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         worker: str,
         now: datetime,
         lease_until: datetime,
-    ) -> GroupLease | None:
+    ) -> Any:
         """The lease `claim_many` got on one group, or None after settling it as `claim`
-        would (an empty group dropped, a marked head moved on, an over-limit head buried)."""
+        would (an empty group dropped, a marked head moved on, an over-limit head buried), or
+        `_SET_ASIDE` after setting aside a document no lease can carry."""
         lock = locks.get(group_id)
         if lock is None:
             return None  # leased by someone else in between
@@ -331,16 +424,58 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
                 # from the head as it is now (the read may be older than a finished burial)
                 marked = await self.messages.find_one(schema.head_marked_dead(head["_id"]))
                 if marked is not None:
-                    await self._finish_burial(marked)
-            # Held by another live stamp, or changed since it was read: give it back.
+                    await self._finish_burial(marked, now)
+            # Held by another live stamp, changed since it was read, or set aside: give it back.
             await self._release(group_id, token, now)
             return None
-        deliveries = int(head.get("deliveries", 0)) + 1
-        if self.max_deliveries is not None and deliveries > self.max_deliveries:
-            await self._bury_spent(head, token, now)
+        # As stamped: the count read, one more (none yet counts as 0, as the stamp counts it; a
+        # count that is no number stays as read, for the set-aside below to name).
+        count = count_of(head.get("deliveries") or 0)
+        counted = head.get("deliveries") if count is None else count + 1
+        stamped = {**head, "token": token, "deliveries": counted}
+        if self.max_deliveries is not None and _spent(stamped, self.max_deliveries):
+            await self._bury_spent(stamped, token, now)
             await self._release(group_id, token, now)
             return None
-        return GroupLease.from_documents(lock, head, token, worker, lease_until, deliveries)
+        try:
+            return GroupLease.from_documents(
+                lock, stamped, token, worker, lease_until, stamped["deliveries"]
+            )
+        except READ_ERRORS:
+            # The lock as the lease left it (it may have been read before the lease).
+            leased = {**lock, **schema.lock_leasing(token, lease_until)["$set"]}
+            return await self._set_aside_claimed(leased, stamped, token, worker, now, lease_until)
+
+    async def _set_aside_claimed(
+        self, lock: Mapping[str, Any], head: Mapping[str, Any], token: str, worker: str,
+        now: datetime, lease_until: datetime,
+    ) -> Any:  # fmt: skip
+        """A claim leased `lock` and stamped `head` (its delivery counted), and no lease can
+        carry what they hold: a head of the wrong shape is dead-lettered, a lock repaired (the
+        lease then stands, with the repaired lock: returned), a lock whose group id no lease
+        can carry costs its head (the claims move on through the group to its end, where the
+        lock is dropped). The group is released otherwise; `_SET_ASIDE` when a set-aside took
+        effect, None when none could (the document changed meanwhile)."""
+        fault = head_fault(head)
+        broken = lock_fault(lock)
+        if fault is None and broken is not None and broken[0] != "_id":
+            repaired = await quarantine.repair_lock(self, lock, now, holder=token, head=head)
+            if repaired is not None:
+                try:
+                    return GroupLease.from_documents(
+                        repaired, head, token, worker, lease_until, head["deliveries"]
+                    )
+                except READ_ERRORS:
+                    pass  # nothing a check names: released, as a claim that raced
+            await self._release(lock["_id"], token, now)
+            return None if repaired is None else _SET_ASIDE
+        what = "message"
+        if fault is None:  # the lock's group id, or something no check names: the head goes
+            fault = broken or ("document", "a value mongoq cannot read")
+            what = "lock" if broken is not None else "message"
+        done = await quarantine.set_aside_head(self, head, fault, now, token=token, what=what)
+        await self._release(lock["_id"], token, now)
+        return _SET_ASIDE if done else None
 
     async def _take_head(
         self, group_id: GroupId, token: str, now: datetime, lease_until: datetime
@@ -349,24 +484,36 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         head is stamped by another lease that is still live. Heads marked dead are moved on,
         and heads past `max_deliveries` are dead-lettered, before the next one is taken."""
         stamp = schema.head_stamping(token, now, lease_until)
+        refusals = 0  # bounded: a head changing under every set-aside never keeps a claim
         while True:
-            with _driver.index_required(self.messages, schema.GROUP_HEAD.name):
-                head = await self.messages.find_one_and_update(
-                    schema.messages_of(group_id),
-                    stamp,
-                    sort=schema.SEQ_ORDER,
-                    hint=schema.GROUP_HEAD.name,
-                    return_document=ReturnDocument.AFTER,
-                )
+            try:
+                with _driver.index_required(self.messages, schema.GROUP_HEAD.name):
+                    head = await self.messages.find_one_and_update(
+                        schema.messages_of(group_id),
+                        stamp,
+                        sort=schema.SEQ_ORDER,
+                        hint=schema.GROUP_HEAD.name,
+                        return_document=ReturnDocument.AFTER,
+                    )
+            except OperationFailure as refusal:
+                if not _driver.type_mismatch(refusal):
+                    raise
+                # The head's delivery count is no number: dead-letter it, take the next one.
+                refusals += 1
+                if refusals > quarantine.ROUNDS or not await quarantine.set_aside_refused_head(
+                    self, group_id, now, refusal
+                ):
+                    return _REFUSED
+                continue
             if head is None:
                 return None
             if head.get("token") != token:
                 return _REFUSED
             if head.get("dead") is not None:  # someone's burial stopped midway: finish it
-                await self._finish_burial(head)
+                await self._finish_burial(head, now)
                 continue
-            if self.max_deliveries is None or head["deliveries"] <= self.max_deliveries:
-                return head
+            if self.max_deliveries is None or not _spent(head, self.max_deliveries):
+                return head  # (a count that is no number: the lease construction sets it aside)
             if not await self._bury_spent(head, token, now):
                 return _REFUSED
 
@@ -427,7 +574,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         check_int("concurrency", concurrency, low=1)
         check_priority("min_priority", min_priority)
         check_int("batch_size", batch_size, low=1, high=MAX_BATCH)
-        poll = check_seconds("poll_interval", poll_interval, positive=True)
+        poll = check_interval("poll_interval", poll_interval)
         retry = check_seconds("retry_delay", retry_delay)
         limit = check_timeout("handler_timeout", handler_timeout)
         give_up = check_timeout("give_up_after", give_up_after)
@@ -496,6 +643,25 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
             self.locks, schema.lock_any(floor), sort=schema.CLAIM_ORDER, limit=1,
             projection={"available_at": 1}, hint=schema.CLAIM.name,
         )  # fmt: skip
-        due = stored_instant(locks[0]["available_at"]) if locks else None
+        # (A due time that is no date: the sweep of the housekeeping repairs it.)
+        due = stored_instant(locks[0].get("available_at")) if locks else None
         # Messages without a group are orphans, which housekeeping readies (every lease_ttl).
         return due or self.clock.now() + timedelta(seconds=self.lease_ttl)
+
+
+def _refused_groups(refusal: OperationFailure, groups: list[GroupId]) -> list[GroupId]:
+    """The groups of `_ready`'s upserts that `refusal` refused for a type mismatch; none when
+    it refused anything for another reason (then it is raised as it is)."""
+    if not isinstance(refusal, BulkWriteError):
+        return groups if _driver.type_mismatch(refusal) else []
+    errors = (refusal.details or {}).get("writeErrors") or []
+    if not errors or any(e.get("code") not in _driver.TYPE_MISMATCH_CODES for e in errors):
+        return []
+    return [groups[e["index"]] for e in errors]
+
+
+def _spent(head: Mapping[str, Any], max_deliveries: int) -> bool:
+    """Whether `head` was delivered more than `max_deliveries` times (a count that is no
+    number is not spent: the claim sets the head aside when it builds the lease)."""
+    count = count_of(head.get("deliveries") or 0)
+    return count is not None and count > max_deliveries

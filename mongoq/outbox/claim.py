@@ -41,10 +41,12 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import partial
 from logging import Logger
 from typing import Any
 
 import bson
+from pymongo.errors import OperationFailure
 
 from mongoq import _driver
 from mongoq._validation import MAX_BATCH
@@ -53,6 +55,15 @@ from mongoq.outbox import schema
 from mongoq.outbox.lanes import Entry, Lane, LaneStore, LaneView
 from mongoq.outbox.models import LANES, Delivery, parse_token
 from mongoq.outbox.parking import PARK_THRESHOLD, Parking
+from mongoq.outbox.quarantine import (
+    Quarantine,
+    Unusable,
+    delivery_fault,
+    event_fault,
+    head_fault,
+    kind,
+    whole,
+)
 from mongoq.runtime.report import error_text
 
 __all__ = ["Claimer"]
@@ -73,13 +84,21 @@ def _entry(pick: Mapping[str, Any]) -> Entry:
     return Entry(pick["_id"], int(pick["claims"]), pick["handler"], pick.get("key"))
 
 
+#: Sets aside the deliveries found unusable (`Quarantine.set_aside` for one claim).
+Aside = Callable[[list[Unusable]], Awaitable[Any]]
+
+
 class _Picking:
     """The picks of one claim, taken from the candidates of its scan in ``(due_at, _id)``
     order: an unkeyed delivery as it comes, a keyed one only when it is the head of its key
     (looked up in waves, one query each, no further than the picks still wanted can reach, so
     that a claim of one does not look up every key of a page) and its key neither runs nor was
     picked already. What it passes over, by key, are the candidates parking considers
-    (`waiting`)."""
+    (`waiting`).
+
+    A candidate it cannot use (`delivery_fault`: a hand-edited field) is set aside (`aside`)
+    when it would be a key's first or a pick, before the heads are looked up: it holds
+    nothing back, its key included."""
 
     def __init__(
         self,
@@ -89,9 +108,14 @@ class _Picking:
             [Mapping[tuple[str, str], Mapping[str, Any]]],
             Awaitable[dict[tuple[str, str], dict[str, Any] | None]],
         ],
+        aside: Aside,
     ) -> None:
         self.limit = limit
         self.heads_of = heads_of
+        self.aside = aside
+        # found unusable: to set aside (`found`), and passed over from then on (`skipped`)
+        self.found: list[Unusable] = []
+        self.skipped: set[Any] = set()
         self.running_keys = {(e.handler, e.key) for e in running if e.key is not None}
         self.excluded = {e.delivery for e in running}
         self.picks: list[dict[str, Any]] = []
@@ -114,26 +138,69 @@ class _Picking:
         key = candidate.get("key")
         return None if key is None else (candidate["handler"], key)
 
-    async def take(self, candidates: list[dict[str, Any]]) -> tuple[datetime, Any] | None:
-        """Pick from `candidates`; returns the ``(due_at, _id)`` of the last one looked at."""
-        after = None
+    def _unusable(self, candidate: dict[str, Any]) -> bool:
+        """Whether `candidate` cannot be used (then noted, to be set aside)."""
+        fault = delivery_fault(candidate)
+        if fault is not None:
+            self.found.append(Unusable.of(candidate, fault))
+            self.skipped.add(candidate["_id"])
+        return fault is not None
+
+    async def set_aside(self) -> None:
+        """Set aside what was found unusable so far."""
+        if self.found:
+            found, self.found = self.found, []
+            await self.aside(found)
+
+    async def _screened(self, candidates: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`candidates` but those whose ``_id`` or ``key`` no claim can hold (an ``_id`` that is
+        no ObjectId, a key that is no string, which may not even hash): set aside. Two type
+        checks a candidate; the rest is checked on a key's first and on a pick."""
+        kept: list[dict[str, Any]] = []
+        for candidate in candidates:
+            key = candidate.get("key")
+            if type(candidate["_id"]) is bson.ObjectId and (key is None or type(key) is str):
+                kept.append(candidate)
+            else:
+                fault = delivery_fault(candidate) or ("key", kind(key))
+                self.found.append(Unusable.of(candidate, fault))
+        await self.set_aside()
+        return kept
+
+    def _wave(self, candidates: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+        """The first of `candidates` of each key whose head is not known yet, for as many keys
+        as picks are still wanted (key -> that candidate). One that cannot be used is noted
+        (`_unusable`): its key's next candidate is looked up instead."""
+        wave: dict[tuple[str, str], dict[str, Any]] = {}
+        for candidate in candidates:
+            if candidate["_id"] in self.skipped:
+                continue
+            hk = self._key_of(candidate)
+            if hk is not None and self._unknown(hk) and hk not in wave:
+                if self._unusable(candidate):
+                    continue
+                wave[hk] = candidate
+                if len(wave) == self.limit - len(self.picks):
+                    break
+        return wave
+
+    async def take(self, candidates: list[dict[str, Any]]) -> None:
+        """Pick from `candidates`."""
+        candidates = await self._screened(candidates)
         position = 0
         while position < len(candidates) and not self.done:
-            wave: dict[tuple[str, str], dict[str, Any]] = {}  # key -> its first candidate
-            for candidate in candidates[position:]:
-                hk = self._key_of(candidate)
-                if hk is not None and self._unknown(hk) and hk not in wave:
-                    wave[hk] = candidate
-                    if len(wave) == self.limit - len(self.picks):
-                        break
+            wave = self._wave(candidates[position:])
+            await self.set_aside()  # before the look-up: what comes first is what remains
             if wave:
                 self.heads.update(await self.heads_of(wave))
             for candidate in candidates[position:]:
+                if candidate["_id"] in self.skipped:
+                    position += 1
+                    continue
                 hk = self._key_of(candidate)
                 if self._unknown(hk):
                     break  # beyond this wave
                 position += 1
-                after = (candidate["due_at"], candidate["_id"])
                 if candidate["_id"] in self.excluded:
                     continue
                 if hk is not None:
@@ -141,11 +208,14 @@ class _Picking:
                     if self._blocked(hk) or head is None or head["_id"] != candidate["_id"]:
                         self.waiting[hk].append(candidate["_id"])
                         continue
+                if self._unusable(candidate):
+                    continue
+                if hk is not None:
                     self.taken_keys.add(hk)
                 self.picks.append(candidate)
                 if self.done:
                     break
-        return after
+        await self.set_aside()
 
 
 @dataclass
@@ -198,16 +268,17 @@ class Claimer:
 
     def __init__(
         self, *, lanes: LaneStore, deliveries: Any, events: Any, clock: Clock, lease_ttl: float,
-        log: Logger,
+        log: Logger, quarantine: Quarantine,
     ) -> None:  # fmt: skip
         self.lanes = lanes
+        self.quarantine = quarantine
         self.view: LaneView = lanes.view
         self.deliveries = deliveries
         self.events = events
         self.clock = clock
         self.lease_ttl = lease_ttl
         self.log = log
-        self.parking = Parking(deliveries, self._heads, log)
+        self.parking = Parking(deliveries, self._heads, log, self._aside)
         self.locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         # owner -> {delivery _id: generation} of the claims this instance handed out and has
         # not seen settled: what runs in the owner's lanes (see `_reconcile`).
@@ -261,10 +332,14 @@ class Claimer:
         await self.clock.refresh()
         return self.clock.now()
 
+    async def _aside(self, found: list[Unusable], worker: str | None = None) -> list[Any]:
+        """Set aside deliveries found unusable (`Quarantine.set_aside`)."""
+        return await self.quarantine.set_aside(found, self.clock.now(), worker)
+
     async def _claim(self, owner: str, handlers: list[str] | None, limit: int) -> list[Delivery]:
         now = await self._now()
         ground = await self._prepare(owner, handlers, now)
-        picking = await self._pick(ground, limit, now)
+        picking = await self._pick(owner, ground, limit, now)
         deliveries = await self._record(owner, now, ground, picking.picks)
         issued = self.issued[owner]
         for delivery in deliveries:
@@ -310,12 +385,25 @@ class Claimer:
         # A lost list on any lane this owner holds (also one a claim that failed between a
         # takeover and its charge left): charged now.
         mine = [*held.values(), *others.values()]
-        for lane in await self.lanes.charge(self.deliveries, mine, now):
+        for lane in await self._charge(owner, mine, now):
             (held if lane.id in held else others)[lane.id] = lane
         if read or self.parking.wanted(handlers):
             await self.parking.unpark(handlers)
         running = await self._reconcile(owner, [*held.values(), *others.values()], now, look=read)
         return _Ground.of(view, wanted, held, free, others, running)
+
+    async def _charge(self, owner: str, lanes: list[Lane], now: datetime) -> list[Lane]:
+        """`LaneStore.charge` of `lanes`. A lost delivery whose ``attempts`` holds no number (a
+        hand edit) makes the server refuse the charge (code 14): those are set aside, and the
+        others charged."""
+        try:
+            return await self.lanes.charge(self.deliveries, lanes, now)
+        except OperationFailure as exc:
+            if not _driver.type_mismatch(exc):
+                raise
+        lost = schema.delivery_claimed(e.claim for lane in lanes for e in lane.lost)
+        await self.quarantine.set_aside_read(lost, now, owner)
+        return await self.lanes.charge(self.deliveries, lanes, now)
 
     async def _reconcile(
         self, owner: str, held: Iterable[Lane], now: datetime, *, look: bool
@@ -370,7 +458,8 @@ class Claimer:
         except BaseException:
             self.unsure.add(owner)
             raise
-        return {(doc["_id"], int(doc["claims"])) for doc in docs}
+        # (a generation that is no number: not running; the scan sets it aside)
+        return {(doc["_id"], int(doc["claims"])) for doc in docs if whole(doc.get("claims"))}
 
     async def _free(self, entries: list[Entry], now: datetime) -> int:
         """End the claims `entries` list without an attempt: their generation moves on (each
@@ -383,12 +472,12 @@ class Claimer:
 
     # ------------------------------------------------------------------------------- pick
 
-    async def _pick(self, ground: _Ground, limit: int, now: datetime) -> _Picking:
+    async def _pick(self, owner: str, ground: _Ground, limit: int, now: datetime) -> _Picking:
         """Scan the due deliveries of the claim's lanes, page by page, until `limit` are
         picked or none is left. Every lane of its handlers held or free: one scan in due order
         of them all (``ready``); else a merge of the lanes' ranges (``claim``) of the numbers
         any of them has held or free."""
-        picking = _Picking(limit, ground.running, self._heads)
+        picking = _Picking(limit, ground.running, self._heads, partial(self._aside, worker=owner))
         page = min(limit * 2 + PARK_THRESHOLD, MAX_BATCH)
         after: tuple[datetime, Any] | None = None
         while not picking.done and ground.handlers and ground.numbers != []:
@@ -447,7 +536,11 @@ class Claimer:
         (`firsts`: ``{_id, sequence, due_at}``, ``lane`` if not ready): that one, unless
         deliveries of its key with lower sequences are pending (one query for all keys, which
         reads what comes before each: the running head, a retry not due yet), then the lowest
-        of those. ``{_id, due_at, lane}`` each."""
+        of those. ``{_id, due_at, lane}`` each.
+
+        A delivery before a candidate that nothing will ever claim or unpark (`head_fault`: a
+        due time that is no date, a claim lane of neither kind; a hand edit) would hold its key
+        back for good: it is set aside, and the lowest of the others is the head."""
         if not firsts:
             return {}
         heads: dict[tuple[str, str], dict[str, Any] | None] = {
@@ -461,11 +554,18 @@ class Claimer:
             projection=schema.HEAD_PROJECTION,
             hint=schema.ORDERING_INDEX,
         )
+        stuck: list[Unusable] = []
         for doc in ahead:
+            fault = head_fault(doc)
+            if fault is not None:
+                stuck.append(Unusable.of(doc, fault))
+                continue
             hk = (doc["handler"], doc["key"])
             head = heads.get(hk)
             if head is not None and doc["sequence"] < head["sequence"]:
                 heads[hk] = doc
+        if stuck:
+            await self._aside(stuck)
         return heads
 
     # ----------------------------------------------------------------------------- record
@@ -476,7 +576,7 @@ class Claimer:
         """Read the picks' events, then record the picks on their lanes (taking the free ones)
         and hand back held lanes that yield nothing and run nothing, in one bulk write.
         Returns the deliveries whose lane write took effect."""
-        events = await self._events_of(picks, now)
+        events = await self._events_of(picks, now, owner)
         picks = [p for p in picks if p["event_id"] in events]
         lane_of_pick = {p["_id"]: ground.firsts[p["handler"]] + p["lane_id"] for p in picks}
         picked: dict[int, list[Entry]] = defaultdict(list)
@@ -501,10 +601,12 @@ class Claimer:
         ]
 
     async def _events_of(
-        self, picks: list[dict[str, Any]], now: datetime
+        self, picks: list[dict[str, Any]], now: datetime, owner: str
     ) -> dict[str, Mapping[str, Any]]:
-        """The events of `picks`. A delivery whose event is gone (only possible when a purge
-        without transactions raced a replayed publish) can never run: it is buried."""
+        """The events of `picks` that can be handed out. A delivery whose event is gone (only
+        possible when a purge without transactions raced a replayed publish) can never run:
+        it is buried; one whose event cannot be handed out (`event_fault`: a hand edit) is set
+        aside, the event left as it is."""
         if not picks:
             return {}
         ids = list({p["event_id"] for p in picks})
@@ -517,4 +619,11 @@ class Claimer:
                 schema.delivery_at_generation(_entry(p).claim for p in orphans),
                 schema.delivery_burying(error_text("its event is missing"), now, charge=False),
             )
+        faults = {i: fault for i, doc in events.items() if (fault := event_fault(doc))}
+        if faults:
+            await self._aside([
+                Unusable(p, *faults[p["event_id"]], schema.EVENTS)
+                for p in picks if p["event_id"] in faults
+            ], owner)  # fmt: skip
+            events = {i: doc for i, doc in events.items() if i not in faults}
         return events

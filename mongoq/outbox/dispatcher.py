@@ -212,7 +212,7 @@ class OutboxDispatcher(WorkerHost):
             give_up_after=give_up,
         )
         try:
-            await self._run_loop(loop, handle_signals=handle_signals)
+            await self._run_loop(loop, handle_signals=handle_signals, lease=self.outbox.lease_ttl)
         finally:
             with anyio.CancelScope(shield=True):
                 await self._flush()
@@ -368,6 +368,8 @@ class OutboxDispatcher(WorkerHost):
             return
         if quiet:
             return
+        if done and self.outbox._was_set_aside(delivery):
+            outcome = "buried"  # a hand-edited field: a dead letter instead (logged as such)
         field = outcome if done else otherwise
         self._tally(field)
 
@@ -397,4 +399,10 @@ class OutboxDispatcher(WorkerHost):
                     self._tally("unknown", len(batch))
                     return
             self._tally("completed", sum(done))
-            self._tally("lost", len(done) - sum(done))
+            # (an event refusing its record: the delivery set aside, a dead letter)
+            aside = sum(
+                not ok and self.outbox._was_set_aside(d) for d, ok in zip(batch, done, strict=True)
+            )
+            if aside:
+                self._tally("buried", aside)
+            self._tally("lost", len(done) - sum(done) - aside)

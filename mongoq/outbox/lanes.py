@@ -49,12 +49,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 from pymongo import UpdateMany, UpdateOne
-from pymongo.errors import BulkWriteError, DuplicateKeyError
+from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
 from mongoq import _driver
 from mongoq.clock import stored_instant
 from mongoq.outbox import schema
 from mongoq.outbox.models import LANES
+from mongoq.outbox.quarantine import Quarantine, entry_fault, lane_faults, slots_fault
 
 __all__ = [
     "Entry", "Lane", "LaneStore", "LaneView", "Slots", "read_lanes", "read_slots", "seed_lanes",
@@ -78,6 +79,9 @@ class Entry:
 
     @classmethod
     def from_document(cls, doc: Mapping[str, Any]) -> Entry:
+        """The entry `doc` lists; ValueError for one that cannot be read (`entry_fault`)."""
+        if entry_fault(doc):
+            raise ValueError("a lane entry that cannot be read")
         return cls(doc["d"], int(doc["g"]), doc["h"], doc.get("k"))
 
     @property
@@ -114,17 +118,36 @@ class Lane:
 
     @classmethod
     def from_document(cls, doc: Mapping[str, Any]) -> Lane:
+        """The lane `doc` stores; ValueError for one that cannot be read (`lane_faults` says
+        why). Strict: a field of another type (a hand edit) would fail every write fenced on
+        it, for good, so it is repaired instead (`Quarantine.repair_lanes`)."""
+        get = doc.get
+        epoch, rev, requeued, number = get("epoch"), get("rev"), get("requeued"), get("n")
+        owner, instance, write = get("owner"), get("instance"), get("write")
+        lease, handler = get("lease_until"), get("handler")
+        # What mongoq writes passes these type checks (one read holds 256 lanes a handler:
+        # kept to plain comparisons); anything else is judged field by field.
+        if not (
+            type(epoch) is int and type(rev) is int and type(requeued) is int
+            and epoch >= 0 and rev >= 0 and requeued >= 0 and number == doc["_id"] % LANES
+            and (owner is None or type(owner) is str)
+            and (instance is None or type(instance) is str)
+            and (write is None or type(write) is str) and type(handler) is str and handler
+            and (lease is None or isinstance(lease, datetime))
+            and type(get("in_flight")) is list and type(get("lost")) is list
+        ) and lane_faults(doc):  # fmt: skip
+            raise ValueError("a lane document that cannot be read")
         return cls(
             id=int(doc["_id"]),
-            owner=doc.get("owner"),
-            instance=doc.get("instance"),
-            lease_until=stored_instant(doc.get("lease_until")) or NEVER,
+            owner=owner,
+            instance=instance,
+            lease_until=stored_instant(lease) or NEVER,
             epoch=int(doc["epoch"]),
             rev=int(doc["rev"]),
             in_flight=[Entry.from_document(e) for e in doc["in_flight"]],
             lost=[Entry.from_document(e) for e in doc["lost"]],
             requeued=int(doc["requeued"]),
-            write=doc.get("write"),
+            write=write,
             handler=doc["handler"],
             number=int(doc["n"]),
         )
@@ -182,7 +205,13 @@ class Slots:
 
     @classmethod
     def from_document(cls, doc: Mapping[str, Any] | None) -> Slots:
-        return cls() if doc is None else cls(tuple(doc["handlers"]))
+        """The slots `doc` stores (none: no handler has lanes yet); `UnreadableSlots` for a
+        document that cannot be read (`slots_fault`)."""
+        if doc is None:
+            return cls()
+        if slots_fault(doc):
+            raise UnreadableSlots(doc)
+        return cls(tuple(doc["handlers"]))
 
     def first_lane(self, handler: str) -> int | None:
         """The ``_id`` of `handler`'s lane 0 (None: it has no lanes)."""
@@ -195,6 +224,14 @@ class Slots:
         """The ``_id`` ranges of the lanes of those of `handlers` that have lanes."""
         firsts = (self.first_lane(h) for h in dict.fromkeys(handlers))
         return [(first, first + LANES) for first in firsts if first is not None]
+
+
+class UnreadableSlots(ValueError):
+    """The slots document cannot be read (see `Quarantine.rebuild_slots`)."""
+
+    def __init__(self, doc: Mapping[str, Any]) -> None:
+        super().__init__("the slots document of the lanes cannot be read")
+        self.doc = doc
 
 
 def _within(lane_id: int, ranges: Sequence[tuple[int, int]]) -> bool:
@@ -307,13 +344,14 @@ class LaneView:
     async def refresh(
         self, collection: Any, owner: str, instance: str, handlers: Sequence[str] | None,
         now: datetime, ttl: float,
-    ) -> None:  # fmt: skip
+    ) -> list[dict[str, Any]]:  # fmt: skip
         """Read the lanes a claim of `owner` (on `instance`) and `handlers` works from: those
         handlers' lanes (every lane for None) and the slots; beside them, by ``_id``, the lanes
         the owner holds of other handlers and those a failed write left the view `unsure` of
         (what its reconcile and hand-backs work from must not stay as it last wrote or read
         them). A handler whose slot the view does
-        not know has the slots read first (at most once `ttl` seconds)."""
+        not know has the slots read first (at most once `ttl` seconds). Returns the documents
+        read that cannot be read (left out of the view; see `Quarantine`)."""
         named = handlers if handlers is not None else self.slots.handlers
         self.failed = False
         since = self.mark()
@@ -322,14 +360,16 @@ class LaneView:
                 self.slots.first_lane(h) is None for h in handlers
             )
             if unknown and self.read_due([None], now, ttl):
-                self.slots = await read_slots(collection)
+                # (unreadable: read below with the lanes, and reported from there)
+                with contextlib.suppress(UnreadableSlots):
+                    self.slots = await read_slots(collection)
                 self.read_at[None] = now
             ranges = None if handlers is None else self.slots.ranges(handlers)
             # the handlers whose lanes this read covers (a name without a slot: it has none)
             sent = [h for h in named if self.slots.first_lane(h) is not None]
             pending = set(self.unsure)
             extra = [] if ranges is None else self.outside(ranges, owner, instance)
-            lanes, slots = await read_lanes(collection, ranges, extra)
+            lanes, slots, unreadable = await read_lanes(collection, ranges, extra)
         except BaseException:
             self.failed = True
             raise
@@ -345,6 +385,7 @@ class LaneView:
         if len(slots.handlers) >= len(self.slots.handlers):  # a late reply of an older read
             self.slots = slots  # never takes a handler back: handlers are only ever added
         self.read_at.update(dict.fromkeys([None, *known], now))
+        return unreadable
 
     def mark(self) -> int:
         """The mark to give `update` with what a read sent now returns: later than every
@@ -387,7 +428,7 @@ def lane_document(lane_id: int, handler: str) -> dict[str, Any]:
 
 
 async def read_slots(collection: Any) -> Slots:
-    """Which handler has which lanes (one read)."""
+    """Which handler has which lanes (one read); `UnreadableSlots` if that cannot be read."""
     return Slots.from_document(await collection.find_one(schema.slots_document()))
 
 
@@ -437,15 +478,26 @@ async def seed_lanes(collection: Any, handlers: Iterable[str], *, every: bool = 
 
 async def read_lanes(
     collection: Any, ranges: Sequence[tuple[int, int]] | None = None, ids: Sequence[int] = ()
-) -> tuple[list[Lane], Slots]:
-    """The lanes of the ``_id`` `ranges` and `ids` (None: every lane) and the slots; one round
-    trip."""
+) -> tuple[list[Lane], Slots, list[dict[str, Any]]]:
+    """The lanes of the ``_id`` `ranges` and `ids` (None: every lane), the slots, and the
+    documents among them that cannot be read (lanes, the slots: left out of the others; see
+    `Quarantine`); one round trip."""
     query = schema.lanes_all() if ranges is None else schema.lanes_read(ranges, ids)
     # A batch larger than there are: a first batch the documents fill exactly leaves the
     # cursor open on a server, and draining it would be a getMore.
     docs = await _driver.find_list(collection, query, batch_size=READ_BATCH)
-    slots = next((Slots.from_document(d) for d in docs if d["_id"] == schema.SLOTS), Slots())
-    return [Lane.from_document(doc) for doc in docs if isinstance(doc["_id"], int)], slots
+    lanes: list[Lane] = []
+    unreadable: list[dict[str, Any]] = []
+    slots = Slots()
+    for doc in docs:
+        try:
+            if isinstance(doc["_id"], int):
+                lanes.append(Lane.from_document(doc))
+            elif doc["_id"] == schema.SLOTS:
+                slots = Slots.from_document(doc)
+        except ValueError:
+            unreadable.append(doc)
+    return lanes, slots, unreadable
 
 
 @dataclass
@@ -472,12 +524,16 @@ class LaneStore:
     (kept current by those writes). A write that fails or matches fewer than it names leaves
     the view wrong about its lanes: they are read again before the next claim."""
 
-    def __init__(self, db: Any, collection: Any, instance: str) -> None:
+    def __init__(
+        self, db: Any, collection: Any, instance: str, quarantine: Quarantine | None = None
+    ) -> None:
         self.db = db
         self.collection = collection
         self.instance = instance
         self.view = LaneView()
         self._writes = itertools.count()
+        #: repairs what cannot be read (None: left out, never repaired)
+        self.quarantine = quarantine
 
     def _plan(self) -> _Plan:
         """A new claim's plan, with an id no other claim of this instance has."""
@@ -492,14 +548,57 @@ class LaneStore:
         self.view.update(list(lanes), read_since)
 
     async def seed(self, handlers: Iterable[str], *, every: bool = False) -> Slots:
-        """`seed_lanes` on this outbox's lanes."""
+        """`seed_lanes` on this outbox's lanes (slots that cannot be read rebuilt first)."""
+        try:
+            return await seed_lanes(self.collection, handlers, every=every)
+        except UnreadableSlots as exc:
+            await self._rebuild_slots(exc)
         return await seed_lanes(self.collection, handlers, every=every)
+
+    async def _rebuild_slots(self, exc: UnreadableSlots) -> None:
+        """Rebuild the slots `exc` could not read, or raise it (reported: they cannot be)."""
+        if self.quarantine is None or await self.quarantine.rebuild_slots(exc.doc) is None:
+            raise exc
 
     async def refresh(
         self, owner: str, handlers: Sequence[str] | None, now: datetime, ttl: float
     ) -> None:
-        """`LaneView.refresh` for a claim of `owner` on this instance."""
-        await self.view.refresh(self.collection, owner, self.instance, handlers, now, ttl)
+        """`LaneView.refresh` for a claim of `owner` on this instance; what it could not read
+        is repaired (`Quarantine`) and read again by the next claim."""
+        for _ in range(2):  # again once the slots were rebuilt: the lanes they name
+            unreadable = await self.view.refresh(
+                self.collection, owner, self.instance, handlers, now, ttl
+            )
+            if not unreadable or not await self.repair(unreadable, now):
+                return
+
+    async def repair(self, docs: Sequence[Mapping[str, Any]], now: datetime) -> bool:
+        """Repair lane documents (and the slots) that could not be read, and take each lane as
+        repaired into the view (a repair keeps what could be read, a holder included); one a
+        write changed meanwhile is read again before the next claim. Returns whether the
+        slots were rebuilt."""
+        if self.quarantine is None:
+            self.invalidate()
+            return False
+        lanes = [doc for doc in docs if doc["_id"] != schema.SLOTS]
+        rebuilt = None
+        for doc in docs:
+            if doc["_id"] == schema.SLOTS:
+                rebuilt = await self.quarantine.rebuild_slots(doc)
+                if rebuilt is not None and len(rebuilt) >= len(self.view.slots.handlers):
+                    self.view.slots = Slots(tuple(rebuilt))
+        repaired, changed = await self.quarantine.repair_lanes(lanes, now, self.view.slots.handlers)
+        self.seen(Lane.from_document(doc) for doc in repaired if not lane_faults(doc))
+        if changed:
+            self.invalidate()
+            self.view.unsure.update(map(int, changed))
+        return rebuilt is not None
+
+    async def _repair_refused(self, query: Mapping[str, Any], now: datetime) -> None:
+        """A write to the lanes `query` matches was refused for a field of the wrong type (code
+        14): read them, repair what cannot be read."""
+        docs = await _driver.find_list(self.collection, query)
+        await self.repair([doc for doc in docs if lane_faults(doc)], now)
 
     async def take_over(
         self, owner: str, stale: list[Lane], lease_until: datetime
@@ -532,12 +631,18 @@ class LaneStore:
             schema.delivery_claimed(e.claim for lane in unpaid for e in lane.lost),
             schema.delivery_charging(now),
         )
-        await self.collection.bulk_write([
-            _driver.update_by_id(
-                self.db, schema.lane_at_epoch(lane.id, lane.epoch), schema.lane_clearing_lost()
-            )
-            for lane in unpaid
-        ], ordered=False)  # fmt: skip
+        try:
+            await self.collection.bulk_write([
+                _driver.update_by_id(
+                    self.db, schema.lane_at_epoch(lane.id, lane.epoch),
+                    schema.lane_clearing_lost(),
+                )
+                for lane in unpaid
+            ], ordered=False)  # fmt: skip
+        except BaseException:
+            self.invalidate()  # (a lane edited meanwhile: read, and repaired, again)
+            self.view.unsure.update(lane.id for lane in unpaid)
+            raise
         paid = [replace(lane, lost=[], rev=None) for lane in unpaid]
         self.seen(paid)
         return paid
@@ -626,7 +731,7 @@ class LaneStore:
             return set()
         since = self.view.mark()
         docs = await _driver.find_list(self.collection, schema.lanes_by_ids(expected))
-        read = [Lane.from_document(doc) for doc in docs]
+        read = [Lane.from_document(doc) for doc in docs if not lane_faults(doc)]
         mine = [
             lane for lane in read
             if lane.held_by(owner, self.instance) and lane.epoch == expected[lane.id]
@@ -637,13 +742,19 @@ class LaneStore:
         self.view.unsure.difference_update(expected)
         return {lane.id for lane in mine}
 
-    async def renew(self, owner: str, lease_until: datetime) -> int:
+    async def renew(self, owner: str, lease_until: datetime, now: datetime) -> int:
         """Renew every lane `owner` holds on this instance until `lease_until` (never
         shortening one); returns how many. An expired lease nobody took over is renewed too;
-        a lane taken over is not."""
-        result = await self.collection.update_many(
-            schema.lanes_held(owner, self.instance), schema.lane_renewing(lease_until)
-        )
+        a lane taken over is not. One whose counter was edited to hold no number (the
+        renewal refused: code 14) is repaired, and the renewal sent again."""
+        query, update = schema.lanes_held(owner, self.instance), schema.lane_renewing(lease_until)
+        try:
+            result = await self.collection.update_many(query, update)
+        except OperationFailure as exc:
+            if not _driver.type_mismatch(exc):
+                raise
+            await self._repair_refused(query, now)
+            result = await self.collection.update_many(query, update)
         return int(result.matched_count)
 
     async def hand_back_all(self, owner: str, now: datetime) -> int:
@@ -656,22 +767,35 @@ class LaneStore:
                 self.db, lane.fence(owner, self.instance),
                 schema.lane_handing_back(now, lane.lost + lane.in_flight),
             )
-            for lane in map(Lane.from_document, docs)
+            # (one that cannot be read is left to expire: the next claim repairs it)
+            for lane in map(Lane.from_document, (d for d in docs if not lane_faults(d)))
         ]  # fmt: skip
         if not ops:
             return 0
         result = await self.collection.bulk_write(ops, ordered=False)
         return int(result.matched_count)
 
-    async def count_requeue(self, handler: str, number: int) -> None:
+    async def count_requeue(self, handler: str, number: int, now: datetime) -> None:
         """Count a requeue in `handler`'s lane `number`: a holder's listing write fenced on the
-        count before fails (`Lane.listing_fence`), and so does a take (``rev``)."""
+        count before fails (`Lane.listing_fence`), and so does a take (``rev``). A lane whose
+        counters were edited to hold no number (the count refused: code 14) is repaired, and
+        counted then."""
         self.invalidate()  # this instance's claims know it at once
         slots = self.view.slots  # a handler's slot never changes
         if slots.first_lane(handler) is None:
-            slots = await read_slots(self.collection)
+            try:
+                slots = await read_slots(self.collection)
+            except UnreadableSlots as exc:
+                await self._rebuild_slots(exc)
+                slots = await read_slots(self.collection)
         first = slots.first_lane(handler)
-        if first is not None:  # a handler without lanes has no claim to fence
-            await self.collection.update_one(
-                schema.lane_by_id(first + number), schema.lane_requeue_counting()
-            )
+        if first is None:  # a handler without lanes has no claim to fence
+            return
+        query = schema.lane_by_id(first + number)
+        try:
+            await self.collection.update_one(query, schema.lane_requeue_counting())
+        except OperationFailure as exc:
+            if not _driver.type_mismatch(exc):
+                raise
+            await self._repair_refused(query, now)
+            await self.collection.update_one(query, schema.lane_requeue_counting())

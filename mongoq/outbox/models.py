@@ -19,9 +19,16 @@ from typing import Any
 
 import bson
 
-from mongoq._validation import MAX_PAYLOAD_BYTES, check_field_name, check_payload
+from mongoq._validation import (
+    MAX_PAYLOAD_BYTES,
+    check_field_name,
+    check_instant,
+    check_nesting,
+    check_payload,
+)
 from mongoq.clock import stored_instant
 from mongoq.errors import InvalidInput
+from mongoq.outbox.quarantine import describe, info_fault, whole
 
 #: How many lanes the deliveries are spread over; a worker leases lanes, not deliveries.
 LANES = 256
@@ -146,10 +153,11 @@ class Event:
         key = _optional_text(f"{field_name}.key", self.key)
         correlation_id = _optional_text(f"{field_name}.correlation_id", self.correlation_id)
         causation_id = _optional_text(f"{field_name}.causation_id", self.causation_id)
-        if self.created_at is not None and not isinstance(self.created_at, datetime):
-            raise InvalidInput(f"{field_name}.created_at", "must be None or a datetime")
+        check_instant(f"{field_name}.created_at", self.created_at)
         if not isinstance(self.headers, Mapping):
             raise InvalidInput(f"{field_name}.headers", "must be a mapping")
+        check_nesting(f"{field_name}.payload", self.payload)
+        check_nesting(f"{field_name}.headers", self.headers)
         payload = normalize(f"{field_name}.payload", self.payload)
         headers = normalize(f"{field_name}.headers", self.headers)
         size = check_payload(f"{field_name}.payload", payload)
@@ -232,15 +240,41 @@ def parse_token(delivery: Any, field: str = "delivery") -> tuple[bson.ObjectId, 
     have issued is `InvalidInput` before any database call."""
     if not isinstance(delivery, Delivery):
         raise InvalidInput(field, f"must be a Delivery, got {type(delivery).__name__}")
+    if not isinstance(delivery.id, str) or not bson.ObjectId.is_valid(delivery.id):
+        raise InvalidInput(f"{field}.id", "is not the id of a delivery this outbox handed out")
     try:
-        doc_id = bson.ObjectId(delivery.id)
         lane_text, epoch_text, claims_text = delivery.lease_token.split(":")
         lane, epoch, claims = int(lane_text), int(epoch_text), int(claims_text)
-    except (bson.errors.InvalidId, TypeError, ValueError, AttributeError):
+    except (TypeError, ValueError, AttributeError):
         raise InvalidInput(f"{field}.lease_token", "is not a token this outbox issued") from None
     if not 0 <= lane < LANES or epoch < 0 or claims < 0:
         raise InvalidInput(f"{field}.lease_token", "is not a token this outbox issued")
-    return doc_id, lane, epoch, claims
+    _check_claim(delivery, field)
+    return bson.ObjectId(delivery.id), lane, epoch, claims
+
+
+def _check_claim(delivery: Delivery, field: str) -> None:
+    """The fields of a `Delivery` a settle writes or filters on (a hand-built one may hold
+    anything: a dict there would be an operator, or another item's name): `InvalidInput`
+    naming the first of the wrong type."""
+    if not isinstance(delivery.worker_id, str) or not delivery.worker_id:
+        raise InvalidInput(f"{field}.worker_id", "must be a non-empty string")
+    check_handler(f"{field}.handler", delivery.handler)
+    if isinstance(delivery.attempt, bool) or not isinstance(delivery.attempt, int):
+        raise InvalidInput(f"{field}.attempt", "must be an int")
+    sequence = delivery.sequence
+    if sequence is not None and (isinstance(sequence, bool) or not isinstance(sequence, int)):
+        raise InvalidInput(f"{field}.sequence", "must be None or an int")
+    event = delivery.event
+    if not isinstance(event, Event):
+        raise InvalidInput(f"{field}.event", f"must be an Event, got {type(event).__name__}")
+    for name in ("id", "type"):
+        if not isinstance(getattr(event, name), str) or not getattr(event, name):
+            raise InvalidInput(f"{field}.event.{name}", "must be a non-empty string")
+    if event.key is not None and not isinstance(event.key, str):
+        raise InvalidInput(f"{field}.event.key", "must be None or a string")
+    if event.created_at is not None and not isinstance(event.created_at, datetime):
+        raise InvalidInput(f"{field}.event.created_at", "must be None or a datetime")
 
 
 @dataclass(frozen=True)
@@ -271,10 +305,19 @@ class DeliveryInfo:
     created_at: datetime | None
     updated_at: datetime | None
     running: bool = False
+    #: Why the stored document cannot be shown as it is (a field of the wrong type, written by
+    #: hand or by another program), e.g. ``"field 'attempts' holds a string ('x')"``; the
+    #: fields it cannot show are empty (0, None, ""). None for every document mongoq wrote.
+    unreadable: str | None = None
 
     @classmethod
     def from_document(cls, doc: Mapping[str, Any], running: bool) -> DeliveryInfo:
-        """A stored delivery (or completion record, its ``status`` set to ``completed``)."""
+        """A stored delivery (or completion record, its ``status`` set to ``completed``); one
+        that cannot be read whole is shown with `unreadable` saying which field (never an
+        exception: one bad document never breaks a listing or a page)."""
+        fault = info_fault(doc)
+        if fault is not None:
+            return _unreadable_info(doc, running, fault)
         status = doc["status"]
         if status == "pending" and doc.get("lane") == "parked":
             status = "parked"
@@ -293,6 +336,37 @@ class DeliveryInfo:
             updated_at=stored_instant(doc.get("updated_at") or doc.get("completed_at")),
             running=running,
         )
+
+
+def _unreadable_info(doc: Mapping[str, Any], running: bool, fault: tuple[str, str]) -> DeliveryInfo:
+    """`DeliveryInfo` of a document `info_fault` finds `fault` in: what can be read of it."""
+
+    def text(name: str) -> str:
+        value = doc.get(name)
+        return value if isinstance(value, str) else "" if value is None else str(value)
+
+    status = doc.get("status")
+    if status not in ("pending", "dead", "completed"):
+        status = "pending" if "due_at" in doc else "dead"  # as a claim would take it
+    elif status == "pending" and doc.get("lane") == "parked":
+        status = "parked"
+    key, sequence, error = doc.get("key"), doc.get("sequence"), doc.get("last_error")
+    return DeliveryInfo(
+        id=str(doc.get("_id")),
+        event_id=text("event_id"),
+        event_type=text("event_type"),
+        handler=text("handler"),
+        status=status,
+        attempts=int(doc["attempts"]) if whole(doc.get("attempts")) else 0,
+        key=key if isinstance(key, str) else None,
+        sequence=int(sequence) if whole(sequence, -(2**63)) else None,
+        due_at=stored_instant(doc.get("due_at")),
+        last_error=error if isinstance(error, str) else None,
+        created_at=stored_instant(doc.get("created_at")),
+        updated_at=stored_instant(doc.get("updated_at") or doc.get("completed_at")),
+        running=running,
+        unreadable=describe(fault),
+    )
 
 
 @dataclass(frozen=True)

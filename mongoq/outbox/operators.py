@@ -16,12 +16,20 @@ from typing import TYPE_CHECKING, Any
 
 from mongoq import _driver
 from mongoq._unreachable import names_unreachable_server
-from mongoq._validation import MAX_BATCH, check_int, check_window
+from mongoq._validation import MAX_BATCH, check_instant, check_int, check_window
 from mongoq.clock import Clock, stored_instant
 from mongoq.errors import InvalidInput
 from mongoq.outbox import schema
 from mongoq.outbox.lanes import Lane, LaneStore, read_lanes
-from mongoq.outbox.models import DeliveryInfo, OutboxStats, PurgeResult, check_handler
+from mongoq.outbox.models import (
+    LANES,
+    DeliveryInfo,
+    OutboxStats,
+    PurgeResult,
+    check_handler,
+    lane_of,
+)
+from mongoq.outbox.quarantine import dead_as_read, delivery_requeuing_repaired, whole
 from mongoq.outbox.schema import (
     COMPLETED,
     DEAD,
@@ -68,17 +76,16 @@ class OutboxOperators:
         )
         if found is None or not (found.get("status") == DEAD or found.get("requeue_uncounted")):
             return False
+        query, update, lane = _requeuing(found, event_id, handler, now)
         # Counted in the delivery's lane before and after it turns pending: a claim that read
         # the lane before a count and lists picks in it after fails that write, either way,
         # even if the second count never happens (see `Lane.listing_fence`).
-        await self._lane_store.count_requeue(handler, int(found["lane_id"]))
-        result = await self.deliveries.update_one(
-            schema.delivery_dead(event_id, handler), schema.delivery_requeuing(now)
-        )
+        await self._lane_store.count_requeue(handler, lane, now)
+        result = await self.deliveries.update_one(query, update)
         if not result.modified_count and not found.get("requeue_uncounted"):
             return False  # requeued by another call meanwhile
         # (A requeue that stopped before counting itself is finished by calling it again.)
-        await self._lane_store.count_requeue(handler, int(found["lane_id"]))
+        await self._lane_store.count_requeue(handler, lane, now)
         await self.deliveries.update_one(
             schema.delivery_requeue_uncounted(event_id, handler), schema.delivery_requeue_counted()
         )
@@ -174,15 +181,24 @@ class OutboxOperators:
                 ),
                 read_lanes(self.lanes),
             )  # fmt: skip
-        live = self._live(lanes[0], now)
+        live = self._live(lanes[0], now)  # (a lane that cannot be read: counted as not held)
         running = len(await self._running_ids(live))
+        oldest_due = stored_instant(oldest[0]["due_at"]) if oldest else None
+        if oldest and oldest_due is None:
+            # The first by due time holds no date (a hand edit; the dispatcher sets it aside):
+            # the oldest date is read past it, a range of the same index (dates only).
+            dated = await _driver.find_list(
+                self.deliveries, schema.delivery_pending_dated(), sort=[("due_at", 1)],
+                limit=1, projection={"due_at": 1}, hint=schema.DUE_INDEX,
+            )  # fmt: skip
+            oldest_due = stored_instant(dated[0]["due_at"]) if dated else None
         return OutboxStats(
             pending=int(pending),
             parked=int(parked),
             running=running,
             dead=int(dead),
             completed=int(completed),
-            oldest_due_at=stored_instant(oldest[0]["due_at"]) if oldest else None,
+            oldest_due_at=oldest_due,
             lanes_held=len(live),
         )
 
@@ -197,9 +213,8 @@ class OutboxOperators:
         its handlers again: keep completed retention longer than any redelivery window); an
         event that never completed goes once it was created before the earliest cutoff given.
         """
-        for name, value in (("dead_before", dead_before), ("completed_before", completed_before)):
-            if value is not None and not isinstance(value, datetime):
-                raise InvalidInput(name, "must be None or a datetime")
+        check_instant("dead_before", dead_before)
+        check_instant("completed_before", completed_before)
         if dead_before is None and completed_before is None:
             return PurgeResult()
         dead = records = 0
@@ -284,3 +299,18 @@ class OutboxOperators:
 
 async def _zero() -> int:
     return 0
+
+
+def _requeuing(
+    found: dict[str, Any], event_id: str, handler: str, now: datetime
+) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """The filter and update of `requeue` of the dead delivery `found` (as read), and its lane
+    number. A lane or generation that holds no number (a hand edit: a dead letter set aside
+    keeps what it held) is repaired: the lane of its key (or event), a new generation."""
+    if whole(found.get("lane_id"), 0, LANES) and whole(found.get("claims")):
+        query, update = schema.delivery_dead(event_id, handler), schema.delivery_requeuing(now)
+        return query, update, int(found["lane_id"])
+    key = found.get("key")
+    lane = lane_of(key if isinstance(key, str) else event_id)
+    update = delivery_requeuing_repaired(now, lane, int(now.timestamp() * 1000))
+    return dead_as_read(event_id, handler, found), update, lane

@@ -19,6 +19,7 @@ from typing import Any
 from mongoq import _driver
 from mongoq.clock import stored_instant
 from mongoq.outbox import schema
+from mongoq.outbox.quarantine import Unusable, kind, whole
 
 __all__ = ["PARK_THRESHOLD", "UNPARK_KEYS_PER_CLAIM", "Parking"]
 
@@ -33,6 +34,8 @@ HandlerKey = tuple[str, str]
 HeadsOf = Callable[
     [Mapping[HandlerKey, Mapping[str, Any]]], Awaitable[dict[HandlerKey, dict[str, Any] | None]]
 ]
+#: Sets aside deliveries found unusable (`mongoq.outbox.quarantine.Quarantine.set_aside`).
+Aside = Callable[[list[Unusable]], Awaitable[Any]]
 
 
 def _handler_set(handlers: Iterable[str] | None) -> tuple[str, ...] | None:
@@ -43,10 +46,11 @@ def _handler_set(handlers: Iterable[str] | None) -> tuple[str, ...] | None:
 class Parking:
     """Park and unpark for the claims of one `AsyncOutbox` instance."""
 
-    def __init__(self, deliveries: Any, heads_of: HeadsOf, log: Logger) -> None:
+    def __init__(self, deliveries: Any, heads_of: HeadsOf, log: Logger, aside: Aside) -> None:
         self.deliveries = deliveries
         self.heads_of = heads_of
         self.log = log
+        self.aside = aside
         # keys with parked deliveries, as far as this instance knows: a settle of one of them
         # makes unparking due for its handler
         self.parked_keys: set[HandlerKey] = set()
@@ -121,11 +125,22 @@ class Parking:
         self._looked(handlers, pairs)
         if not pairs:
             return
+        # A lowest parked delivery whose sequence is no number (a hand edit) has no place in
+        # its key: set aside (the next look finds the key's next one).
+        broken = [g for g in groups if not whole(g.get("s"), -(2**63))]
+        if broken:
+            await self.aside([
+                Unusable({"_id": g["d"], "sequence": g.get("s"), "lane": schema.PARKED},
+                         "sequence", kind(g.get("s")))
+                for g in broken
+            ])  # fmt: skip
         lowest = {
             (str(g["h"]), str(g["k"])):
                 {"_id": g["d"], "sequence": g["s"], "due_at": g.get("t"), "lane": schema.PARKED}
-            for g in groups
+            for g in groups if whole(g.get("s"), -(2**63))
         }  # fmt: skip
+        if not lowest:
+            return
         heads = await self.heads_of(lowest)
         ready = [
             h["_id"] for h in heads.values() if h is not None and h.get("lane") == schema.PARKED

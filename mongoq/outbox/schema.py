@@ -59,10 +59,13 @@ import bson
 
 from mongoq import _driver
 from mongoq._indexes import IndexSpec
-from mongoq.outbox.models import Delivery, Event
 
 if TYPE_CHECKING:
     from mongoq.outbox.lanes import Entry
+
+    # (annotations only: the models read stored documents through `mongoq.outbox.quarantine`,
+    # which reads this module)
+    from mongoq.outbox.models import Delivery, Event
 
 __all__ = [
     "CLAIM_INDEX",
@@ -277,8 +280,9 @@ def delivery_inserting(document: Mapping[str, Any]) -> dict[str, Any]:
     return {"$setOnInsert": document}
 
 
-#: What `requeue` reads of a delivery first: whether there is anything to requeue, and where.
-REQUEUE_PROJECTION = {"lane_id": 1, "status": 1, "requeue_uncounted": 1}
+#: What `requeue` reads of a delivery first: whether there is anything to requeue, and where
+#: (and what it repairs: `mongoq.outbox.quarantine.delivery_requeuing_repaired`).
+REQUEUE_PROJECTION = {"lane_id": 1, "status": 1, "requeue_uncounted": 1, "claims": 1, "key": 1}
 
 
 def delivery_dead(event_id: str, handler: str) -> dict[str, Any]:
@@ -322,10 +326,11 @@ CLAIM = IndexSpec(
 )
 #: The claim order.
 DUE_ORDER = [("due_at", 1), ("_id", 1)]
-#: What the claim scan reads of a delivery.
+#: What the claim scan reads of a delivery (``status``: what a pick is checked for, see
+#: `mongoq.outbox.quarantine`).
 CLAIM_PROJECTION = {
     "event_id": 1, "handler": 1, "key": 1, "sequence": 1, "lane_id": 1,
-    "attempts": 1, "claims": 1, "due_at": 1,
+    "attempts": 1, "claims": 1, "due_at": 1, "status": 1,
 }  # fmt: skip
 
 
@@ -473,6 +478,12 @@ DUE = IndexSpec(DUE_INDEX, (("due_at", 1),), partial={"due_at": {"$exists": True
 def delivery_pending() -> dict[str, Any]:
     """The pending deliveries: `stats`' oldest due, the first by ``due_at`` (``due``, hinted)."""
     return {"due_at": {"$exists": True}}
+
+
+def delivery_pending_dated() -> dict[str, Any]:
+    """The pending deliveries whose due time is a date (one range of ``due``: dates only): `stats`'
+    oldest due past one that holds no date, a hand edit (``due``, hinted)."""
+    return {"due_at": {"$exists": True, "$type": "date"}}
 
 
 def delivery_pending_for(handlers: Sequence[str]) -> dict[str, Any]:

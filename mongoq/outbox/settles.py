@@ -14,6 +14,8 @@ from datetime import datetime, timedelta
 from logging import Logger
 from typing import TYPE_CHECKING, Any
 
+from pymongo.errors import BulkWriteError, OperationFailure
+
 from mongoq import _driver
 from mongoq._unreachable import names_unreachable_server
 from mongoq._validation import check_batch, check_seconds, check_worker_id
@@ -23,6 +25,7 @@ from mongoq.outbox import schema
 from mongoq.outbox.claim import Claimer
 from mongoq.outbox.lanes import LaneStore
 from mongoq.outbox.models import Delivery, parse_token
+from mongoq.outbox.quarantine import Unusable, event_fault
 from mongoq.runtime.report import Attempt, error_text, log_attempt_end
 
 __all__ = ["OutboxSettles"]
@@ -83,8 +86,10 @@ class OutboxSettles:
             now = await self._now()
             if self.completion_history and await _driver.supports_transactions(self.db):
                 done = await self._complete_in_own_transaction([delivery], [fence], now)
+            elif refused := await self._mark_completed([delivery], now, None):
+                await self._set_aside_refused([delivery], refused, now)
+                done = False
             else:
-                await self._mark_completed([delivery], now, None)
                 result = await self.deliveries.delete_one(fence)
                 done = result.deleted_count == 1
                 if done:
@@ -94,6 +99,11 @@ class OutboxSettles:
             raise
         self._forget([delivery], ended=True)
         return done
+
+    def _was_set_aside(self, delivery: Delivery) -> bool:
+        """Whether a settle of `delivery` set it aside (a hand-edited field) instead of doing
+        what it was asked (asked once, by the dispatcher counting it)."""
+        return self._claimer.quarantine.was_set_aside(delivery.id)
 
     def _forget(self, deliveries: Iterable[Delivery], *, ended: bool = False) -> None:
         """Settled, or its outcome unknown: no longer counted as running by this instance; the
@@ -130,26 +140,58 @@ class OutboxSettles:
 
     async def _mark_completed(
         self, deliveries: Sequence[Delivery], now: datetime, session: Any
-    ) -> None:
+    ) -> dict[str, str]:
         """Record on their events that `deliveries` completed: the completion time (the last
         one counts for purge) and their handlers listed (a replay then leaves them out). Sent
         before the deletion without a transaction: a handler is listed while its delivery
         still exists, never missing once it is gone. One that then does not complete (its
         claim had ended) is listed with its delivery still there, which a replay leaves alone
-        too; its completion time only keeps the event longer."""
+        too; its completion time only keeps the event longer.
+
+        Returns the events that refused their record (a hand edit: ``handlers`` no array), by
+        id, with the server's message: without a session, their deliveries are set aside by
+        the caller and the others complete; in a session the error aborts the transaction."""
         handlers: dict[str, list[str]] = defaultdict(list)
         for delivery in deliveries:
             handlers[delivery.event.id].append(delivery.handler)
-        await self.events.bulk_write(
-            [
-                _driver.update_by_id(
-                    self.db, schema.event_by_id(event_id), schema.event_completing(now, names)
-                )
-                for event_id, names in handlers.items()
-            ],
-            ordered=False,
-            session=session,
-        )
+        try:
+            await self.events.bulk_write(
+                [
+                    _driver.update_by_id(
+                        self.db, schema.event_by_id(event_id), schema.event_completing(now, names)
+                    )
+                    for event_id, names in handlers.items()
+                ],
+                ordered=False,
+                session=session,
+            )
+        except BulkWriteError as exc:
+            errors = exc.details.get("writeErrors") or []
+            if session is not None or exc.details.get("writeConcernErrors") or not errors:
+                raise
+            ids = list(handlers)
+            return {ids[e["index"]]: str(e.get("errmsg", "")) for e in errors}
+        return {}
+
+    async def _set_aside_refused(
+        self, deliveries: Sequence[Delivery], refused: Mapping[str, str], now: datetime
+    ) -> None:
+        """Set aside the deliveries (of `deliveries`, still at their claims) whose events
+        refused their completion record (`refused`: the server's message, by event id)."""
+        mine = [d for d in deliveries if d.event.id in refused]
+        events = {
+            doc["_id"]: doc
+            for doc in await _driver.find_list(self.events, schema.events_by_ids(list(refused)))
+        }
+        claims = [(doc_id, claims) for doc_id, _, _, claims in map(parse_token, mine)]
+        docs = await _driver.find_list(self.deliveries, schema.delivery_claimed(claims))
+        found = [
+            Unusable(doc, *(event_fault(events.get(doc["event_id"], {})) or ("document", "?")),
+                     schema.EVENTS, refused[doc["event_id"]])
+            for doc in docs
+        ]  # fmt: skip
+        quarantine = self._claimer.quarantine
+        quarantine.remember(await quarantine.set_aside(found, now, mine[0].worker_id))
 
     async def _write_history(
         self, deliveries: Sequence[Delivery], now: datetime, session: Any
@@ -207,7 +249,8 @@ class OutboxSettles:
                 return [True] * len(batch)
             # Some claim ended (the transaction wrote nothing): complete the others one by one.
             return [await self.complete(d) for d in batch]
-        await self._mark_completed(batch, now, None)
+        if refused := await self._mark_completed(batch, now, None):
+            return await self._complete_unrefused(batch, fences, refused, now)
         claimed = schema.delivery_claimed((f["_id"], f["claims"]) for f in fences)
         result = await self.deliveries.delete_many(claimed)
         if result.deleted_count == len(batch):
@@ -228,6 +271,21 @@ class OutboxSettles:
         finished = [d for d, ok in zip(batch, done, strict=True) if ok]
         if finished:
             await self._write_history(finished, now, None)
+        return done
+
+    async def _complete_unrefused(
+        self, batch: list[Delivery], fences: list[dict[str, Any]], refused: Mapping[str, str],
+        now: datetime,
+    ) -> list[bool]:  # fmt: skip
+        """A batch some of whose events refused their completion record: those deliveries set
+        aside (not completed), the others completed."""
+        await self._set_aside_refused(batch, refused, now)
+        kept = [i for i, d in enumerate(batch) if d.event.id not in refused]
+        done = [False] * len(batch)
+        if kept:  # (their events took the record already: written again, no change)
+            rest = [batch[i] for i in kept], [fences[i] for i in kept]
+            for i, ok in zip(kept, await self._complete_batch(*rest, now), strict=True):
+                done[i] = ok
         return done
 
     async def _settle(
@@ -252,12 +310,12 @@ class OutboxSettles:
                     schema.event_by_id(delivery.event.id),
                     schema.event_finishing([delivery.handler]),
                 )
-            result = await self.deliveries.update_one(fence, dict(update(now)))
+            done, kept = await self._apply(delivery, fence, update(now), now)
+            failed = failed if kept else None  # (a set-aside logged itself)
         except BaseException:
             self._forget([delivery])
             raise
         self._forget([delivery], ended=True)
-        done = bool(result.modified_count)
         if done and failed is not None:
             outcome, error, delay = failed
             item = f"{delivery.event.id}/{delivery.handler}"
@@ -265,6 +323,23 @@ class OutboxSettles:
             due = now + timedelta(seconds=delay) if delay is not None else None
             log_attempt_end(self.log, attempt, outcome, error, due)
         return done
+
+    async def _apply(
+        self, delivery: Delivery, fence: dict[str, Any], update: Mapping[str, Any], now: datetime
+    ) -> tuple[bool, bool]:
+        """Apply a settle's `update` to its `fence`: (whether it took effect, whether as asked).
+        The server refuses it (code 14) when the delivery's ``attempts`` was edited to hold no
+        number while it ran: then it is set aside instead, a dead letter."""
+        try:
+            result = await self.deliveries.update_one(fence, dict(update))
+        except OperationFailure as exc:
+            if not _driver.type_mismatch(exc):
+                raise
+            quarantine = self._claimer.quarantine
+            aside = await quarantine.set_aside_read(fence, now, delivery.worker_id)
+            quarantine.remember(aside)
+            return bool(aside), False
+        return bool(result.modified_count), True
 
     async def reschedule(
         self, delivery: Delivery, *, delay: float, error: BaseException | str | None = None
@@ -299,7 +374,7 @@ class OutboxSettles:
         expired lease nobody took over is renewed too; a lane taken over is not."""
         owner = check_worker_id("worker_id", worker_id)
         now = await self._now()
-        return await self._lane_store.renew(owner, now + timedelta(seconds=self.lease_ttl))
+        return await self._lane_store.renew(owner, now + timedelta(seconds=self.lease_ttl), now)
 
     async def relinquish(self, worker_id: str) -> int:
         """Hand back every lane `worker_id` holds on this instance at once (graceful stop); returns

@@ -23,8 +23,8 @@ from mongoq._validation import (
     MAX_BATCH,
     check_batch,
     check_int,
+    check_lease_seconds,
     check_name,
-    check_seconds,
     check_worker_id,
 )
 from mongoq.clock import Clock, ServerClock, stored_instant
@@ -35,6 +35,7 @@ from mongoq.outbox.lanes import LaneStore
 from mongoq.outbox.models import Delivery, Event, PublishResult, check_handler, subscribed_handlers
 from mongoq.outbox.operators import OutboxOperators
 from mongoq.outbox.publish import Publisher
+from mongoq.outbox.quarantine import SET_ASIDE_PER_READ, Quarantine
 from mongoq.outbox.settles import OutboxSettles
 from mongoq.runtime import wakeups
 from mongoq.runtime.events import report_start_delay
@@ -69,7 +70,7 @@ class AsyncOutbox(OutboxSettles, OutboxOperators):
         purge_batch_size: int = 500,
     ) -> None:
         _driver.backend_of(db)
-        check_name("prefix", prefix)
+        check_name("prefix", prefix, prefix=True)
         if not isinstance(subscriptions, Mapping):
             raise InvalidInput("subscriptions", "must map event types to handler names")
         self.subscriptions: dict[str, tuple[str, ...]] = {}
@@ -81,7 +82,7 @@ class AsyncOutbox(OutboxSettles, OutboxOperators):
                 )
             checked = [check_handler(f"subscriptions[{event_type!r}]", n) for n in names]
             self.subscriptions[event_type] = tuple(dict.fromkeys(checked))
-        self.lease_ttl = check_seconds("lease_ttl", lease_ttl, positive=True)
+        self.lease_ttl = check_lease_seconds("lease_ttl", lease_ttl)
         if not isinstance(completion_history, bool):
             raise InvalidInput("completion_history", "must be a bool")
         self.completion_history = completion_history
@@ -99,10 +100,13 @@ class AsyncOutbox(OutboxSettles, OutboxOperators):
         # id takes its predecessor's lanes over like any worker.
         self.instance = uuid.uuid4().hex
         self.wake_key = wakeups.key_of("outbox", db, prefix)
-        self._lane_store = LaneStore(db, self.lanes, self.instance)
+        self._quarantine = Quarantine(
+            deliveries=self.deliveries, lanes=self.lanes, prefix=prefix, log=self.log
+        )
+        self._lane_store = LaneStore(db, self.lanes, self.instance, self._quarantine)
         self._claimer = Claimer(
             lanes=self._lane_store, deliveries=self.deliveries, events=self.events,
-            clock=self.clock, lease_ttl=self.lease_ttl, log=self.log,
+            clock=self.clock, lease_ttl=self.lease_ttl, log=self.log, quarantine=self._quarantine,
         )  # fmt: skip
         self._publisher = Publisher(
             db, events=self.events, deliveries=self.deliveries, sequences=self.sequences,
@@ -125,7 +129,9 @@ class AsyncOutbox(OutboxSettles, OutboxOperators):
         handler (and any lane missing from a handler that has lanes), and record the outbox
         in the database's registry (`mongoq.registry`); idempotent. Run it once before the
         first publish: collections created implicitly inside concurrent transactions conflict
-        with each other."""
+        with each other. `InvalidInput`, before anything is written, if a collection of it is
+        another registered primitive's."""
+        await registry.check_collections(self.db, "outbox", self.prefix)
         await _driver.create_collections(
             self.db,
             [
@@ -224,9 +230,17 @@ class AsyncOutbox(OutboxSettles, OutboxOperators):
         return claimed
 
     async def _next_due(self, handlers: Sequence[str]) -> datetime | None:
-        """When the first pending delivery of `handlers` is due; None when none is left."""
-        first = await _driver.find_list(
-            self.deliveries, schema.delivery_pending_for(handlers), sort=[("due_at", 1)],
-            limit=1, projection={"due_at": 1}, hint=schema.DUE_INDEX,
-        )  # fmt: skip
-        return stored_instant(first[0]["due_at"]) if first else None
+        """When the first pending delivery of `handlers` is due; None when none is left. One
+        whose due time is no date (a hand edit: no claim ever scans it) is set aside, and the
+        next one read (a few at most: then it says now, and is asked again)."""
+        for _ in range(SET_ASIDE_PER_READ):
+            first = await _driver.find_list(
+                self.deliveries, schema.delivery_pending_for(handlers), sort=[("due_at", 1)],
+                limit=1, projection={"due_at": 1}, hint=schema.DUE_INDEX,
+            )  # fmt: skip
+            due = stored_instant(first[0]["due_at"]) if first else None
+            if due is not None or not first:
+                return due
+            query = schema.deliveries_by_ids([first[0]["_id"]])
+            await self._quarantine.set_aside_read(query, await self._now(), None)
+        return self.clock.now()

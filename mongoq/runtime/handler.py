@@ -20,6 +20,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, TypeVar
 
 import anyio
@@ -57,16 +58,11 @@ async def call_handler(
     cancelled (`LeaseLost`), or when the caller is cancelled (the cancellation goes on); a
     handler that does not end within `grace` seconds of its cancellation is abandoned
     (`HandlerAbandoned`). The handler's own exceptions come out as they are. `timed` hears how
-    long the handler ran, in seconds of `clock` time, however it ended; `name` names the
-    handler in the log."""
-    started = clock.now()
-    try:
-        if limit is None and guard is None:
-            return await call()  # nothing to supervise here: the caller's own call does it
-        return await _supervised(call, clock, limit, guard, name, grace)
-    finally:
-        if timed is not None:
-            timed((clock.now() - started).total_seconds())
+    long the handler ran, in seconds of `clock` time, however it ended (an abandoned one: when
+    it ends); `name` names the handler in the log."""
+    if limit is None and guard is None:  # nothing to supervise: the caller's own call does it
+        return await _timed(call, clock, timed)
+    return await _supervised(partial(_timed, call, clock, timed), clock, limit, guard, name, grace)
 
 
 async def _supervised(
@@ -108,6 +104,20 @@ def _finished(handler: asyncio.Task[Any]) -> bool:
 
 async def _awaited(call: Callable[[], Awaitable[T]]) -> T:
     return await call()
+
+
+async def _timed(
+    call: Callable[[], Awaitable[T]], clock: Clock, timed: Callable[[float], None] | None
+) -> T:
+    """``await call()``, `timed` told how long it ran on `clock`: timed from within the task
+    that runs it, so that another handler's turn in between is not counted (nor, for one
+    abandoned, heard before it ends)."""
+    started = clock.now()
+    try:
+        return await call()
+    finally:
+        if timed is not None:
+            timed((clock.now() - started).total_seconds())
 
 
 _LOST = "its lease was lost"

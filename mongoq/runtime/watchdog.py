@@ -80,18 +80,19 @@ async def watching(bound: float, name: str) -> AsyncIterator[Stall]:
             if warning is not None:
                 log.warning(warning, extra={"mongoq_worker_loop": name, "mongoq_blocked": bound})
 
+    async def ticker() -> None:
+        while True:
+            stall.tick(time.monotonic())
+            await asyncio.sleep(step)
+
+    # A task of its own, not a task group: what the block raises comes out as it is.
+    ticking = asyncio.get_running_loop().create_task(ticker())
     thread = threading.Thread(target=watch, name=f"mongoq watchdog {name}", daemon=True)
-    async with anyio.create_task_group() as group:
-
-        async def ticker() -> None:
-            while True:
-                stall.tick(time.monotonic())
-                await anyio.sleep(step)
-
-        group.start_soon(ticker)
-        thread.start()
-        try:
-            yield stall
-        finally:
-            stop.set()
-            group.cancel_scope.cancel()
+    thread.start()
+    try:
+        yield stall
+    finally:
+        stop.set()
+        ticking.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.wait({ticking})

@@ -36,7 +36,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -82,6 +82,7 @@ __all__ = [
     "Timeline",
     "Worker",
     "catching_unexpected_errors",
+    "check_stops",
     "drive",
     "error_text",
     "instant",
@@ -175,6 +176,11 @@ class Store:
         result: Mapping[str, Any] | None = handle.find_one({"_id": doc_id})
         return result
 
+    def edit(self, collection: str, doc_id: Any, fields: Mapping[str, Any]) -> None:
+        """An operator's hand edit (``$set`` of `fields`), synchronous: atomic with what the
+        caller reads around it, and seen by no worker's hooks."""
+        self._documents(collection)[1].update_one({"_id": doc_id}, {"$set": dict(fields)})
+
 
 # --------------------------------------------------------------------------------------- run
 
@@ -212,6 +218,17 @@ class Run:
         self.executions: dict[Any, list[Execution]] = {}
         #: every lease seen in a document, by token: its latest end
         self.leases: dict[str, datetime] = {}
+        #: the same by (collection, document id, token): a claim of several items (a batch)
+        #: has one token, and the renewals of the others go on when one of them is let go
+        self.held_until: dict[tuple[str, Any, str], datetime] = {}
+        #: the handler executions that swallowed their cancellation (`hostile.Runaway`)
+        self.runaways: list[Any] = []
+        #: the library's WARNINGs that it abandoned a handler: (when, the handler's name)
+        self.abandoned: list[tuple[datetime, str]] = []
+        #: the library's WARNINGs that it set a document aside: (when, the record's fields)
+        self.set_aside: list[tuple[datetime, dict[str, Any]]] = []
+        #: set once the run is over: a runaway still going on then ends
+        self.over = False
         self.deadline = time.monotonic() + REAL_BOUND
         self._began = time.monotonic()
 
@@ -228,7 +245,15 @@ class Run:
     def violation(self, counter: str, text: str) -> None:
         self.report.count(Finding(self.seed, counter, text))
 
+    def end_runaways(self) -> None:
+        """The run is over: every runaway still going on ends (cancelled, it gives up)."""
+        self.over = True
+        for runaway in self.runaways:
+            if runaway.ended is None and runaway.task is not None:
+                runaway.task.cancel()
+
     def finish(self, items: int) -> Report:
+        self.end_runaways()
         self.report.items = items
         self.report.seconds = time.monotonic() - self._began
         return self.report
@@ -361,6 +386,7 @@ class Observer:
             if held is None:
                 continue
             self.run.leases[held.token] = held.until
+            self.run.held_until[(op.collection, doc["_id"], held.token)] = held.until
             if held.holder == self.worker_id and tokens.get(doc["_id"]) != held.token:
                 self.claims += 1
                 self.tokens.add(held.token)
@@ -404,6 +430,9 @@ class Worker:
     #: running, stopped (asked to), cancelled (hard), crashed
     fate: str = "running"
     done: bool = False
+    #: when it was first hard-cancelled or crashed, and when its run ended (the clock's)
+    hard_at: datetime | None = None
+    ended_at: datetime | None = None
     summary: Any = None
     scope: anyio.CancelScope | None = None
 
@@ -462,6 +491,7 @@ class Crew:
                     )
         finally:
             worker.done = True
+            worker.ended_at = self.run.clock.now()
 
     def stop(self, worker: Worker) -> None:
         if worker.fate == "running" and not worker.done:
@@ -471,11 +501,13 @@ class Crew:
     def cancel(self, worker: Worker) -> None:
         if worker.fate in ("running", "stopped") and not worker.done:
             worker.fate = "cancelled"
+            worker.hard_at = worker.hard_at or self.run.clock.now()
             worker.hard_cancel()
 
     def crash(self, worker: Worker) -> None:
         if worker.fate != "crashed" and not worker.done:
             worker.fate = "crashed"
+            worker.hard_at = worker.hard_at or self.run.clock.now()
             worker.faults.crash()
             if worker.scope is not None:
                 worker.scope.cancel()
@@ -520,6 +552,23 @@ class Crew:
         for worker in self.workers:
             if worker.scope is not None:
                 worker.scope.cancel()
+
+
+def check_stops(run: Run, workers: Iterable[Worker], bound: float) -> None:
+    """A worker hard-cancelled or crashed (`Worker.hard_at`) ends its run within `bound`
+    seconds of the clock, whatever its handlers do (one that swallows its cancellation is
+    abandoned after a grace: the stop does not wait for it). A graceful stop lets its handlers
+    finish: the drain's bound (a hang) is what holds it."""
+    for worker in workers:
+        if worker.hard_at is None:
+            continue
+        took = None if worker.ended_at is None else (worker.ended_at - worker.hard_at)
+        if took is None or took.total_seconds() > bound:
+            run.violation(
+                "runaways",
+                f"slow stop: {worker.name} was {worker.fate} at {run.at(worker.hard_at)}; its "
+                f"run ended at {run.at(worker.ended_at)}, past {bound:g} s",
+            )
 
 
 # ---------------------------------------------------------------------------------- timeline
@@ -587,6 +636,13 @@ class _Catcher(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
+        now = self.run.clock.now()
+        handler = getattr(record, "mongoq_handler", None)
+        if isinstance(handler, str) and "abandoned" in message:
+            self.run.abandoned.append((now, handler))
+        if getattr(record, "mongoq_field", None) is not None:
+            fields = {k: v for k, v in vars(record).items() if k.startswith("mongoq_")}
+            self.run.set_aside.append((now, fields))
         if "unexpected error" not in message:
             return
         error = record.exc_info[1] if record.exc_info else None
@@ -596,8 +652,9 @@ class _Catcher(logging.Handler):
 
 @contextlib.contextmanager
 def catching_unexpected_errors(run: Run) -> Iterator[None]:
-    """Count the ``mongoq`` records at WARNING or above that say "unexpected error"; the
-    others stay out of the output (faults make many)."""
+    """Count the ``mongoq`` records at WARNING or above that say "unexpected error", and keep
+    those that say a handler was abandoned (`Run.abandoned`) or a document set aside
+    (`Run.set_aside`); the others stay out of the output (faults make many)."""
     logger = logging.getLogger("mongoq")
     catcher = _Catcher(run)
     saved = (logger.level, logger.propagate)

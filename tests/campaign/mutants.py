@@ -22,6 +22,10 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+import anyio
+
+from mongoq.errors import HandlerAbandoned
+
 __all__ = ["MUTANTS", "Mutant", "MutantUnavailable", "Patch", "applied", "mutant", "replacing"]
 
 
@@ -182,4 +186,66 @@ mutant(
     "ignores a late reply: every loop starts a handler whatever its lease has left "
     "(lease.startable always says True)",
     replacing("mongoq.runtime.lease.startable", _always),
+)
+
+
+def _sets_nothing_aside(original: Any) -> Any:
+    async def set_aside_nothing(*args: Any, **kwargs: Any) -> bool:
+        return False
+
+    return set_aside_nothing
+
+
+mutant(
+    "claim-retries-refused-document",
+    "a claim retries a refused document: the task queue's claims set nothing aside (a document "
+    "the server refused, or one they cannot read, stays as it is and is met again by every "
+    "claim: quarantine.set_aside_first, set_aside_candidates and set_aside do nothing)",
+    replacing("mongoq.tasks.quarantine.set_aside_first", _sets_nothing_aside),
+    replacing("mongoq.tasks.quarantine.set_aside_candidates", _sets_nothing_aside),
+    replacing("mongoq.tasks.quarantine.set_aside", _sets_nothing_aside),
+)
+
+
+def _keeps_the_abandoned(original: Any) -> Any:
+    """`handler._cancel` as the library has it, but an abandonment in word only: the WARNING
+    says the handler was abandoned, then the supervisor waits for it however long it runs,
+    renewing its lease all along (its slot stays taken, a stop waits for it)."""
+
+    async def cancel(handler: Any, ended: Any, *args: Any) -> None:
+        try:
+            await original(handler, ended, *args)
+        except HandlerAbandoned:
+            with anyio.CancelScope(shield=True):
+                await ended.wait()
+
+    return cancel
+
+
+mutant(
+    "renewal-keeps-runaway-lease",
+    "renewal keeps a runaway's lease: a handler that swallows its cancellation is said to be "
+    "abandoned after its grace, yet still waited for (handler._cancel), so its lease is renewed "
+    "for as long as it runs, its slot stays taken, and a stop waits for it",
+    replacing("mongoq.runtime.handler._cancel", _keeps_the_abandoned),
+)
+
+
+def _waits_for_the_handler(original: Any) -> Any:
+    """`handler._cancel` without its grace: the handler is cancelled once, then waited for
+    however long it runs (the supervisor never abandons it, nor says so)."""
+
+    async def cancel(handler: Any, ended: Any, *args: Any) -> None:
+        handler.cancel()
+        with anyio.CancelScope(shield=True):
+            await ended.wait()
+
+    return cancel
+
+
+mutant(
+    "runaway-never-abandoned",
+    "a runaway is never abandoned: a handler that swallows its cancellation is waited for "
+    "without a bound and without a word (handler._cancel has no grace)",
+    replacing("mongoq.runtime.handler._cancel", _waits_for_the_handler),
 )

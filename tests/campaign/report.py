@@ -18,6 +18,8 @@ COUNTERS = {
     "order_violations": "order violations",
     "unexpected_errors": "unexpected errors",
     "late_starts": "late starts",
+    "set_aside": "poisoned documents mishandled",
+    "runaways": "runaway handlers kept",
 }
 #: Findings kept per counter (the lowest seeds): enough to rerun, few enough to read.
 KEPT = 3

@@ -30,7 +30,7 @@ after the drain, shared with the facade's scenario:
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
@@ -50,14 +50,16 @@ from tests.campaign.engine import (
     Timeline,
     Worker,
     catching_unexpected_errors,
+    check_stops,
     drive,
     instant,
     run_async,
 )
+from tests.campaign.hostile import GRACE, SHAPES, Runaways, check_runaways
 
 __all__ = [
-    "HOLDINGS", "PRIMITIVE", "Act", "Settings", "Shape", "check_run", "draw_disruptions",
-    "slot_names",
+    "HOLDINGS", "PRIMITIVE", "Act", "Poisoning", "Settings", "Shape", "check_poisoned",
+    "check_run", "draw_disruptions", "slot_names", "stop_bound",
 ]  # fmt: skip
 
 QUEUE = "campaign"
@@ -70,6 +72,8 @@ STEP = 0.25
 DRAIN = 400.0
 #: Seconds a partition waits, one at a time, for its worker to hold a lease.
 PARTITION_WAIT = 20
+#: What the error of a task set aside (or buried for its attempts) begins with.
+UNREADABLE = "unreadable task document"
 
 
 class TaskHoldings:
@@ -201,6 +205,12 @@ def draw_disruptions(
                                 act("restart", slot))  # fmt: skip
 
 
+def stop_bound(lease: float) -> float:
+    """Clock seconds a hard-cancelled or crashed worker's run may take to end
+    (`engine.check_stops`): its handlers' grace, then settles bounded by the lease."""
+    return GRACE + 3 * lease
+
+
 def slot_names(run: Run, slot: int, generations: list[int]) -> tuple[str, str]:
     """The name of a slot's next worker (``w<slot>.<generation>``) and the worker id it runs
     under: its name, or half of the time the id ``w`` that every such worker shares, as the
@@ -212,26 +222,153 @@ def slot_names(run: Run, slot: int, generations: list[int]) -> tuple[str, str]:
     return name, "w" if shared else name
 
 
+# ---------------------------------------------------------------------------------- poisoning
+
+
+@dataclass(frozen=True)
+class Poisoning:
+    """An operator's hand edit of a task document into a shape no worker can use: which task,
+    which field set to what, when, and the task as it was then (its status, the claim holding
+    it, its executions so far, when it last changed)."""
+
+    task_id: str
+    field: str
+    value: Any
+    at: datetime
+    status: str
+    token: str | None
+    runs: int
+    updated_at: Any
+
+    def describe(self, run: Run) -> str:
+        return (
+            f"poisoned {self.task_id!r} ({self.field} set to {self.value!r} at "
+            f"{run.at(self.at)}, while {self.status})"
+        )
+
+
+def poison(run: Run, number: int, put: Sequence[str], poisoned: list[Poisoning]) -> None:
+    """Poisoning `number` of the run: a hand edit (`hostile.SHAPES`) of one of the tasks `put`,
+    most often one pending or processing now, never one already poisoned."""
+    rng = run.rng_for("poison", number)
+    field, value = rng.choice(SHAPES)
+    want = rng.choice(("pending", "processing", "processing", "any"))
+    spared = {p.task_id for p in poisoned}
+    docs = [d for d in (run.store.document(QUEUE, i) for i in sorted(put) if i not in spared) if d]
+    chosen = [d for d in docs if d.get("status") == want] or docs
+    if not chosen:
+        return
+    doc = rng.choice(chosen)
+    status, token = doc.get("status"), doc.get("lease_token")
+    poisoned.append(Poisoning(
+        doc["_id"], field, value, run.clock.now(), str(status),
+        token if status == "processing" else None, len(run.executions.get(doc["_id"], ())),
+        doc.get("updated_at"),
+    ))  # fmt: skip
+    run.store.edit(QUEUE, doc["_id"], {field: value})
+
+
+def check_poisoned(
+    run: Run, docs: Mapping[Any, Mapping[str, Any]], poisoned: Sequence[Poisoning],
+    cancels: Mapping[str, list[datetime]],
+) -> None:  # fmt: skip
+    """Every poisoned task ended as a hand edit allows (`_poison_problem`), set aside with one
+    WARNING naming it and the field when its error says so; no good task was set aside.
+    `cancels` holds when the operator cancelled each task."""
+    named = {p.task_id: p for p in poisoned}
+    asides = [f for _, f in run.set_aside if f.get("mongoq_collection") == QUEUE]
+    for fields in asides:
+        if fields.get("mongoq_item") not in {str(task_id) for task_id in named}:
+            run.violation(
+                "set_aside",
+                f"good task set aside: {fields.get('mongoq_item')!r} "
+                f"({fields.get('mongoq_error')})",
+            )
+    for task_id, doc in docs.items():
+        if task_id not in named and UNREADABLE in str(doc.get("error") or ""):
+            run.violation(
+                "set_aside", f"good task set aside: {task_id!r} failed with {doc.get('error')!r}"
+            )
+    for task_id, poisoning in named.items():
+        lines = [f for f in asides if f.get("mongoq_item") == str(task_id)]
+        problem = _poison_problem(run, poisoning, docs.get(task_id), cancels, lines)
+        if problem is not None:
+            run.violation("set_aside", f"{poisoning.describe(run)}: {problem}")
+
+
+def _poison_problem(
+    run: Run, poisoning: Poisoning, doc: Mapping[str, Any] | None,
+    cancels: Mapping[str, list[datetime]], lines: list[dict[str, Any]],
+) -> str | None:  # fmt: skip
+    """What is wrong with how a poisoned task ended, or None. Not run again by any claim but
+    the one holding it at the edit; finished then: left as it was; else ended, not pending or
+    processing: failed (by its set-aside, naming the field, if pending at the edit; by its
+    holder's own verdict too if processing), done by the claim that held it, or cancelled by
+    the operator after the edit."""
+    later = run.executions.get(poisoning.task_id, [])[poisoning.runs :]
+    stranger = next((e for e in later if e.token != poisoning.token), None)
+    if stranger is not None:
+        return (
+            f"run after it was poisoned by {stranger.worker} (claim "
+            f"{(stranger.token or '?')[:6]}) at {run.at(stranger.started)}"
+        )
+    if doc is None:
+        return "gone"
+    status, error = doc.get("status"), str(doc.get("error") or "")
+    if poisoning.status in TERMINAL:
+        if status != poisoning.status or doc.get("updated_at") != poisoning.updated_at:
+            return f"changed after it was poisoned, finished: now {status} ({error!r})"
+        return None
+    if status not in TERMINAL:
+        return f"ended {_task_state(run, doc)}"
+    if status == "cancelled":
+        cancelled = any(at >= poisoning.at for at in cancels.get(poisoning.task_id, ()))
+        return None if cancelled else "cancelled, yet the operator did not cancel it"
+    if status == "done":
+        held = poisoning.token is not None and doc.get("lease_token") == poisoning.token
+        returned = any(
+            e.token == poisoning.token and e.outcome == "returned"
+            for e in run.executions.get(poisoning.task_id, ())
+        )
+        return None if held and returned else "done, yet not by the claim that held it"
+    if UNREADABLE in error:
+        if f"field {poisoning.field!r}" not in error:
+            return f"set aside with an error naming another field: {error!r}"
+        # One WARNING, or none when the set-aside's reply was lost (its writer never knew).
+        if len(lines) > 1 or any(line.get("mongoq_field") != poisoning.field for line in lines):
+            fields = [line.get("mongoq_field") for line in lines]
+            return f"set aside with {len(lines)} WARNINGs naming it (fields {fields})"
+    elif poisoning.status == "pending":
+        return f"failed with {error!r}, which names no field"
+    return None
+
+
 # ------------------------------------------------------------------------------------ checks
 
 
 def check_run(
     run: Run, workers: Iterable[Worker], put: Iterable[Any], shape: Shape,
-    schedule: tuple[datetime, datetime] | None,
+    schedule: tuple[datetime, datetime] | None, *, poisoned: Sequence[Poisoning] = (),
+    cancels: Mapping[str, list[datetime]] | None = None,
 ) -> int:  # fmt: skip
     """The checks after the drain (see the module docstring); returns the number of tasks.
-    `schedule` is (first tick, when the drain started), None without a schedule."""
+    `schedule` is (first tick, when the drain started), None without a schedule; `poisoned`
+    the tasks an operator edited into shapes no worker can use (`check_poisoned`), and
+    `cancels` when the operator cancelled each task."""
     docs = {doc["_id"]: doc for doc in run.store.documents(QUEUE)}
+    spoiled = {p.task_id for p in poisoned}
     for task_id in put:
         if task_id not in docs:
             run.violation("lost", f"lost: task {task_id!r} was put and is not stored")
     for task_id, doc in docs.items():
         if doc.get("status") not in TERMINAL:
-            run.violation("lost", f"lost: task {task_id!r} ended {_task_state(run, doc)}")
+            if task_id not in spoiled:  # (a poisoned one's end is `check_poisoned`'s)
+                run.violation("lost", f"lost: task {task_id!r} ended {_task_state(run, doc)}")
         elif doc.get("status") == "done" and not run.ended_normally(task_id):
             run.violation("lost", f"lost: task {task_id!r} is done, yet no execution returned")
     if schedule is not None and shape.every is not None:
         _check_ticks(run, docs, schedule, shape.every)
+    check_poisoned(run, docs, poisoned, cancels or {})
     _check_summaries(run, list(workers), sum(d.get("status") == "done" for d in docs.values()))
     return len(docs)
 
@@ -318,6 +455,10 @@ class TaskScenario:
         self.generations = [0] * self.SLOTS
         self.schedule: tuple[datetime, datetime] | None = None
         self.timeline_ = Timeline()
+        self.runaways = Runaways(self.run)
+        self.poisoned: list[Poisoning] = []
+        #: when the operator cancelled each task
+        self.cancels: dict[str, list[datetime]] = {}
 
     async def main(self) -> Report:
         run, shape = self.run, self.shape
@@ -337,7 +478,14 @@ class TaskScenario:
                 completed = await self.drain(crew, in_time)
             if first is not None:
                 self.schedule = (first, drained)
-            items = check_run(run, crew.workers, self.put, shape, self.schedule) if completed else 0
+            items = 0
+            if completed:
+                items = check_run(
+                    run, crew.workers, self.put, shape, self.schedule, poisoned=self.poisoned,
+                    cancels=self.cancels,
+                )  # fmt: skip
+                check_runaways(run, shape.lease)
+                check_stops(run, crew.workers, stop_bound(shape.lease))
         return run.finish(items)
 
     async def put_tasks(self, ids: list[str]) -> None:
@@ -358,16 +506,15 @@ class TaskScenario:
         self.slots[slot] = worker
 
     def handler(self, worker: Worker) -> Callable[[Task], Awaitable[Any]]:
-        run, lease = self.run, self.shape.lease
+        run, lease, runaways = self.run, self.shape.lease, self.runaways
 
         async def handle(task: Task) -> Any:
             execution = run.start(QUEUE, task.id, task.lease_token, worker.name)
-            act = Act.draw(run, task.id, len(run.executions[task.id]), lease)
-            try:
-                await run.clock.sleep(act.seconds)
-            except BaseException:
-                execution.end(run.clock.now(), "cancelled")
-                raise
+            number = len(run.executions[task.id])
+            act = Act.draw(run, task.id, number, lease)
+            claim = (QUEUE, task.id, task.lease_token or "")
+            runaway = runaways.draw(execution, repr(task.id), claim, task.id, number)
+            await runaways.sleep(execution, act.seconds, runaway)
             execution.end(run.clock.now(), "returned" if act.ending == "returns" else "raised")
             return act.finish(worker.name)
 
@@ -380,6 +527,10 @@ class TaskScenario:
             timeline.at(rng.uniform(1, shape.end - 5), "put", partial(self.put_tasks, [f"late{n}"]))
         for n in range(rng.choice((0, 1, 2, 3))):
             timeline.at(rng.uniform(2, shape.end - 5), "cancel", partial(self.cancel_one, n))
+        spoil = self.run.rng_for("poisonings")  # drawn apart: the draws above stay the seed's
+        for n in range(spoil.choice((0, 0, 1, 2, 4))):
+            timeline.at(spoil.uniform(2, shape.end - 5), "poison",
+                        partial(poison, self.run, n, self.put, self.poisoned))  # fmt: skip
         draw_disruptions(
             self.run, timeline, self.SLOTS, shape.end, shape.lease,
             lambda kind, slot: partial(self.disrupt, crew, kind, slot),
@@ -387,8 +538,9 @@ class TaskScenario:
         return timeline
 
     async def cancel_one(self, number: int) -> None:
-        ids = sorted(self.put)
-        await self.operator.cancel(self.run.rng_for("cancel", number).choice(ids))
+        task_id = self.run.rng_for("cancel", number).choice(sorted(self.put))
+        self.cancels.setdefault(task_id, []).append(self.run.clock.now())
+        await self.operator.cancel(task_id)
 
     def disrupt(self, crew: Crew, kind: str, slot: int, tries: int = 0) -> None:
         worker = self.slots[slot]
@@ -429,6 +581,7 @@ async def wind_down(run: Run, crew: Crew) -> None:
     """A run that did not finish: say so, cancel every worker, and move time on until their
     tasks end (shielded settles wait on the clock)."""
     waiting = [w.name for w in crew.workers if not w.done]
+    run.end_runaways()  # a handler the library failed to abandon must not hold the run
     bound = "real-time bound" if time.monotonic() > run.deadline else "drain's clock bound"
     run.violation(
         "unexpected_errors",

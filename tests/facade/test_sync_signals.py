@@ -114,3 +114,51 @@ def test_a_blocking_handler_past_its_time_limit_runs_to_its_end_and_still_times_
         assert late is not None
         assert (late.status, late.attempts, late.result) == ("pending", 1, None)
         assert late.error is not None and late.error.endswith("timed out after 5 s")
+
+
+def test_a_blocking_handler_that_outlasts_its_grace_is_abandoned_and_the_run_goes_on() -> None:
+    """A thread cannot be cancelled: past its time limit and the grace after it, the run stops
+    waiting for it (counted lost, its task left to its lease) and claims the next task."""
+    import threading
+
+    from mongoq.runtime.handler import GRACE
+
+    clock = ManualClock()
+    with mongoq_sync.connect() as database:
+        queue = mongoq_sync.TaskQueue(database, "abandon", clock=clock)
+        queue.setup()
+        queue.put("stuck")
+        queue.put("next", delay=1)
+        release, started, ran = threading.Event(), threading.Event(), []
+
+        def handler(task: Task) -> str:
+            ran.append(task.id)
+            if task.id == "stuck":
+                started.set()
+                release.wait(30)  # a call that cannot be interrupted
+            return "ok"
+
+        summaries: list[TaskRunSummary] = []
+        worker = threading.Thread(
+            target=lambda: summaries.append(queue.run(handler, handler_timeout=5, poll_interval=1))
+        )
+        worker.start()
+        try:
+            assert started.wait(10)
+            time.sleep(0.05)  # (the portal's loop sleeps on the clock for the limit)
+            clock.advance(5)
+            time.sleep(0.05)
+            clock.advance(GRACE)
+            deadline = time.monotonic() + 10
+            while ran != ["stuck", "next"] and time.monotonic() < deadline:
+                clock.advance(1)
+                time.sleep(0.01)
+            assert ran == ["stuck", "next"]
+        finally:
+            queue.stop()
+            release.set()
+            worker.join(10)
+        (summary,) = summaries
+        assert (summary.lost, summary.completed) == (1, 1)
+        stuck = queue.get("stuck")
+        assert stuck is not None and stuck.status == "processing"

@@ -535,13 +535,17 @@ async def test_invalid_settles_raise_before_any_database_call(
         with rejects("delivery"):
             await outbox.reschedule(bad, delay=1)  # type: ignore[arg-type]
     lane = x.lane_id
-    for fake in (forged(lease_token="256:1:0"), forged(lease_token=f"{lane}:1"),
-                 forged(lease_token=f"{lane}:-1:0"), forged(lease_token=f"{lane}:1:x"),
-                 forged(id="not-an-object-id"), forged(lease_token=None)):  # fmt: skip
+    for fake, field in (
+        (forged(lease_token="256:1:0"), "lease_token"),
+        (forged(lease_token=f"{lane}:1"), "lease_token"),
+        (forged(lease_token=f"{lane}:-1:0"), "lease_token"),
+        (forged(lease_token=f"{lane}:1:x"), "lease_token"),
+        (forged(id="not-an-object-id"), "id"), (forged(lease_token=None), "lease_token"),
+    ):  # fmt: skip
         for call in (outbox.complete, outbox.release, outbox.bury):
-            with rejects("delivery.lease_token"):
+            with rejects(f"delivery.{field}"):
                 await call(fake)
-        with rejects("deliveries[1].lease_token"):
+        with rejects(f"deliveries[1].{field}"):
             await outbox.complete_many([x, fake])
     with rejects("deliveries"):
         await outbox.complete_many([x, x])

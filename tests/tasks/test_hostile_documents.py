@@ -79,7 +79,9 @@ async def test_a_task_no_worker_can_use_is_failed_at_its_first_claim_and_the_res
         assert (await read(db, f"g{n}") or {})["status"] == "done"
     (line,) = _set_aside_lines(caplog)
     assert (line.levelno, line.mongoq_field, line.mongoq_item) == (  # type: ignore[attr-defined]
-        logging.WARNING, field, "bad"
+        logging.WARNING,
+        field,
+        "bad",
     )
     assert line.mongoq_collection == "tasks"  # type: ignore[attr-defined]
     assert "'bad'" in line.getMessage() and "tasks" in line.getMessage()
