@@ -23,6 +23,7 @@ from mongoq.errors import (
     NotFound,
     PermanentError,
     ServerUnavailable,
+    UnreadableDocument,
 )
 from mongoq.groups import (
     AsyncGroupTransport,
@@ -92,6 +93,7 @@ __all__ = [
     "OutboxStats",
     "PermanentError",
     "ServerUnavailable",
+    "UnreadableDocument",
     "PublishResult",
     "PurgeResult",
     "PutManyResult",

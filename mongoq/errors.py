@@ -10,6 +10,7 @@ driver's `ServerSelectionTimeoutError`, so code that retries on driver errors re
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from pymongo.errors import ServerSelectionTimeoutError
 
@@ -23,6 +24,7 @@ __all__ = [
     "NotFound",
     "PermanentError",
     "ServerUnavailable",
+    "UnreadableDocument",
 ]
 
 
@@ -75,6 +77,26 @@ class HandlerAbandoned(LeaseLost):
     lease expires and the item is claimable again), and its slot is free for other work.
     Counted ``lost``. ``asyncio.run`` waits for every task at its end: a process holding one
     that never ends does not exit by itself (`mongoq worker` exits all the same)."""
+
+
+class UnreadableDocument(MongoqError):
+    """A stored document mongoq cannot use and cannot repair safely (a field of the wrong type,
+    written by hand or by another program): the message names the collection, the document
+    and the field, what it holds and what to do. E.g. a group transport's sequence counter
+    (``{prefix}_counters``) whose value holds no number: the counter is the only record of the
+    seqs already handed out, so a publish refuses rather than risk giving a seq twice."""
+
+    def __init__(
+        self, collection: str, document_id: Any, field: str, found: str, remedy: str
+    ) -> None:
+        super().__init__(
+            f"{collection}: document {document_id!r} cannot be used: field {field!r} holds "
+            f"{found}; {remedy}"
+        )
+        self.collection = collection
+        self.document_id = document_id
+        self.field = field
+        self.found = found
 
 
 class NotFound(MongoqError, LookupError):

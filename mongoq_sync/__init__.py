@@ -37,6 +37,7 @@ from mongoq.errors import (
     NotFound,
     PermanentError,
     ServerUnavailable,
+    UnreadableDocument,
 )
 from mongoq.groups.models import (
     DeadLetter,
@@ -133,4 +134,5 @@ __all__ = [
     "TaskStats",
     "TaskStatus",
     "TracerProviderLike",
+    "UnreadableDocument",
 ]

@@ -10,7 +10,6 @@ from mongoq.groups.models import (
     GroupRunSummary,
     GroupStats,
     NewMessage,
-    UnreadableDocument,
 )
 from mongoq.groups.transport import AsyncGroupTransport
 
@@ -24,5 +23,4 @@ __all__ = [
     "GroupRunSummary",
     "GroupStats",
     "NewMessage",
-    "UnreadableDocument",
 ]

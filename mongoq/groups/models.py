@@ -1,8 +1,7 @@
 """The group transport's public dataclasses and constants, how each is read from its stored
 documents, and the checks of what a caller hands in: what `AsyncGroupTransport` takes and gives
 back; and what makes a stored document unusable (`message_fault`, `lock_fault`,
-`dead_letter_fault`), with the error a publish raises for a counter it cannot repair
-(`UnreadableDocument`). No I/O; the documents are in `mongoq.groups.schema`."""
+`dead_letter_fault`). No I/O; the documents are in `mongoq.groups.schema`."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from typing import Any
 
 from mongoq._validation import check_id, check_int, check_payload
 from mongoq.clock import stored_instant
-from mongoq.errors import InvalidInput, MongoqError
+from mongoq.errors import InvalidInput
 
 GroupId = str | int
 #: `available_at` of a group nobody has claimed yet: sorts before every real instant.
@@ -237,26 +236,6 @@ READ_ERRORS = (KeyError, TypeError, ValueError, OverflowError, AttributeError)
 
 #: A fault: the field and what it holds, e.g. ``("deliveries", "a string ('x')")``.
 Fault = tuple[str, str]
-
-
-class UnreadableDocument(MongoqError):
-    """A document of the transport that cannot be used and cannot be repaired safely: the
-    message names the collection, the document and the field, what it holds and what to do.
-    E.g. the sequence counter's value (``{prefix}_counters``) when it holds no number: the
-    counter is the only record of the seqs already handed out, so a publish refuses rather
-    than risk giving a seq twice."""
-
-    def __init__(
-        self, collection: str, document_id: Any, field: str, found: str, remedy: str
-    ) -> None:
-        super().__init__(
-            f"{collection}: document {document_id!r} cannot be used: field {field!r} holds "
-            f"{found}; {remedy}"
-        )
-        self.collection = collection
-        self.document_id = document_id
-        self.field = field
-        self.found = found
 
 
 def kind_of(value: Any) -> str:

@@ -32,12 +32,12 @@ from bson import Decimal128
 from pymongo import ReturnDocument
 
 from mongoq import _driver
+from mongoq.errors import UnreadableDocument
 from mongoq.groups import schema
 from mongoq.groups.models import (
     PRIORITIES,
     Fault,
     GroupId,
-    UnreadableDocument,
     head_fault,
     kind_of,
     lock_faults,

@@ -22,8 +22,7 @@ from typing import Any
 import anyio
 import pytest
 
-from mongoq import AsyncGroupTransport, GroupLease, NewMessage, _driver, cli
-from mongoq.groups import UnreadableDocument
+from mongoq import AsyncGroupTransport, GroupLease, NewMessage, UnreadableDocument, _driver, cli
 from mongoq.testing import CommandCounter, ManualClock, instrument
 from tests.support.group_helpers import (
     EPOCH,
