@@ -134,9 +134,12 @@ def group_page(prefix: str, view: GroupView, actions: bool) -> str:
         never = view.available_at <= NEVER_CLAIMED  # the epoch: it sorts first
         rows.append((when, "its first message (never claimed)" if never
                      else _when(now, view.available_at)))  # fmt: skip
+    if view.unreadable is not None:
+        rows.append(("lock", unreadable_mark(view.unreadable)))
     messages = [
-        f'<tr id="seq-{m.seq}"><td>{m.seq}</td><td>{_when(now, m.published_at)}</td>'
-        f"<td>{m.deliveries}</td><td>{_when(now, m.held_until) if m.held_until else '-'}</td>"
+        f'<tr id="seq-{escape(str(m.seq))}"><td>{show(m.seq)}{unreadable_mark(m.unreadable)}</td>'
+        f"<td>{_when(now, m.published_at)}</td><td>{m.deliveries}</td>"
+        f"<td>{_when(now, m.held_until) if m.held_until else '-'}</td>"
         f"{error_cell(m.last_error)}<td>{_inline(m.event)}</td></tr>"
         for m in view.messages
     ]

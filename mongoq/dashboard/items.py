@@ -18,9 +18,17 @@ from typing import Any
 
 from mongoq import _driver
 from mongoq.clock import stored_instant
+from mongoq.errors import InvalidInput
 from mongoq.groups import AsyncGroupTransport
 from mongoq.groups import schema as group_schema
-from mongoq.groups.models import DeadLetter, GroupId
+from mongoq.groups.models import (
+    DeadLetter,
+    GroupId,
+    count_of,
+    lock_fault,
+    message_fault,
+    priority_of,
+)
 from mongoq.outbox import AsyncOutbox
 from mongoq.outbox import schema as outbox_schema
 from mongoq.outbox.models import DeliveryInfo, Event
@@ -35,13 +43,15 @@ class GroupMessage:
     """A message of a group, as stored: `held_until` is the end of the lease stamped on it
     (the head a consumer holds), None when no lease holds it."""
 
-    seq: int
+    seq: Any
     published_at: datetime | None
     deliveries: int
     priority: int
     last_error: str | None
     held_until: datetime | None
     event: Any
+    #: which stored field no run loop can use, if one (`mongoq.groups.models.message_fault`)
+    unreadable: str | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,8 @@ class GroupView:
     messages: list[GroupMessage]
     more: bool
     dead: list[DeadLetter]
+    #: which field of the group's lock no claim can use, if one
+    unreadable: str | None = None
 
     @property
     def found(self) -> bool:
@@ -79,24 +91,30 @@ async def read_group(transport: AsyncGroupTransport, group_id: GroupId, limit: i
     return GroupView(
         group_id, now,
         None if lock is None else group_schema.lock_state(lock, now),
-        None if lock is None else int(lock.get("priority", 0)),
+        None if lock is None else priority_of(lock.get("priority", 0)),
         None if lock is None else stored_instant(lock.get("available_at")),
-        messages, len(docs) > limit, dead,
+        messages, len(docs) > limit, dead, None if lock is None else _fault(lock_fault(lock)),
     )  # fmt: skip
 
 
 def _message(doc: dict[str, Any], now: datetime) -> GroupMessage:
     until = stored_instant(doc.get("stamp_until"))
     held = until if doc.get("token") is not None and until is not None and until > now else None
+    error = doc.get("last_error")
     return GroupMessage(
-        seq=int(doc["_id"]),
+        seq=doc.get("_id"),
         published_at=stored_instant(doc.get("published_at")),
-        deliveries=int(doc.get("deliveries") or 0),
-        priority=int(doc.get("priority", 0)),
-        last_error=doc.get("last_error"),
+        deliveries=count_of(doc.get("deliveries") or 0) or 0,
+        priority=priority_of(doc.get("priority", 0)) or 0,
+        last_error=error if isinstance(error, str) else None,
         held_until=held,
         event=doc.get("event"),
+        unreadable=_fault(message_fault(doc)),
     )
+
+
+def _fault(fault: tuple[str, str] | None) -> str | None:
+    return None if fault is None else f"field {fault[0]!r} holds {fault[1]}"
 
 
 @dataclass(frozen=True)
@@ -143,6 +161,9 @@ async def read_delivery(outbox: AsyncOutbox, event_id: str, handler: str) -> Del
                   for doc in records]  # fmt: skip
     doc = await outbox.events.find_one(outbox_schema.event_by_id(event_id))
     event = None if doc is None else _event(doc)
+    if doc is not None and event is None:
+        log.warning("dashboard: event %r in %s cannot be read as an event; shown without it",
+                    event_id, outbox.events.name, extra={"mongoq_item": event_id})  # fmt: skip
     mine = [info for info in infos if info.handler == handler]
     finished = event is not None and handler in event.finished
     return DeliveryView(
@@ -151,9 +172,17 @@ async def read_delivery(outbox: AsyncOutbox, event_id: str, handler: str) -> Del
     )  # fmt: skip
 
 
-def _event(doc: dict[str, Any]) -> EventView:
+def _event(doc: dict[str, Any]) -> EventView | None:
+    """The event of a stored document; None for one that cannot be read as an event (its
+    deliveries show why: the outbox sets them aside naming the field)."""
+    try:
+        event = Event.from_document(doc)
+    except (KeyError, TypeError, ValueError, InvalidInput):
+        return None
+    finished = doc.get("finished")
     return EventView(
-        event=Event.from_document(doc),
-        finished=list(doc.get("finished") or []),
+        event=event,
+        finished=[name for name in finished if isinstance(name, str)]
+        if isinstance(finished, list) else [],
         completed_at=stored_instant(doc.get("completed_at")),
-    )
+    )  # fmt: skip

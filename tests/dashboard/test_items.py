@@ -188,3 +188,21 @@ async def test_a_requeue_from_a_task_page_changes_the_task(db: Any, clock: Manua
     doc = await db["emails"].find_one({"_id": 7})
     assert (doc["status"], doc["attempts"]) == ("pending", 0)
     assert '<span class="status pending">pending</span>' in after.text
+
+
+async def test_a_group_and_a_delivery_whose_documents_are_unreadable_are_shown_marked(
+    db: Any, clock: ManualClock
+) -> None:
+    await seed(db, clock)
+    await db["orders_locks"].update_one({"_id": "o-2"}, {"$set": {"priority": "high"}})
+    await db["orders_messages"].update_many({"group_id": "o-2"}, {"$set": {"deliveries": "x"}})
+    await db["shop_events"].update_one({"_id": "e1"}, {"$unset": {"type": ""}})
+    async with client(app_of(db, clock)) as http:
+        group = await http.get("/group/orders?id=o-2&id_type=str")
+        delivery = await http.get("/delivery/shop_?event_id=e1&handler=stats")
+        transport = await http.get("/groups/orders")
+
+    assert (group.status_code, delivery.status_code, transport.status_code) == (200, 200, 200)
+    assert "unreadable: field &#x27;priority&#x27; holds a string" in group.text
+    assert "unreadable: field &#x27;deliveries&#x27; holds a string" in group.text
+    assert (await db["shop_events"].find_one({"_id": "e1"}) or {}).get("type") is None
