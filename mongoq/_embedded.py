@@ -49,6 +49,10 @@ server's error class and code, in development rather than in production:
    before it, as on a server), OperationFailure for find_one_and_update. So is an update
    pipeline whose arithmetic meets a non-number (mongomock fails with Python's TypeError; a
    server answers 14, or 16554/16556 on older versions for ``$add``/``$subtract``).
+   ``$push`` or ``$addToSet`` to a field that holds no array is refused with code 2 (BadValue),
+   the document left as it was. ``$max`` and ``$min`` across BSON types compare by the server's
+   type order (a date is above every string, a string above every number) where mongomock
+   fails with Python's TypeError.
 
 Cost: one ``bson.encode`` per document an update changes (mongomock deep-copies it already) and
 one per inserted document; hints are dictionary look-ups. No collection scan is added.
@@ -58,6 +62,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Generator, Mapping
+from datetime import datetime
 from typing import Any, NoReturn
 
 import bson
@@ -100,6 +105,10 @@ _NO_TRANSACTIONS = "Transaction numbers are only allowed on a replica set member
 _OWN_WRITE_CODES = frozenset({_BAD_VALUE, _TYPE_MISMATCH, _UPDATE_TOO_LARGE, _UPSERT_TOO_LARGE})
 #: The update operators that need a number in the field they change.
 _ARITHMETIC = ("$inc", "$mul")
+#: The refusals of a document's content a findAndModify answers as command errors, by name.
+_CODE_NAMES = {_TYPE_MISMATCH: "TypeMismatch", _BAD_VALUE: "BadValue"}
+#: The update operators that need an array in the field they change.
+_ARRAYS = ("$push", "$addToSet")
 
 # The mongomock internals the rules hook into: fail at import, not with a silent rule-less
 # backend, should a mongomock release rename them.
@@ -241,10 +250,48 @@ def _is_number(value: Any) -> bool:
     )
 
 
+def _type_order(value: Any) -> int:
+    """Where `value`'s BSON type sorts among the others, as a server compares them (null,
+    numbers, strings, documents, arrays, binary, ObjectId, bools, dates, ...)."""
+    if value is None:
+        return 1
+    if _is_number(value):
+        return 2
+    order: tuple[tuple[type | tuple[type, ...], int], ...] = (
+        (str, 3), (dict, 4), (list, 5), (bytes, 6), (bson.ObjectId, 7), (bool, 8),
+        (datetime, 9), (bson.Timestamp, 10), (bson.Regex, 11),
+    )  # fmt: skip
+    return next((rank for kind, rank in order if isinstance(value, kind)), 12)
+
+
+def _across_types(document: Mapping[str, Any], update: Any) -> Any:
+    """`update` with each ``$max`` / ``$min`` between values of two BSON types settled by the
+    server's type order (a ``$set`` where the new value wins, nothing where it does not), which
+    mongomock cannot compare."""
+    if not isinstance(update, Mapping) or not ({"$max", "$min"} & set(update)):
+        return update
+    settled = dict(update)
+    won: dict[str, Any] = dict(settled.get("$set") or {})
+    for operator, above in (("$max", True), ("$min", False)):
+        fields = dict(settled.get(operator) or {})
+        for path, value in list(fields.items()):
+            current = _field_at(document, path)
+            if current is _MISSING or _type_order(current) == _type_order(value):
+                continue
+            del fields[path]
+            if (_type_order(value) > _type_order(current)) == above:
+                won[path] = value
+        settled[operator] = fields
+    if won:
+        settled["$set"] = won
+    return settled  # (an operator left empty changes nothing, as on a server)
+
+
 def _bson_type(value: Any) -> str:
     """The server's name for `value`'s BSON type, as its error texts give it."""
     names: dict[type, str] = {
-        str: "string", type(None): "null", bool: "bool", dict: "object", list: "array"
+        str: "string", type(None): "null", bool: "bool", dict: "object", list: "array",
+        datetime: "date",
     }  # fmt: skip
     return next((name for kind, name in names.items() if isinstance(value, kind)), "unknown")
 
@@ -399,6 +446,16 @@ class _Rules:
                         f"type {_bson_type(value)}"
                     )
                     raise _write_error(message, _TYPE_MISMATCH)
+        for operator in _ARRAYS:
+            for path in update.get(operator) or ():
+                value = _field_at(document, path)
+                if value is not _MISSING and not isinstance(value, list):
+                    message = (
+                        f"The field '{path}' must be an array but is of type "
+                        f"{_bson_type(value)} in document {{_id: {document.get('_id')!r}}}"
+                    )
+                    raise _write_error(message, _BAD_VALUE)
+        update = _across_types(document, update)
         return self._original["_apply_update_document"](document, spec, update, *args)
 
     def _apply_update_pipeline(self, document: Any, *args: Any) -> Any:
@@ -527,9 +584,9 @@ class _Rules:
         try:
             return self._original[name](*args, **kwargs)
         except WriteError as error:
-            if error.code == _TYPE_MISMATCH:
+            if error.code in _CODE_NAMES:
                 message = (error.details or {}).get("errmsg", str(error))
-                raise _command_error(message, _TYPE_MISMATCH, "TypeMismatch") from None
+                raise _command_error(message, error.code, _CODE_NAMES[error.code]) from None
             if error.code not in _MESSAGES:
                 raise
             raise _command_error(

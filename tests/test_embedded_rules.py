@@ -18,6 +18,7 @@ library matches them and on part of their text, never on a whole message.
 from __future__ import annotations
 
 import inspect
+from datetime import datetime
 from typing import Any
 
 import bson
@@ -603,3 +604,26 @@ async def test_bulk_write_reports_the_type_mismatch_at_its_index(db: Any) -> Non
     (entry,) = refused.value.details["writeErrors"]
     assert (entry["index"], entry["code"]) == (1, 14)
     assert (await db.c.find_one({"_id": 1}))["a"] == 2
+
+
+@pytest.mark.parametrize("operator", ["$push", "$addToSet"])
+async def test_an_array_operator_on_a_field_that_holds_no_array_is_refused(
+    db: Any, operator: str
+) -> None:
+    await db.c.insert_one({"_id": 1, "a": "x"})
+    with pytest.raises(WriteError) as refused:
+        await db.c.update_one({"_id": 1}, {operator: {"a": 1}})
+    assert refused.value.code == 2 and "must be an array" in str(refused.value)
+    with pytest.raises(OperationFailure) as command:
+        await db.c.find_one_and_update({"_id": 1}, {operator: {"a": 1}})
+    assert not isinstance(command.value, WriteError) and command.value.code == 2
+    assert await db.c.find_one({"_id": 1}) == {"_id": 1, "a": "x"}
+
+
+async def test_max_and_min_across_types_follow_the_servers_type_order(db: Any) -> None:
+    when = datetime(2026, 1, 1)
+    await db.c.insert_one({"_id": 1, "s": "x", "d": when, "n": 3})
+    await db.c.update_one({"_id": 1}, {"$max": {"s": 5, "d": "y", "n": 7}})
+    assert await db.c.find_one({"_id": 1}, {"_id": 0}) == {"s": "x", "d": when, "n": 7}
+    await db.c.update_one({"_id": 1}, {"$min": {"s": 5, "d": "y"}})
+    assert await db.c.find_one({"_id": 1}, {"_id": 0}) == {"s": 5, "d": "y", "n": 7}

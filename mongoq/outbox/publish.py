@@ -15,9 +15,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from pymongo import ReturnDocument, UpdateMany, UpdateOne
-from pymongo.errors import BulkWriteError
+from pymongo.errors import BulkWriteError, OperationFailure
 
 from mongoq import _driver
+from mongoq.errors import UnreadableDocument
 from mongoq.outbox import schema
 from mongoq.outbox.models import Event, PublishResult, lane_of, subscribed_handlers
 
@@ -46,13 +47,22 @@ class Publisher:
                 per_key[event.key].append(event.id)
         sequences: dict[str, int] = {}
         for key, ids in per_key.items():
-            counter = await self.sequences.find_one_and_update(
-                schema.sequence_of(key),
-                schema.sequence_taking(len(ids)),
-                upsert=True,
-                return_document=ReturnDocument.AFTER,
-                session=session,
-            )
+            try:
+                counter = await self.sequences.find_one_and_update(
+                    schema.sequence_of(key),
+                    schema.sequence_taking(len(ids)),
+                    upsert=True,
+                    return_document=ReturnDocument.AFTER,
+                    session=session,
+                )
+            except OperationFailure as refused:
+                if not _driver.type_mismatch(refused):
+                    raise
+                # Only this counter orders the key's deliveries: no guess is safe.
+                raise UnreadableDocument(
+                    self.sequences.name, key, "value", "no number",
+                    "set it to a number no lower than the highest sequence of the key's events",
+                ) from refused
             first = int(counter["value"]) - len(ids) + 1
             for offset, event_id in enumerate(ids):
                 sequences[event_id] = first + offset

@@ -22,6 +22,7 @@ import bson
 import pytest
 from pymongo.errors import BulkWriteError
 
+from mongoq import UnreadableDocument
 from mongoq.outbox import AsyncOutbox, DeliveryContext, Event, lane_of
 from mongoq.testing import ManualClock
 from tests.support.outbox_helpers import (
@@ -372,3 +373,19 @@ async def test_a_completion_whose_event_refuses_its_record_sets_the_delivery_asi
     assert "Cannot apply $addToSet" in doc["last_error"]
     assert set_asides(caplog) == [(EVENTS, "e1/h", "handlers", "buried")]
     assert isinstance(doc["_id"], bson.ObjectId)
+
+
+async def test_a_key_counter_that_holds_no_number_refuses_the_publish_naming_it(
+    db: Any, clock: ManualClock
+) -> None:
+    outbox = await new_outbox(db, clock, subscriptions={"*": ["h"]})
+    await outbox.publish([Event(id="e1", type="t", key="k")], session=None)
+    counters = outbox.sequences
+    await counters.update_one({"_id": "k"}, {"$set": {"value": "x"}})
+
+    with pytest.raises(UnreadableDocument) as refused:
+        await outbox.publish([Event(id="e2", type="t", key="k")], session=None)
+
+    assert (refused.value.collection, refused.value.field) == (counters.name, "value")
+    assert await outbox.events.count_documents({"_id": "e2"}) == 0
+    assert (await counters.find_one({"_id": "k"}) or {})["value"] == "x"
