@@ -95,16 +95,8 @@ def log_attempt_end(
 ) -> None:
     """Log that `attempt` ended in `outcome` (see the module docstring)."""
     line = error_line(error)
-    fields: dict[str, Any] = {
-        "mongoq_primitive": attempt.primitive,
-        "mongoq_queue": attempt.queue,
-        "mongoq_item": attempt.item,
-        "mongoq_attempt": attempt.number,
-        "mongoq_outcome": outcome,
-        "mongoq_next_due": next_due.isoformat() if next_due is not None else None,
-        "mongoq_worker": attempt.worker,
-        "mongoq_error": line,
-    }
+    fields = _fields(attempt, outcome, line)
+    fields["mongoq_next_due"] = next_due.isoformat() if next_due is not None else None
     where = f"{attempt.primitive}:{attempt.queue} {attempt.item}"
     after = f" after attempt {attempt.number}" if attempt.number is not None else ""
     due = f", due again at {fields['mongoq_next_due']}" if next_due is not None else ""
@@ -122,6 +114,19 @@ def log_attempt_end(
         # carries the traceback with it, unless it is a verdict.
         exc_info=_traceback(error) if given_up else None,
     )
+
+
+def _fields(attempt: Attempt, outcome: str, error: str) -> dict[str, Any]:
+    """The structured fields every record of an item's end carries (see the module docstring)."""
+    return {
+        "mongoq_primitive": attempt.primitive,
+        "mongoq_queue": attempt.queue,
+        "mongoq_item": attempt.item,
+        "mongoq_attempt": attempt.number,
+        "mongoq_outcome": outcome,
+        "mongoq_worker": attempt.worker,
+        "mongoq_error": error,
+    }
 
 
 def _traceback(
@@ -155,17 +160,9 @@ def log_set_aside(
     set aside (`outcome`: ``failed``, ``dead``, ``buried``, ``repaired``), so that it never holds
     back the items behind it. A WARNING naming the collection, the item and the field, with
     the module's fields and ``mongoq_collection`` and ``mongoq_field``."""
-    fields: dict[str, Any] = {
-        "mongoq_primitive": attempt.primitive,
-        "mongoq_queue": attempt.queue,
-        "mongoq_item": attempt.item,
-        "mongoq_attempt": attempt.number,
-        "mongoq_outcome": outcome,
-        "mongoq_worker": attempt.worker,
-        "mongoq_collection": collection,
-        "mongoq_field": field,
-        "mongoq_error": f"field {field!r} holds {found}",
-    }
+    fields = _fields(attempt, outcome, f"field {field!r} holds {found}")
+    fields["mongoq_collection"] = collection
+    fields["mongoq_field"] = field
     logger.warning(
         "%s: %r in %s set aside (%s): field %r holds %s",
         f"{attempt.primitive}:{attempt.queue}", attempt.item, collection, outcome, field, found,

@@ -40,7 +40,7 @@ from tests.support.group_helpers import (
     race,
     snapshot,
 )
-from tests.support.helpers import Actors, Trace, rejects
+from tests.support.helpers import Actors, Trace, rejects, set_asides
 
 MESSAGES, LOCKS, COUNTERS, DEAD = (f"{PREFIX}_{kind}" for kind in
                                    ("messages", "locks", "counters", "dead"))  # fmt: skip
@@ -50,15 +50,6 @@ BATCHES = pytest.mark.parametrize("batch_size", [1, 4])
 @pytest.fixture(autouse=True)
 def _warnings(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="mongoq")
-
-
-def set_asides(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str, str, str]]:
-    """(collection, item, field, outcome) of every set-aside WARNING logged."""
-    return [
-        (r.mongoq_collection, r.mongoq_item, r.mongoq_field, r.mongoq_outcome)
-        for r in caplog.records
-        if r.levelno == logging.WARNING and hasattr(r, "mongoq_field")
-    ]
 
 
 async def published(db: Any, clock: ManualClock, **options: Any) -> AsyncGroupTransport:

@@ -13,7 +13,6 @@ Python's TypeError there instead, so those tests leave it out.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +24,7 @@ from pymongo.errors import BulkWriteError
 from mongoq import UnreadableDocument
 from mongoq.outbox import AsyncOutbox, DeliveryContext, Event, lane_of
 from mongoq.testing import ManualClock
+from tests.support.helpers import set_asides
 from tests.support.outbox_helpers import (
     LEASE,
     ONLY_H,
@@ -41,15 +41,6 @@ from tests.support.outbox_helpers import (
 
 DELIVERIES = "ob_deliveries"
 EVENTS = "ob_events"
-
-
-def set_asides(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str, str, str]]:
-    """(collection, item, field, outcome) of every set-aside WARNING logged."""
-    return [
-        (r.mongoq_collection, r.mongoq_item, r.mongoq_field, r.mongoq_outcome)
-        for r in caplog.records
-        if r.levelno == logging.WARNING and hasattr(r, "mongoq_field")
-    ]
 
 
 async def published(db: Any, clock: ManualClock, key: str | None = None) -> AsyncOutbox:

@@ -11,7 +11,6 @@ Every test reads the collections back after the call it makes.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from datetime import datetime
 from typing import Any
 
@@ -21,7 +20,7 @@ import pytest
 
 from mongoq.outbox import AsyncOutbox, Delivery, DeliveryContext, DeliveryInfo, Event, lane_of
 from mongoq.testing import ManualClock
-from tests.support.helpers import rejects
+from tests.support.helpers import rejects, set_asides
 from tests.support.outbox_helpers import (
     ONLY_H,
     SUBSCRIPTIONS,
@@ -36,15 +35,6 @@ from tests.support.outbox_helpers import (
 
 LANES = "ob_lanes"
 DELIVERIES = "ob_deliveries"
-
-
-def set_asides(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str, str, str]]:
-    """(collection, item, field, outcome) of every set-aside WARNING logged."""
-    return [
-        (r.mongoq_collection, r.mongoq_item, r.mongoq_field, r.mongoq_outcome)
-        for r in caplog.records
-        if r.levelno == logging.WARNING and hasattr(r, "mongoq_field")
-    ]
 
 
 async def dispatch(outbox: AsyncOutbox, handlers: tuple[str, ...] = ("h",)) -> list[str]:

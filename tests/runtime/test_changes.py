@@ -29,7 +29,7 @@ from mongoq.testing import (
     settle,
 )
 from tests.conftest import skip_without_change_streams
-from tests.support.helpers import QUEUE, napping, new_queue, read, wait_for
+from tests.support.helpers import QUEUE, Sleeper, in_background, napping, new_queue, read, wait_for
 from tests.support.test_index_audit import TASKS, exercise_tasks
 
 POLL = 60.0
@@ -339,24 +339,10 @@ async def test_a_cancel_event_from_another_process_stops_the_running_handler_at_
     watch = FakeWatch()
     queue.collection.watch = watch
     await queue.put("t1")
-    seen: list[str] = []
+    sleeper = Sleeper()
 
-    async def handler(task: Task) -> None:
-        seen.append("started")
-        try:
-            await anyio.sleep_forever()
-        except anyio.get_cancelled_exc_class():
-            seen.append("cancelled")
-            raise
-
-    async with anyio.create_task_group() as group:
-        results: list[Any] = []
-
-        async def run() -> None:
-            results.append(await queue.run(handler, poll_interval=POLL))
-
-        group.start_soon(run)
-        await wait_for(lambda: seen == ["started"] and bool(watch.streams), "the handler")
+    async def cancel_elsewhere() -> None:
+        await wait_for(lambda: bool(watch.streams), "the change stream")
         # Another process cancels it: the database changes, and its change event comes.
         await db[QUEUE].update_one(
             {"_id": "t1"}, {"$set": {"status": "cancelled", "lease_token": None}}
@@ -365,8 +351,12 @@ async def test_a_cancel_event_from_another_process_stops_the_running_handler_at_
             "_id": {"token": 2}, "operationType": "update", "documentKey": {"_id": "t1"},
             "updateDescription": {"updatedFields": {"status": "cancelled"}},
         })  # fmt: skip
-        await wait_for(lambda: seen == ["started", "cancelled"], "the handler to be cancelled")
+        await wait_for(lambda: sleeper.seen == ["started", "cancelled"], "the handler to stop")
         queue.stop()
-    (summary,) = results
+
+    summary = await in_background(
+        clock, queue.run(sleeper, poll_interval=POLL), started=lambda: sleeper.seen,
+        then=cancel_elsewhere, advance=0,
+    )  # fmt: skip
     assert (summary.cancelled, summary.lost) == (1, 0)
     assert (await read(db, "t1") or {})["status"] == "cancelled"

@@ -362,6 +362,31 @@ async def every_page(
     raise AssertionError("the pages never ended")
 
 
+def set_asides(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str, str, str]]:
+    """(collection, item, field, outcome) of every set-aside WARNING logged
+    (`mongoq.runtime.report.log_set_aside`), in order."""
+    return [
+        (r.mongoq_collection, r.mongoq_item, r.mongoq_field, r.mongoq_outcome)
+        for r in caplog.records
+        if r.levelno == logging.WARNING and hasattr(r, "mongoq_field")
+    ]
+
+
+class Sleeper:
+    """A handler that sleeps until cancelled: `seen` records ``started``, then ``cancelled``."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    async def __call__(self, item: Any, *context: Any) -> None:
+        self.seen.append("started")
+        try:
+            await anyio.sleep_forever()
+        except anyio.get_cancelled_exc_class():
+            self.seen.append("cancelled")
+            raise
+
+
 async def in_background(
     clock: ManualClock,
     run: Awaitable[Any],

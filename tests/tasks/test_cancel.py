@@ -11,7 +11,15 @@ import pytest
 
 from mongoq import InvalidInput, LeaseLost, NewTask, Task
 from mongoq.testing import ManualClock, settle
-from tests.support.helpers import LEASE_TTL, claim_one, new_queue, read, wait_for
+from tests.support.helpers import (
+    LEASE_TTL,
+    Sleeper,
+    claim_one,
+    in_background,
+    new_queue,
+    read,
+    wait_for,
+)
 
 
 async def test_a_pending_task_cancelled_is_never_claimed_and_a_second_cancel_changes_nothing(
@@ -48,35 +56,24 @@ async def test_cancel_refuses_a_bad_id_before_anything_is_written(
     assert await db["tasks"].count_documents({}) == 0
 
 
-async def test_a_running_task_cancelled_stops_its_handler_at_the_next_renewal(
+async def test_a_running_task_cancelled_in_this_process_stops_its_handler_at_once(
     db: Any, clock: ManualClock
 ) -> None:
     queue = await new_queue(db, clock)
     await queue.put("t1")
-    seen: list[str] = []
+    sleeper = Sleeper()
 
-    async def handler(task: Task) -> None:
-        seen.append("started")
-        try:
-            await anyio.sleep_forever()
-        except anyio.get_cancelled_exc_class():
-            seen.append("cancelled")
-            raise
-
-    async with anyio.create_task_group() as group:
-        results: list[Any] = []
-
-        async def run() -> None:
-            results.append(await queue.run(handler, poll_interval=60))
-
-        group.start_soon(run)
-        await wait_for(lambda: seen == ["started"], "the handler to start")
+    async def cancel() -> None:
         assert await queue.cancel("t1") is True
         assert (await read(db, "t1") or {})["status"] == "cancelled"  # at once
-        clock.advance(LEASE_TTL / 3)  # the heartbeat: the task is no longer held
-        await wait_for(lambda: seen == ["started", "cancelled"], "the handler to be cancelled")
+        # No clock move: neither a renewal nor a poll is due; its holder is told.
+        await wait_for(lambda: sleeper.seen == ["started", "cancelled"], "the handler to stop")
         queue.stop()
-    (summary,) = results
+
+    summary = await in_background(
+        clock, queue.run(sleeper, poll_interval=60), started=lambda: sleeper.seen, then=cancel,
+        advance=0,
+    )  # fmt: skip
     assert (summary.cancelled, summary.lost, summary.retried, summary.completed) == (1, 0, 0, 0)
     stored = await read(db, "t1")
     assert stored is not None and (stored["status"], stored["attempts"]) == ("cancelled", 1)
@@ -175,58 +172,15 @@ async def test_a_task_cancelled_in_a_batch_is_stopped_and_counted_cancelled(
     assert docs == {"t0": "cancelled", "t1": "done", "t2": "done"}
 
 
-def _running(queue: Any, seen: list[str], poll: float) -> Any:
-    async def handler(task: Task) -> None:
-        seen.append("started")
-        try:
-            await anyio.sleep_forever()
-        except anyio.get_cancelled_exc_class():
-            seen.append("cancelled")
-            raise
-
-    return queue.run(handler, poll_interval=poll)
-
-
-async def test_a_cancel_in_the_same_process_stops_the_running_handler_at_once(
-    db: Any, clock: ManualClock
-) -> None:
-    queue = await new_queue(db, clock)
-    await queue.put("t1")
-    seen: list[str] = []
-
-    async with anyio.create_task_group() as group:
-        results: list[Any] = []
-
-        async def run() -> None:
-            results.append(await _running(queue, seen, poll=60))
-
-        group.start_soon(run)
-        await wait_for(lambda: seen == ["started"], "the handler to start")
-        assert await queue.cancel("t1") is True
-        # No clock move: neither a renewal nor a poll is due.
-        await wait_for(lambda: seen == ["started", "cancelled"], "the handler to be cancelled")
-        queue.stop()
-    (summary,) = results
-    assert (summary.cancelled, summary.lost, summary.retried) == (1, 0, 0)
-    assert (await read(db, "t1") or {})["status"] == "cancelled"
-
-
 async def test_a_cancel_from_another_process_reaches_the_handler_within_two_polls(
     db: Any, clock: ManualClock
 ) -> None:
     poll = 1.0
     queue = await new_queue(db, clock)
     await queue.put("t1")
-    seen: list[str] = []
+    sleeper = Sleeper()
 
-    async with anyio.create_task_group() as group:
-        results: list[Any] = []
-
-        async def run() -> None:
-            results.append(await _running(queue, seen, poll=poll))
-
-        group.start_soon(run)
-        await wait_for(lambda: seen == ["started"], "the handler to start")
+    async def cancel_elsewhere() -> None:
         # Another process's cancel: the database changes, nothing in this process is told.
         cancelled = await db["tasks"].update_one(
             {"_id": "t1"}, {"$set": {"status": "cancelled", "lease_token": None}}
@@ -235,9 +189,13 @@ async def test_a_cancel_from_another_process_reaches_the_handler_within_two_poll
         for _ in range(2):  # two polls, far from the first renewal (a third of the lease)
             await settle(5)
             clock.advance(poll)
-            if seen != ["started"]:
+            if sleeper.seen != ["started"]:
                 break
-        await wait_for(lambda: seen == ["started", "cancelled"], "the handler to be cancelled")
+        await wait_for(lambda: sleeper.seen == ["started", "cancelled"], "the handler to stop")
         queue.stop()
-    (summary,) = results
+
+    summary = await in_background(
+        clock, queue.run(sleeper, poll_interval=poll), started=lambda: sleeper.seen,
+        then=cancel_elsewhere, advance=0,
+    )  # fmt: skip
     assert summary.cancelled == 1

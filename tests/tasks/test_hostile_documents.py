@@ -14,7 +14,7 @@ import pytest
 
 from mongoq import InvalidInput, Task
 from mongoq.testing import ManualClock
-from tests.support.helpers import LEASE_TTL, new_queue, read
+from tests.support.helpers import LEASE_TTL, new_queue, read, set_asides
 
 #: The shapes a claim cannot use, by field: what a hand edit leaves, and what the error names.
 SHAPES = [
@@ -37,10 +37,6 @@ async def _spoiled(db: Any, clock: ManualClock, field: str, value: Any, **option
         await queue.put(f"g{n}", {"n": n})
     await db["tasks"].update_one({"_id": "bad"}, {"$set": {field: value}})
     return queue
-
-
-def _set_aside_lines(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if getattr(r, "mongoq_field", None) is not None]
 
 
 async def _run_all(queue: Any, **options: Any) -> list[str]:
@@ -77,13 +73,8 @@ async def test_a_task_no_worker_can_use_is_failed_at_its_first_claim_and_the_res
     assert f"field '{field}' holds {kind}" in bad["error"]
     for n in (1, 2, 3):
         assert (await read(db, f"g{n}") or {})["status"] == "done"
-    (line,) = _set_aside_lines(caplog)
-    assert (line.levelno, line.mongoq_field, line.mongoq_item) == (  # type: ignore[attr-defined]
-        logging.WARNING,
-        field,
-        "bad",
-    )
-    assert line.mongoq_collection == "tasks"  # type: ignore[attr-defined]
+    assert set_asides(caplog) == [("tasks", "bad", field, "failed")]
+    (line,) = [r for r in caplog.records if hasattr(r, "mongoq_field")]
     assert "'bad'" in line.getMessage() and "tasks" in line.getMessage()
 
 
@@ -142,8 +133,7 @@ async def test_an_expired_lease_whose_attempts_are_no_number_is_failed_by_reclai
     assert bad is not None and bad["status"] == "failed" and bad["lease_until"] is None
     assert "field 'attempts' holds no number" in bad["error"]
     assert (await read(db, "good") or {})["status"] == "pending"
-    (line,) = _set_aside_lines(caplog)
-    assert line.mongoq_collection == "tasks"  # type: ignore[attr-defined]
+    assert set_asides(caplog) == [("tasks", "bad", "attempts", "failed")]
 
 
 async def test_listings_pages_and_stats_show_an_unreadable_task_marked(
