@@ -490,13 +490,16 @@ class TaskQueue(Facade):
         """Remove the schedule `name` (its tasks already put stay); False if there was none."""
         return cast("bool", self._call("unschedule", name))
 
-    def stop(self) -> None:
+    def stop(self, grace: float | None = None) -> None:
         """Ask every `run` loop of this instance to stop gracefully: they claim nothing more,
-        let in-flight work finish, and return. The stop holds until a `run` returns: a `run`
-        that starts meanwhile (one called just before, whose loop was not running yet, or one
-        called after a stop with none running) returns at once, having claimed nothing.
+        let in-flight work finish, and return. With `grace` (seconds of the clock), work still
+        running that long after is cancelled, released for retry as "worker stopped" (a
+        handler that ignores its cancellation is abandoned 5 s later), so that the stop ends
+        within about `grace`. The stop holds until a `run` returns: a `run` that starts
+        meanwhile (one called just before, whose loop was not running yet, or one called after
+        a stop with none running) returns at once, having claimed nothing.
         """
-        self._call("stop")
+        self._call("stop", grace)
 
 
 class TaskLease(Facade):
@@ -818,13 +821,16 @@ class GroupTransport(Facade):
         """
         return cast("GroupStats", self._call("stats"))
 
-    def stop(self) -> None:
+    def stop(self, grace: float | None = None) -> None:
         """Ask every `run` loop of this instance to stop gracefully: they claim nothing more,
-        let in-flight work finish, and return. The stop holds until a `run` returns: a `run`
-        that starts meanwhile (one called just before, whose loop was not running yet, or one
-        called after a stop with none running) returns at once, having claimed nothing.
+        let in-flight work finish, and return. With `grace` (seconds of the clock), work still
+        running that long after is cancelled, released for retry as "worker stopped" (a
+        handler that ignores its cancellation is abandoned 5 s later), so that the stop ends
+        within about `grace`. The stop holds until a `run` returns: a `run` that starts
+        meanwhile (one called just before, whose loop was not running yet, or one called after
+        a stop with none running) returns at once, having claimed nothing.
         """
-        self._call("stop")
+        self._call("stop", grace)
 
 
 class Outbox(Facade):
@@ -1126,13 +1132,16 @@ class OutboxDispatcher(Facade):
             ),
         )
 
-    def stop(self) -> None:
+    def stop(self, grace: float | None = None) -> None:
         """Ask every `run` loop of this instance to stop gracefully: they claim nothing more,
-        let in-flight work finish, and return. The stop holds until a `run` returns: a `run`
-        that starts meanwhile (one called just before, whose loop was not running yet, or one
-        called after a stop with none running) returns at once, having claimed nothing.
+        let in-flight work finish, and return. With `grace` (seconds of the clock), work still
+        running that long after is cancelled, released for retry as "worker stopped" (a
+        handler that ignores its cancellation is abandoned 5 s later), so that the stop ends
+        within about `grace`. The stop holds until a `run` returns: a `run` that starts
+        meanwhile (one called just before, whose loop was not running yet, or one called after
+        a stop with none running) returns at once, having claimed nothing.
         """
-        self._call("stop")
+        self._call("stop", grace)
 
 
 class Jobs(Facade):
@@ -1259,13 +1268,16 @@ class Jobs(Facade):
             ),
         )
 
-    def stop(self) -> None:
+    def stop(self, grace: float | None = None) -> None:
         """Ask every `run` loop of this instance to stop gracefully: they claim nothing more,
-        let in-flight work finish, and return. The stop holds until a `run` returns: a `run`
-        that starts meanwhile (one called just before, whose loop was not running yet, or one
-        called after a stop with none running) returns at once, having claimed nothing.
+        let in-flight work finish, and return. With `grace` (seconds of the clock), work still
+        running that long after is cancelled, released for retry as "worker stopped" (a
+        handler that ignores its cancellation is abandoned 5 s later), so that the stop ends
+        within about `grace`. The stop holds until a `run` returns: a `run` that starts
+        meanwhile (one called just before, whose loop was not running yet, or one called after
+        a stop with none running) returns at once, having claimed nothing.
         """
-        self._call("stop")
+        self._call("stop", grace)
 
 
 Facade.registry[_AsyncTaskQueue] = TaskQueue

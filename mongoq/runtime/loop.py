@@ -35,7 +35,7 @@ import anyio
 import anyio.lowlevel
 
 from mongoq import _driver
-from mongoq._validation import check_worker_id
+from mongoq._validation import check_seconds, check_worker_id
 from mongoq.clock import Clock
 from mongoq.errors import MongoqError
 from mongoq.runtime import changes, wakeups, watchdog
@@ -164,6 +164,8 @@ class WorkerLoop(Generic[Item]):
         self._stopping = False
         self._naps: set[anyio.CancelScope] = set()
         self._scope: anyio.CancelScope | None = None
+        self._group: anyio.abc.TaskGroup | None = None  # while running: for the drain timer
+        self._drain: float | None = None  # a stop's grace, once one was given
         self.in_flight = 0
         self._wake_key = wake_key
         self._background = tuple(background)  # run beside the slots, cancelled after them
@@ -187,14 +189,26 @@ class WorkerLoop(Generic[Item]):
             return bool(self._naps)
         return len(self._naps) + len(self._waiting) == self._concurrency
 
-    def stop(self) -> None:
-        """Graceful stop: claim nothing more, let in-flight items finish."""
+    def stop(self, grace: float | None = None) -> None:
+        """Graceful stop: claim nothing more, let in-flight items finish; with `grace`, those
+        still running `grace` seconds (of the clock) later are cancelled, as `cancel` does."""
         if not self._stopping:
             log.info("%s: stopping after %d in-flight item(s)", self.name, self.in_flight)
         self._stopping = True
         self._cut_naps()
         for waiting in self._waiting:
             waiting.set()
+        if grace is not None and self._drain is None:
+            self._drain = grace
+            if self._group is not None:
+                self._group.start_soon(self._drain_after, grace)
+
+    async def _drain_after(self, grace: float) -> None:
+        await self._clock.sleep(grace)
+        if self.in_flight:
+            log.warning("%s: %d item(s) still running %g s after the stop; cancelling them",
+                        self.name, self.in_flight, grace)  # fmt: skip
+        self.cancel()
 
     def wake(self) -> None:
         """Something may be claimable now (a put or publish of this process): the poller
@@ -229,7 +243,9 @@ class WorkerLoop(Generic[Item]):
 
     async def _run(self, handle_signals: bool) -> None:
         async with anyio.create_task_group() as group:
-            self._scope = group.cancel_scope
+            self._scope, self._group = group.cancel_scope, group
+            if self._drain is not None:  # stopped with a grace before it ran
+                group.start_soon(self._drain_after, self._drain)
             if handle_signals:
                 group.start_soon(watch_signals, self, group.cancel_scope, self.name)
             if self._housekeeping is not None:
@@ -466,6 +482,7 @@ class WorkerHost:
     def __init__(self) -> None:
         self._loops: set[WorkerLoop[Any]] = set()
         self._stop_pending = False
+        self._stop_grace: float | None = None
         self._identity = (os.getpid(), default_worker_id())
 
     def _worker(self, worker_id: str | None) -> str:
@@ -483,7 +500,7 @@ class WorkerHost:
         note_embedded(self.db, loop.name)
         self._loops.add(loop)
         if self._stop_pending:
-            loop.stop()
+            loop.stop(self._stop_grace)
         shortest = lease if lease is not None else getattr(self, "lease_ttl", None)
         try:
             if shortest is None:
@@ -496,14 +513,19 @@ class WorkerHost:
             if not self._loops:
                 self._stop_pending = False
 
-    def stop(self) -> None:
+    def stop(self, grace: float | None = None) -> None:
         """Ask every `run` loop of this instance to stop gracefully: they claim nothing more,
-        let in-flight work finish, and return. The stop holds until a `run` returns: a `run`
-        that starts meanwhile (one called just before, whose loop was not running yet, or one
-        called after a stop with none running) returns at once, having claimed nothing."""
-        self._stop_pending = True
+        let in-flight work finish, and return. With `grace` (seconds of the clock), work still
+        running that long after is cancelled, released for retry as "worker stopped" (a
+        handler that ignores its cancellation is abandoned 5 s later), so that the stop ends
+        within about `grace`. The stop holds until a `run` returns: a `run` that starts
+        meanwhile (one called just before, whose loop was not running yet, or one called after
+        a stop with none running) returns at once, having claimed nothing."""
+        if grace is not None:
+            grace = check_seconds("grace", grace)
+        self._stop_pending, self._stop_grace = True, grace
         for loop in list(self._loops):
-            loop.stop()
+            loop.stop(grace)
 
     def _cancel_running(self) -> None:
         """Hard-stop every `run` loop of this instance (`mongoq_sync`'s second signal)."""

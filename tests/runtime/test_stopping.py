@@ -11,10 +11,10 @@ from typing import Any
 import anyio
 import pytest
 
-from mongoq import Task, TaskRunSummary
+from mongoq import InvalidInput, Task, TaskRunSummary
 from mongoq.runtime.loop import WORKER_STOPPED
-from mongoq.testing import ManualClock
-from tests.support.helpers import new_queue, read, wait_for
+from mongoq.testing import ManualClock, settle
+from tests.support.helpers import Sleeper, in_background, new_queue, read, wait_for
 
 
 async def test_a_task_cut_short_by_a_second_signal_records_worker_stopped_and_is_counted(
@@ -56,3 +56,37 @@ async def test_a_task_cut_short_by_a_second_signal_records_worker_stopped_and_is
     )  # fmt: skip
     [report] = [r for r in caplog.records if hasattr(r, "mongoq_outcome")]
     assert (report.levelno, report.mongoq_error) == (logging.INFO, WORKER_STOPPED)
+
+
+async def test_a_stop_with_a_grace_cancels_what_still_runs_after_it(
+    db: Any, clock: ManualClock
+) -> None:
+    queue = await new_queue(db, clock)
+    await queue.put("t")
+    sleeper = Sleeper()
+
+    async def stop_with_grace() -> None:
+        queue.stop(grace=10)
+        await settle(5)
+        clock.advance(9)  # within the grace: it runs on
+        await settle(5)
+        assert sleeper.seen == ["started"]
+
+    summary = await in_background(
+        clock, queue.run(sleeper), started=lambda: sleeper.seen, then=stop_with_grace, advance=1
+    )
+
+    assert sleeper.seen == ["started", "cancelled"]
+    assert (summary.retried, summary.completed) == (1, 0)
+    doc = await read(db, "t")
+    assert doc is not None and (doc["status"], doc["error"]) == ("pending", WORKER_STOPPED)
+
+
+async def test_a_stop_with_a_grace_given_before_the_run_applies_to_it(
+    db: Any, clock: ManualClock
+) -> None:
+    queue = await new_queue(db, clock)
+    queue.stop(grace=5)  # holds until a run returns: this one claims nothing
+    assert await queue.run(Sleeper()) == TaskRunSummary()
+    with pytest.raises(InvalidInput):
+        queue.stop(grace=-1)
