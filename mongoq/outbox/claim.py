@@ -52,18 +52,11 @@ from mongoq import _driver
 from mongoq._validation import MAX_BATCH
 from mongoq.clock import Clock, stored_instant
 from mongoq.outbox import schema
-from mongoq.outbox.lanes import Entry, Lane, LaneStore, LaneView
-from mongoq.outbox.models import LANES, Delivery, parse_token
+from mongoq.outbox.faults import delivery_fault, event_fault, head_fault, kind, whole
+from mongoq.outbox.lanes import Lane, LaneStore, LaneView
+from mongoq.outbox.models import LANES, Delivery, Entry, parse_token
 from mongoq.outbox.parking import PARK_THRESHOLD, Parking
-from mongoq.outbox.quarantine import (
-    Quarantine,
-    Unusable,
-    delivery_fault,
-    event_fault,
-    head_fault,
-    kind,
-    whole,
-)
+from mongoq.outbox.quarantine import Quarantine, Unusable
 from mongoq.runtime.report import error_text
 
 __all__ = ["Claimer"]

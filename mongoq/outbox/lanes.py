@@ -54,46 +54,17 @@ from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 from mongoq import _driver
 from mongoq.clock import stored_instant
 from mongoq.outbox import schema
-from mongoq.outbox.models import LANES
-from mongoq.outbox.quarantine import Quarantine, entry_fault, lane_faults, slots_fault
+from mongoq.outbox.faults import lane_faults, slots_fault
+from mongoq.outbox.models import LANES, Entry
+from mongoq.outbox.quarantine import Quarantine
 
-__all__ = [
-    "Entry", "Lane", "LaneStore", "LaneView", "Slots", "read_lanes", "read_slots", "seed_lanes",
-]  # fmt: skip
+__all__ = ["Lane", "LaneStore", "LaneView", "Slots", "read_lanes", "read_slots", "seed_lanes"]
 
 #: Lane documents one read returns in its first batch (256 a handler).
 READ_BATCH = 100_000
 
 #: A lane nobody ever held: its lease expired long ago.
 NEVER = datetime(1970, 1, 1, tzinfo=UTC)
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One delivery listed by a lane: claimed by the lane's owner at generation `generation`."""
-
-    delivery: Any
-    generation: int
-    handler: str
-    key: str | None
-
-    @classmethod
-    def from_document(cls, doc: Mapping[str, Any]) -> Entry:
-        """The entry `doc` lists; ValueError for one that cannot be read (`entry_fault`)."""
-        if entry_fault(doc):
-            raise ValueError("a lane entry that cannot be read")
-        return cls(doc["d"], int(doc["g"]), doc["h"], doc.get("k"))
-
-    @property
-    def claim(self) -> tuple[Any, int]:
-        """(delivery _id, generation): the claim this entry lists."""
-        return self.delivery, self.generation
-
-    def document(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"d": self.delivery, "g": self.generation, "h": self.handler}
-        if self.key is not None:
-            doc["k"] = self.key
-        return doc
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The outbox's values: events as the publisher writes them, deliveries as a claim hands them
-out (read from their documents, with the claim's token: its format and parse), and the result
-types of the operator calls; plus the two pure functions the storage layout
+out (read from their documents, with the claim's token: its format and parse), the entries a
+lane lists (`Entry`), and the result types of the operator calls; plus the two pure functions the storage layout
 rests on, `lane_of` (which of the 256 lanes a key lives in) and `normalize` (the JSON form in
 which payloads and headers are stored); `check_handler` validates handler names. Owns no
 collections (their layout: `mongoq.outbox.schema`).
@@ -28,7 +28,7 @@ from mongoq._validation import (
 )
 from mongoq.clock import stored_instant
 from mongoq.errors import InvalidInput
-from mongoq.outbox.quarantine import describe, info_fault, whole
+from mongoq.outbox.faults import describe, entry_fault, info_fault, whole
 
 #: How many lanes the deliveries are spread over; a worker leases lanes, not deliveries.
 LANES = 256
@@ -406,3 +406,31 @@ class OutboxRunSummary:
     released: int = 0
     lost: int = 0
     unknown: int = 0
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One delivery listed by a lane: claimed by the lane's owner at generation `generation`."""
+
+    delivery: Any
+    generation: int
+    handler: str
+    key: str | None
+
+    @classmethod
+    def from_document(cls, doc: Mapping[str, Any]) -> Entry:
+        """The entry `doc` lists; ValueError for one that cannot be read (`entry_fault`)."""
+        if entry_fault(doc):
+            raise ValueError("a lane entry that cannot be read")
+        return cls(doc["d"], int(doc["g"]), doc["h"], doc.get("k"))
+
+    @property
+    def claim(self) -> tuple[Any, int]:
+        """(delivery _id, generation): the claim this entry lists."""
+        return self.delivery, self.generation
+
+    def document(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"d": self.delivery, "g": self.generation, "h": self.handler}
+        if self.key is not None:
+            doc["k"] = self.key
+        return doc

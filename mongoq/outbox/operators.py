@@ -20,6 +20,7 @@ from mongoq._validation import MAX_BATCH, check_instant, check_int, check_window
 from mongoq.clock import Clock, stored_instant
 from mongoq.errors import InvalidInput
 from mongoq.outbox import schema
+from mongoq.outbox.faults import whole
 from mongoq.outbox.lanes import Lane, LaneStore, read_lanes
 from mongoq.outbox.models import (
     LANES,
@@ -29,7 +30,7 @@ from mongoq.outbox.models import (
     check_handler,
     lane_of,
 )
-from mongoq.outbox.quarantine import dead_as_read, delivery_requeuing_repaired, whole
+from mongoq.outbox.quarantine import dead_as_read, delivery_requeuing_repaired
 from mongoq.outbox.schema import (
     COMPLETED,
     DEAD,

@@ -19,7 +19,8 @@ from typing import Any
 from mongoq import _driver
 from mongoq.clock import stored_instant
 from mongoq.outbox import schema
-from mongoq.outbox.quarantine import Unusable, kind, whole
+from mongoq.outbox.faults import kind, whole
+from mongoq.outbox.quarantine import Unusable
 
 __all__ = ["PARK_THRESHOLD", "UNPARK_KEYS_PER_CLAIM", "Parking"]
 

@@ -61,11 +61,9 @@ from mongoq import _driver
 from mongoq._indexes import IndexSpec
 
 if TYPE_CHECKING:
-    from mongoq.outbox.lanes import Entry
-
     # (annotations only: the models read stored documents through `mongoq.outbox.quarantine`,
     # which reads this module)
-    from mongoq.outbox.models import Delivery, Event
+    from mongoq.outbox.models import Delivery, Entry, Event
 
 __all__ = [
     "CLAIM_INDEX",

@@ -23,9 +23,10 @@ from mongoq.clock import Clock
 from mongoq.errors import InvalidInput, LeaseLost
 from mongoq.outbox import schema
 from mongoq.outbox.claim import Claimer
+from mongoq.outbox.faults import event_fault
 from mongoq.outbox.lanes import LaneStore
 from mongoq.outbox.models import Delivery, parse_token
-from mongoq.outbox.quarantine import Unusable, event_fault
+from mongoq.outbox.quarantine import Unusable
 from mongoq.runtime.report import Attempt, error_text, log_attempt_end
 
 __all__ = ["OutboxSettles"]

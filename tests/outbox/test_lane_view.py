@@ -9,7 +9,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from mongoq.outbox.lanes import NEVER, Entry, Lane, LaneView
+from mongoq.outbox.lanes import NEVER, Lane, LaneView
+from mongoq.outbox.models import Entry
 
 START = datetime(2026, 1, 1, tzinfo=UTC)
 HANDLERS = ("a", "b")
