@@ -6,6 +6,7 @@ back; and what makes a stored document unusable (`message_fault`, `lock_fault`,
 from __future__ import annotations
 
 import math
+import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -189,6 +190,11 @@ class GroupRunSummary:
     lost: int = 0
     #: settles that raised a driver error: applied or not, the lease expiry recovers the group
     unknown: int = 0
+
+
+def new_lease_token(worker: str) -> str:
+    """A claim's lease token: ``<worker>:<uuid4 hex>``, unique per claim, naming its worker."""
+    return f"{worker}:{uuid.uuid4().hex}"
 
 
 def check_priority(name: str, priority: int) -> int:

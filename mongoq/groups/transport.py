@@ -10,7 +10,6 @@ indexes, and every filter and update sent are in `mongoq.groups.schema`.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import datetime, timedelta
 from functools import partial
@@ -49,6 +48,7 @@ from mongoq.groups.models import (
     count_of,
     head_fault,
     lock_fault,
+    new_lease_token,
 )
 from mongoq.groups.operators import GroupOperators
 from mongoq.groups.settles import GroupSettles
@@ -245,7 +245,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         refused: list[GroupId] = []  # groups whose head another live lease holds
         while True:
             now = await self._now()
-            token = f"{worker}:{uuid.uuid4().hex}"
+            token = new_lease_token(worker)
             lease_until = now + timedelta(seconds=self.lease_ttl)
             with _driver.index_required(self.locks, schema.CLAIM.name):
                 lock = await self.locks.find_one_and_update(
@@ -309,7 +309,7 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
     ) -> tuple[list[GroupLease], bool]:
         """One round of `claim_many`: its leases, and whether it set a document aside."""
         now = await self._now()
-        token = f"{worker}:{uuid.uuid4().hex}"
+        token = new_lease_token(worker)
         lease_until = now + timedelta(seconds=self.lease_ttl)
         candidates = await take_candidates(
             self.locks,

@@ -13,7 +13,6 @@ and every filter and update sent are in `mongoq.tasks.schema`.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import partial
@@ -59,6 +58,7 @@ from mongoq.tasks.models import (
     TaskId,
     TaskRunSummary,
     check_new_tasks,
+    new_lease_token,
     new_task,
 )
 from mongoq.tasks.operators import TaskOperators
@@ -72,15 +72,6 @@ log = logging.getLogger("mongoq.tasks")
 
 #: `run`'s claim step and process step (one task, or a batch).
 _Steps = tuple[Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]]
-
-
-def _token() -> str:
-    """A claim's lease token: a random (version 4) UUID's 32 hex digits, as
-    ``uuid.uuid4().hex`` writes it, without building the `uuid.UUID` (one a claim)."""
-    raw = bytearray(os.urandom(16))
-    raw[6] = raw[6] & 0x0F | 0x40  # version 4
-    raw[8] = raw[8] & 0x3F | 0x80  # the RFC 4122 variant
-    return raw.hex()
 
 
 def _retention(field: str, seconds: float | None) -> int | None:
@@ -256,7 +247,7 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         """One claim, and whether what it found was a document no worker can use instead (set
         aside: the caller claims again)."""
         now = await self._now()
-        token = _token()
+        token = new_lease_token()
         claiming = schema.task_claiming(worker, token, now, self.lease_ttl)
         due = schema.task_claimable(now, self.max_attempts, names)
         try:
@@ -313,7 +304,7 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         """One batched claim; None when it took nothing but set documents no worker can use
         aside (the caller claims again)."""
         now = await self._now()
-        token = _token()
+        token = new_lease_token()
         claiming = schema.task_claiming(worker, token, now, self.lease_ttl)
         due = schema.task_claimable(now, self.max_attempts, names)
         try:
