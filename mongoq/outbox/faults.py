@@ -7,8 +7,10 @@ tolerantly with them. Owns no collections; the documents are `mongoq.outbox.sche
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from datetime import datetime
+from decimal import ROUND_FLOOR, Decimal
 from typing import Any, TypeGuard
 
 import bson
@@ -16,8 +18,8 @@ import bson
 from mongoq.outbox import schema
 
 __all__ = [
-    "Fault", "delivery_fault", "describe", "entry_fault", "event_fault", "head_fault",
-    "info_fault", "is_text", "kind", "lane_faults", "slots_fault", "whole",
+    "Fault", "counter_value", "delivery_fault", "describe", "entry_fault", "event_fault",
+    "head_fault", "info_fault", "is_text", "kind", "lane_faults", "slots_fault", "whole",
 ]  # fmt: skip
 
 #: A field that cannot be used, and what it holds (``("attempts", "a string ('x')")``).
@@ -28,8 +30,12 @@ _LANES = 256
 _NAMES: tuple[tuple[type, str], ...] = (
     (bool, "a bool"), (int, "an int"), (float, "a float"), (str, "a string"),
     (dict, "a document"), (list, "an array"), (datetime, "a date"),
-    (bson.ObjectId, "an ObjectId"),
+    (bson.ObjectId, "an ObjectId"), (bson.Decimal128, "a Decimal128"),
 )  # fmt: skip
+#: A sequence is a 64-bit int in BSON.
+_INT64 = 2**63
+#: Beyond this a double's ``$inc`` by a few can round the increment away.
+_EXACT_DOUBLE = 2**53
 
 
 def kind(value: Any) -> str:
@@ -60,6 +66,30 @@ def whole(value: Any, low: int = 0, high: int | None = None) -> TypeGuard[int | 
     if isinstance(value, float) and not value.is_integer():
         return False
     return value >= low and (high is None or value < high)
+
+
+def counter_value(value: Any) -> int | None:
+    """The last sequence a key's counter says (its ``value`` after a publish's ``$inc``): a
+    number of any BSON type (a double such as a shell writes, a Decimal128; a fraction counts
+    down: sequences are whole); None when it says none to trust: no number, NaN, an infinity, a
+    double beyond 2**53 (an ``$inc`` of it may round the increment away: a sequence twice),
+    beyond a 64-bit int."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        number = Decimal(value)
+    elif isinstance(value, float):
+        if not math.isfinite(value) or abs(value) >= _EXACT_DOUBLE:
+            return None
+        number = Decimal(value)
+    elif isinstance(value, bson.Decimal128):
+        number = value.to_decimal()
+        if not number.is_finite():
+            return None
+    else:
+        return None
+    last = int(number.to_integral_value(ROUND_FLOOR))
+    return last if -_INT64 <= last < _INT64 else None
 
 
 def is_text(value: Any) -> bool:

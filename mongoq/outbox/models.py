@@ -1,9 +1,9 @@
 """The outbox's values: events as the publisher writes them, deliveries as a claim hands them
 out (read from their documents, with the claim's token: its format and parse), the entries a
-lane lists (`Entry`), and the result types of the operator calls; plus the two pure functions the storage layout
-rests on, `lane_of` (which of the 256 lanes a key lives in) and `normalize` (the JSON form in
-which payloads and headers are stored); `check_handler` validates handler names. Owns no
-collections (their layout: `mongoq.outbox.schema`).
+lane lists (`Entry`), and the result types of the operator calls; plus the two pure functions
+the storage layout rests on, `lane_of` (which of the 256 lanes a key lives in) and `normalize`
+(the JSON form in which payloads and headers are stored); `check_handler` validates handler
+names. Owns no collections (their layout: `mongoq.outbox.schema`).
 """
 
 from __future__ import annotations

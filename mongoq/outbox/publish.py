@@ -20,6 +20,7 @@ from pymongo.errors import BulkWriteError, OperationFailure
 from mongoq import _driver
 from mongoq.errors import UnreadableDocument
 from mongoq.outbox import schema
+from mongoq.outbox.faults import counter_value, kind
 from mongoq.outbox.models import Event, PublishResult, lane_of, subscribed_handlers
 
 __all__ = ["Publisher"]
@@ -40,7 +41,16 @@ class Publisher:
         self.subscriptions = subscriptions
 
     async def _sequences(self, events: Sequence[Event], session: Any) -> dict[str, int]:
-        """The next sequence of each keyed event's key, in the order of `events`."""
+        """The next sequence of each keyed event's key, in the order of `events`.
+
+        A counter whose value says no sequence to trust (`faults.counter_value`) raises
+        `UnreadableDocument` before anything else is written (no event, no delivery): only
+        this counter orders the key's deliveries, so no guess is safe. A value that is no
+        number (a string, null) is refused by the server (code 14): nothing written. Else
+        (NaN, an infinity, a double beyond 2**53, a number beyond 64 bits) the ``$inc`` was
+        applied before the value could be read: NaN and the infinities stay what they were,
+        a large double may have moved by a rounding step (the operator sets it anyway). In
+        the caller's transaction (`in_transaction`) it aborts with the error: undone too."""
         per_key: dict[str, list[str]] = defaultdict(list)
         for event in events:
             if event.key is not None:
@@ -58,15 +68,21 @@ class Publisher:
             except OperationFailure as refused:
                 if not _driver.type_mismatch(refused):
                     raise
-                # Only this counter orders the key's deliveries: no guess is safe.
-                raise UnreadableDocument(
-                    self.sequences.name, key, "value", "no number",
-                    "set it to a number no lower than the highest sequence of the key's events",
-                ) from refused
-            first = int(counter["value"]) - len(ids) + 1
+                raise self._unreadable(key, "no number") from refused
+            value = counter.get("value")
+            last = counter_value(value)
+            if last is None:
+                raise self._unreadable(key, kind(value))
+            first = last - len(ids) + 1
             for offset, event_id in enumerate(ids):
                 sequences[event_id] = first + offset
         return sequences
+
+    def _unreadable(self, key: str, found: str) -> UnreadableDocument:
+        return UnreadableDocument(
+            self.sequences.name, key, "value", found,
+            "set it to a whole number no lower than the highest sequence of the key's events",
+        )  # fmt: skip
 
     def _delivery_documents(
         self, event_id: str, stored: Mapping[str, Any], handlers: Iterable[str], now: datetime

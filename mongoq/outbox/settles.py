@@ -29,7 +29,43 @@ from mongoq.outbox.models import Delivery, parse_token
 from mongoq.outbox.quarantine import Unusable
 from mongoq.runtime.report import Attempt, error_text, log_attempt_end
 
-__all__ = ["OutboxSettles"]
+__all__ = ["RECORD_REFUSED_CODES", "OutboxSettles"]
+
+#: ``$addToSet`` (or ``$push``) to a field that holds no array: BadValue.
+NOT_AN_ARRAY = 2
+#: The server's refusals of an event's completion record for a field of the wrong type (a hand
+#: edit: ``handlers`` or ``finished`` no array, `NOT_AN_ARRAY`; a type mismatch,
+#: `mongoq._driver.TYPE_MISMATCH_CODES`). Definite: nothing was written. Only these set the
+#: delivery aside; any other write error (a validator's 121, a size refusal) is raised.
+RECORD_REFUSED_CODES = frozenset({NOT_AN_ARRAY, *_driver.TYPE_MISMATCH_CODES})
+
+
+class _RecordsRefused(BulkWriteError):
+    """The server's refusal of completion records inside a transaction, which it aborted:
+    raised on (never swallowed in the session) and mapped after the transaction ended.
+    `events`: the events that refused theirs, by id, with the server's message. A
+    `BulkWriteError` with the server's details for a caller's own transaction."""
+
+    def __init__(self, details: Mapping[str, Any], events: Mapping[str, str]) -> None:
+        super().__init__(dict(details))
+        self.events = dict(events)
+
+    def __reduce__(self) -> tuple[Any, Any]:
+        return self.__class__, (self.details, self.events)
+
+
+def _refused_records(error: BulkWriteError, event_ids: Sequence[str]) -> dict[str, str] | None:
+    """The events that refused their completion record (`event_ids`: the events of the bulk
+    write's requests, in order), by id, with the server's message; None when the error is
+    anything else too (a write concern error, another code): raised as it is."""
+    errors = error.details.get("writeErrors") or []
+    if (
+        error.details.get("writeConcernErrors")
+        or not errors
+        or any(e.get("code") not in RECORD_REFUSED_CODES for e in errors)
+    ):
+        return None
+    return {event_ids[e["index"]]: str(e.get("errmsg", "")) for e in errors}
 
 
 @names_unreachable_server
@@ -85,8 +121,10 @@ class OutboxSettles:
             return True
         try:
             now = await self._now()
+            # (False too when its event refused the completion record: set aside instead)
             if self.completion_history and await _driver.supports_transactions(self.db):
-                done = await self._complete_in_own_transaction([delivery], [fence], now)
+                outcome = await self._complete_transacted([delivery], [fence], now)
+                done = outcome is not None and outcome[0]
             elif refused := await self._mark_completed([delivery], now, None):
                 await self._set_aside_refused([delivery], refused, now)
                 done = False
@@ -130,6 +168,9 @@ class OutboxSettles:
     async def _complete_in_own_transaction(
         self, deliveries: list[Delivery], fences: list[dict[str, Any]], now: datetime
     ) -> bool:
+        """`_complete_in` a transaction of its own: False when some claim had ended (nothing
+        written); `_RecordsRefused` when events refused their records (nothing written)."""
+
         async def work(session: Any) -> None:
             await self._complete_in(session, deliveries, fences, now)
 
@@ -138,6 +179,21 @@ class OutboxSettles:
         except LeaseLost:
             return False
         return True
+
+    async def _complete_transacted(
+        self, batch: list[Delivery], fences: list[dict[str, Any]], now: datetime
+    ) -> list[bool] | None:
+        """Complete `batch` in a transaction of its own: True for each; None when some claim
+        had ended (the transaction wrote nothing). When events refused their completion
+        records, the server aborted the transaction (nothing of it written): once it ended,
+        their deliveries are set aside with writes of their own, and the others completed in
+        a new transaction (and so on: in a transaction a server reports its first refusal)."""
+        try:
+            if await self._complete_in_own_transaction(batch, fences, now):
+                return [True] * len(batch)
+            return None
+        except _RecordsRefused as refused:  # (the transaction has ended: aborted)
+            return await self._complete_unrefused(batch, fences, refused.events, now)
 
     async def _mark_completed(
         self, deliveries: Sequence[Delivery], now: datetime, session: Any
@@ -149,9 +205,11 @@ class OutboxSettles:
         claim had ended) is listed with its delivery still there, which a replay leaves alone
         too; its completion time only keeps the event longer.
 
-        Returns the events that refused their record (a hand edit: ``handlers`` no array), by
-        id, with the server's message: without a session, their deliveries are set aside by
-        the caller and the others complete; in a session the error aborts the transaction."""
+        Returns the events that refused their record (a hand edit: ``handlers`` no array,
+        `RECORD_REFUSED_CODES`), by id, with the server's message: without a session, their
+        deliveries are set aside by the caller and the others complete. In a session the
+        server aborted the transaction: `_RecordsRefused` is raised, for the caller to map once
+        the transaction ended. Any other error is raised as it is."""
         handlers: dict[str, list[str]] = defaultdict(list)
         for delivery in deliveries:
             handlers[delivery.event.id].append(delivery.handler)
@@ -167,11 +225,12 @@ class OutboxSettles:
                 session=session,
             )
         except BulkWriteError as exc:
-            errors = exc.details.get("writeErrors") or []
-            if session is not None or exc.details.get("writeConcernErrors") or not errors:
+            refused = _refused_records(exc, list(handlers))
+            if refused is None:
                 raise
-            ids = list(handlers)
-            return {ids[e["index"]]: str(e.get("errmsg", "")) for e in errors}
+            if session is not None:
+                raise _RecordsRefused(exc.details, refused) from exc
+            return refused
         return {}
 
     async def _set_aside_refused(
@@ -246,8 +305,9 @@ class OutboxSettles:
         self, batch: list[Delivery], fences: list[dict[str, Any]], now: datetime
     ) -> list[bool]:
         if self.completion_history and await _driver.supports_transactions(self.db):
-            if await self._complete_in_own_transaction(batch, fences, now):
-                return [True] * len(batch)
+            done = await self._complete_transacted(batch, fences, now)
+            if done is not None:
+                return done
             # Some claim ended (the transaction wrote nothing): complete the others one by one.
             return [await self.complete(d) for d in batch]
         if refused := await self._mark_completed(batch, now, None):
@@ -279,11 +339,12 @@ class OutboxSettles:
         now: datetime,
     ) -> list[bool]:  # fmt: skip
         """A batch some of whose events refused their completion record: those deliveries set
-        aside (not completed), the others completed."""
+        aside (not completed), the others completed. Without a transaction their events took
+        the record already (written again: no change); in one, nothing of it was written."""
         await self._set_aside_refused(batch, refused, now)
         kept = [i for i, d in enumerate(batch) if d.event.id not in refused]
         done = [False] * len(batch)
-        if kept:  # (their events took the record already: written again, no change)
+        if kept:
             rest = [batch[i] for i in kept], [fences[i] for i in kept]
             for i, ok in zip(kept, await self._complete_batch(*rest, now), strict=True):
                 done[i] = ok

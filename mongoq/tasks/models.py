@@ -77,12 +77,13 @@ class Task:
         """The task of a stored document; raises one of `READ_ERRORS` for a document that is
         not one (`task_fault` then says which field)."""
         get = doc.get  # every claim reads one: positional, in the order of the fields
+        attempts, priority = get("attempts", 0), get("priority", 0)
         return cls(
             doc["_id"],
             get("payload"),
             doc["status"],
-            int(get("attempts", 0)),
-            int(get("priority", 0)),
+            attempts if type(attempts) is int else _whole("attempts", attempts),
+            priority if type(priority) is int else _whole("priority", priority),
             get("revision"),
             stored_instant(get("lease_until")),
             get("worker_id"),
@@ -146,6 +147,14 @@ def _kind(value: Any) -> str:
     return f"{name} ({value!r:.40})" if value is not None else name
 
 
+def _whole(field: str, value: Any) -> int:
+    """A count or a priority stored as another number than an int (a shell's double, an
+    Int64) as an int; ValueError for what is no number (a bool, a text, NaN: `task_fault`)."""
+    if not _number(value):
+        raise ValueError(f"{field} holds no number")
+    return int(value)
+
+
 def task_fault(doc: Mapping[str, Any]) -> tuple[str, str] | None:
     """The first field of `doc` that makes it unusable as a task, and what it holds (``("attempts",
     "a string ('x')")``); None when every field has a type mongoq writes. Checked only after a
@@ -160,6 +169,9 @@ def task_fault(doc: Mapping[str, Any]) -> tuple[str, str] | None:
     for name in _INSTANTS:
         if doc.get(name) is not None and not isinstance(doc[name], datetime):
             return name, _kind(doc[name])
+    if doc["status"] in (PENDING, PROCESSING) and doc.get("lease_until") is None:
+        # Its due time, or its lease's end: without it no claim and no reclaim ever meets it.
+        return "lease_until", _kind(doc["lease_until"]) if "lease_until" in doc else "nothing"
     for name in _TEXTS:
         if doc.get(name) is not None and not isinstance(doc[name], str):
             return name, _kind(doc[name])

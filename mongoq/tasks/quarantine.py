@@ -52,6 +52,7 @@ async def set_aside(
     if fault is None:
         return False
     text = f"unreadable task document: {describe_fault(fault)}; set aside"
+    fence = {**fence, **schema.task_fields_as_read(doc, (fault[0], "revision"))}
     done = await queue.collection.update_one(fence, schema.task_setting_aside(now, text))
     if done.modified_count:
         log_set_aside(log, _attempt(queue, doc), queue.collection.name, *fault, "failed")
@@ -81,7 +82,7 @@ async def set_aside_candidates(
     order); `refusal` raised again when none is."""
     docs = await _driver.find_list(
         queue.collection, due, sort=schema.CLAIM_ORDER, limit=_WINDOW,
-        projection={"status": 1, "attempts": 1, "priority": 1, "lease_token": 1},
+        projection={"status": 1, "attempts": 1, "priority": 1, "lease_token": 1, "revision": 1},
         hint=schema.CLAIM_INDEX,
     )  # fmt: skip
     unusable = [doc for doc in docs if task_fault(doc) is not None]

@@ -494,12 +494,25 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         """When the next task left (of `functions` only, when given) becomes claimable (a
         pending task's due time, a processing one's lease expiry); None when no task is pending
         or processing. One query, so that a task moving between the two states is never missed
-        between two reads."""
-        docs = await _driver.find_list(
-            self.collection, schema.tasks_unfinished(functions), sort=schema.DUE_ORDER, limit=1,
-            projection={"lease_until": 1}, hint=schema.STATUS_LEASE.name,
-        )  # fmt: skip
-        return stored_instant(docs[0]["lease_until"]) if docs else None
+        between two reads. A task whose due time is no date (a hand edit: such values sort
+        before every date) is set aside, and the next one read."""
+        unfinished = schema.tasks_unfinished(functions)
+        for _ in range(quarantine.ROUNDS):
+            docs = await _driver.find_list(
+                self.collection, unfinished, sort=schema.DUE_ORDER, limit=1,
+                projection={"lease_until": 1, "status": 1, "revision": 1, "lease_token": 1},
+                hint=schema.STATUS_LEASE.name,
+            )  # fmt: skip
+            if not docs:
+                return None
+            due = stored_instant(docs[0].get("lease_until"))
+            if due is not None:
+                return due
+            now = await self._now()
+            await quarantine.set_aside(
+                self, docs[0], schema.task_unchanged(docs[0], unfinished), now
+            )
+        return None
 
     def _single_steps(
         self, holder: TaskBatch, tally: Tally, worker: str, limit: float | None

@@ -91,6 +91,7 @@ __all__ = [
     "task_expired",
     "task_expired_exhausted",
     "task_expired_retryable",
+    "task_fields_as_read",
     "tasks_buried_unusable",
     "task_extending",
     "task_cancellable",
@@ -232,7 +233,8 @@ def task_expired_exhausted(now: datetime, max_attempts: int) -> dict[str, Any]:
     missing: no claim can take them over, nor a requeue count them): `reclaim_expired` buries
     them (``status_lease``)."""
     no_number = {"attempts": {"$not": {"$type": "number"}}}
-    return {**task_expired(now), "$or": [{"attempts": {"$gte": max_attempts}}, no_number]}
+    nan = {"attempts": dict(_NAN)}  # a number no comparison with max_attempts matches
+    return {**task_expired(now), "$or": [{"attempts": {"$gte": max_attempts}}, no_number, nan]}
 
 
 def task_expired_retryable(now: datetime, max_attempts: int) -> dict[str, Any]:
@@ -240,6 +242,8 @@ def task_expired_retryable(now: datetime, max_attempts: int) -> dict[str, Any]:
     return {**task_expired(now), "attempts": {"$lt": max_attempts}}
 
 
+#: NaN, the one number below -infinity (and equal to nothing, in the embedded backend).
+_NAN = MappingProxyType({"$type": "number", "$not": {"$gte": float("-inf")}})
 #: The error of a task `reclaim_expired` buried because its attempts are no number.
 UNUSABLE_EXPIRED = (
     "unreadable task document: field 'attempts' holds no number; set aside when its lease expired"
@@ -249,7 +253,8 @@ UNUSABLE_EXPIRED = (
 def task_burying(now: datetime) -> list[dict[str, Any]]:
     """`reclaim_expired`'s end of a `task_expired_exhausted` task: failed, with the error that
     says which of the two it was (a pipeline: one command for both)."""
-    error = {"$cond": [{"$isNumber": "$attempts"}, EXPIRED_ON_LAST_ATTEMPT, UNUSABLE_EXPIRED]}
+    counted = {"$and": [{"$isNumber": "$attempts"}, {"$gte": ["$attempts", float("-inf")]}]}
+    error = {"$cond": [counted, EXPIRED_ON_LAST_ATTEMPT, UNUSABLE_EXPIRED]}
     return [{"$set": {**task_failing(now, None)["$set"], "error": error}}]
 
 
@@ -485,6 +490,22 @@ def task_unchanged(doc: Mapping[str, Any], due: Mapping[str, Any]) -> dict[str, 
     read by), still holding the lease token it was read with; by ``_id``. A task that changed
     meanwhile (put again, claimed) is left alone."""
     return {**due, "_id": doc["_id"], "lease_token": doc.get("lease_token")}
+
+
+def task_fields_as_read(doc: Mapping[str, Any], fields: Sequence[str]) -> dict[str, Any]:
+    """A set-aside's fence on `fields` as `doc` held them (missing ones still missing): a put
+    that rewrote the task meanwhile (a new revision, fields made right) makes it match
+    nothing. A NaN, which equals nothing in the embedded backend, is matched as the only number
+    below every other."""
+    fence: dict[str, Any] = {}
+    for name in fields:
+        if name not in doc:
+            fence[name] = {"$exists": False}
+        elif isinstance(doc[name], float) and doc[name] != doc[name]:
+            fence[name] = dict(_NAN)
+        else:
+            fence[name] = {"$eq": doc[name]}
+    return fence
 
 
 def task_setting_aside(now: datetime, error: str) -> dict[str, Any]:

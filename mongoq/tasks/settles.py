@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, cast
@@ -49,11 +49,10 @@ def _claimed(task: Task) -> Task:
         raise InvalidInput("task", "must be a Task returned by claim()")
     if not isinstance(task.lease_token, str) or not isinstance(task.worker_id, str):
         raise InvalidInput("task", "its lease_token and worker_id must be strings, as claim() sets")
-    if isinstance(task.id, bool) or not isinstance(task.id, str | int):
-        raise InvalidInput("task", "its id must be a string or an int, as claim() sets")
-    revision = task.revision
-    if revision is not None and (isinstance(revision, bool) or not isinstance(revision, str | int)):
-        raise InvalidInput("task", "its revision must be a string, an int or None")
+    # Any value a stored id can be (another program's ObjectId too), but no document or array,
+    # which a filter would read as operators or as a match of any element.
+    if isinstance(task.id, Mapping | list | tuple) or isinstance(task.revision, Mapping | list):
+        raise InvalidInput("task", "its id and revision must be plain values, as claim() sets")
     return task
 
 

@@ -6,13 +6,14 @@ It never raises out of the dispatcher's run, never holds back the other deliveri
 key too), never stays leased, and stats() and the listings keep working.
 
 Every test corrupts a stored document, runs, then reads the collections back. The shapes that
-make a server refuse an update (``$inc`` of a non-number: code 14) run on the lanes whose
-backend refuses as a server does (`db`); the test engine of the "tx" lane (mongomock-ng) raises
-Python's TypeError there instead, so those tests leave it out.
+make a server refuse an update (``$inc`` of a non-number: code 14; ``$addToSet`` to a
+non-array: code 2) run on every lane (`odb`): the embedded backend and the test engine of the
+"tx" lane refuse them with the server's codes too.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,7 @@ from tests.support.outbox_helpers import (
     key_in_lane,
     lanes,
     new_outbox,
+    publish_in_transaction,
 )
 
 DELIVERIES = "ob_deliveries"
@@ -259,25 +261,25 @@ async def test_a_delivery_of_an_unusable_event_is_set_aside_and_the_event_kept(
 
 @pytest.mark.parametrize("max_attempts", [1, 3], ids=["bury", "retry"])
 async def test_a_delivery_whose_attempts_break_while_it_runs_is_set_aside_at_its_settle(
-    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture, max_attempts: int
+    odb: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture, max_attempts: int
 ) -> None:
-    outbox = await published(db, clock)
+    outbox = await published(odb, clock)
 
     async def fail_after_edit(event: Event, context: DeliveryContext) -> None:
         if event.id == "e1":
-            await corrupt(db, "e1", {"$set": {"attempts": "x"}})
+            await corrupt(odb, "e1", {"$set": {"attempts": "x"}})
             raise RuntimeError("failed")
 
-    stored = await delivery_of(db, "e1", "h")
+    stored = await delivery_of(odb, "e1", "h")
     assert stored is not None
 
     # The settle's $inc of attempts is refused (code 14): the delivery is set aside instead.
     assert sorted(await dispatch(outbox, fail_after_edit, max_attempts=max_attempts)) == [
         "e1", "e2", "e3",
     ]  # fmt: skip
-    await assert_set_aside(db, stored["_id"], "attempts", "a string ('x')")
+    await assert_set_aside(odb, stored["_id"], "attempts", "a string ('x')")
     assert set_asides(caplog) == [(DELIVERIES, "e1/h", "attempts", "buried")]
-    assert [d["event_id"] for d in await deliveries(db)] == ["e1"]
+    assert [d["event_id"] for d in await deliveries(odb)] == ["e1"]
     await assert_operator_views_work(outbox)
 
 
@@ -300,23 +302,23 @@ async def test_a_delivery_whose_generation_breaks_while_it_runs_is_set_aside_at_
 
 
 async def test_a_lost_delivery_whose_attempts_break_is_set_aside_and_its_lane_taken_over(
-    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
+    odb: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    outbox = await new_outbox(db, clock, subscriptions=ONLY_H)
+    outbox = await new_outbox(odb, clock, subscriptions=ONLY_H)
     first = key_in_lane(lane_of("a0"), "a")
     second = key_in_lane(lane_of("a0"), "b")  # another key, the same lane
     await outbox.publish([event(1, first), event(2, second)], session=None)
     claimed = await outbox.claim("A", limit=2)
     assert sorted(d.event.id for d in claimed) == ["e1", "e2"]
-    doc_id = await corrupt(db, "e1", {"$set": {"attempts": "x"}})
+    doc_id = await corrupt(odb, "e1", {"$set": {"attempts": "x"}})
     clock.advance(LEASE + 1)  # A is gone
 
     # B takes the lane over and charges what A ran: e1's charge is refused (code 14).
     [again] = await outbox.claim("B", limit=2)
     assert (again.event.id, again.attempt) == ("e2", 2)
-    await assert_set_aside(db, doc_id, "attempts", "a string ('x')")
+    await assert_set_aside(odb, doc_id, "attempts", "a string ('x')")
     assert set_asides(caplog) == [(DELIVERIES, "e1/h", "attempts", "buried")]
-    lane = (await lanes(db))[lane_of(first)]
+    lane = (await lanes(odb))[lane_of(first)]
     assert lane["owner"] == "B" and lane["lost"] == []
 
 
@@ -340,14 +342,15 @@ async def test_a_parked_delivery_whose_sequence_breaks_is_set_aside_when_unparke
 
 
 async def test_a_completion_whose_event_refuses_its_record_sets_the_delivery_aside(
-    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
+    odb: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     # What a server answers when an event's `handlers` stopped being an array while its
-    # delivery ran (the embedded backends cannot show it: they raise TypeError).
-    outbox, faults = await faulty_outbox(db, clock, subscriptions=ONLY_H)
+    # delivery ran, in a server's words (tests/outbox/test_refused_completions.py: refused
+    # by the backend itself).
+    outbox, faults = await faulty_outbox(odb, clock, subscriptions=ONLY_H)
     await outbox.publish(event(1), session=None)
     [claimed] = await outbox.claim("A")
-    await db[EVENTS].update_one({"_id": "e1"}, {"$set": {"handlers": "h"}})
+    await odb[EVENTS].update_one({"_id": "e1"}, {"$set": {"handlers": "h"}})
     refusal = {
         "writeErrors": [{"index": 0, "code": 2, "errmsg": "Cannot apply $addToSet to non-array "
                          "field. Field named 'handlers' has non-array type string"}],
@@ -358,7 +361,7 @@ async def test_a_completion_whose_event_refuses_its_record_sets_the_delivery_asi
 
     assert await outbox.complete_many([claimed]) == [False]
 
-    [doc] = await deliveries(db)
+    [doc] = await deliveries(odb)
     assert doc["status"] == "dead" and "due_at" not in doc
     assert doc["last_error"].startswith("event 'e1': ")
     assert "Cannot apply $addToSet" in doc["last_error"]
@@ -367,9 +370,9 @@ async def test_a_completion_whose_event_refuses_its_record_sets_the_delivery_asi
 
 
 async def test_a_key_counter_that_holds_no_number_refuses_the_publish_naming_it(
-    db: Any, clock: ManualClock
+    odb: Any, clock: ManualClock
 ) -> None:
-    outbox = await new_outbox(db, clock, subscriptions={"*": ["h"]})
+    outbox = await new_outbox(odb, clock, subscriptions={"*": ["h"]})
     await outbox.publish([Event(id="e1", type="t", key="k")], session=None)
     counters = outbox.sequences
     await counters.update_one({"_id": "k"}, {"$set": {"value": "x"}})
@@ -380,3 +383,115 @@ async def test_a_key_counter_that_holds_no_number_refuses_the_publish_naming_it(
     assert (refused.value.collection, refused.value.field) == (counters.name, "value")
     assert await outbox.events.count_documents({"_id": "e2"}) == 0
     assert (await counters.find_one({"_id": "k"}) or {})["value"] == "x"
+
+
+#: name -> (what a hand edit left in key k's counter, what the error says it holds, what the
+#: publish's ``$inc`` leaves there: it is applied before the value is read)
+UNREADABLE_COUNTERS: dict[str, tuple[Any, str, Any]] = {
+    "NaN": (math.nan, "a float (nan)", math.nan),  # NaN + 2 is NaN: as it was
+    "infinity": (math.inf, "a float (inf)", math.inf),
+    "minus infinity": (-math.inf, "a float (-inf)", -math.inf),
+    # a double beyond 2**53: an $inc of it may round the increment away (sequences twice)
+    "a double too large": (2.0**60, "a float (1.152921504606847e+18)", 2.0**60),
+}
+
+
+def same_value(found: Any, expected: Any) -> bool:
+    if isinstance(expected, float) and math.isnan(expected):
+        return isinstance(found, float) and math.isnan(found)
+    return bool(found == expected)
+
+
+async def assert_counter_refused(
+    outbox: AsyncOutbox, publish: Callable[[list[Event]], Any], found: str, left: Any
+) -> None:
+    """`publish` of e2 and e3 (of key k) raises `UnreadableDocument` naming k's counter and
+    what it holds; nothing is written but the counter's own ``$inc`` (which leaves `left`)."""
+    counters = outbox.sequences
+    with pytest.raises(UnreadableDocument) as refused:
+        await publish([Event(id="e2", type="t", key="k"), Event(id="e3", type="t", key="k")])
+
+    error = refused.value
+    assert (error.collection, error.document_id, error.field) == (counters.name, "k", "value")
+    assert error.found == found
+    assert sorted(await events(outbox.db)) == ["e1"]
+    assert [d["event_id"] for d in await deliveries(outbox.db)] == ["e1"]
+    assert same_value((await counters.find_one({"_id": "k"}) or {})["value"], left)
+
+
+@pytest.mark.parametrize("shape", UNREADABLE_COUNTERS)
+async def test_a_key_counter_that_holds_no_usable_number_refuses_the_publish_naming_it(
+    odb: Any, clock: ManualClock, shape: str
+) -> None:
+    value, found, left = UNREADABLE_COUNTERS[shape]
+    outbox = await new_outbox(odb, clock, subscriptions={"*": ["h"]})
+    await outbox.publish([Event(id="e1", type="t", key="k")], session=None)
+    await outbox.sequences.update_one({"_id": "k"}, {"$set": {"value": value}})
+
+    async def publish(batch: list[Event]) -> Any:
+        return await outbox.publish(batch, session=None)
+
+    await assert_counter_refused(outbox, publish, found, left)
+
+
+@pytest.mark.parametrize(
+    ("value", "found"),
+    [
+        (bson.Decimal128("NaN"), "a Decimal128 (Decimal128('NaN'))"),
+        (bson.Decimal128("-Infinity"), "a Decimal128 (Decimal128('-Infinity'))"),
+        (math.nan, "a float (nan)"),
+    ],
+    ids=["decimal NaN", "decimal infinity", "NaN"],
+)
+@pytest.mark.parametrize("in_transaction", [False, True], ids=["plain", "transaction"])
+async def test_a_key_counter_that_holds_no_usable_number_refuses_a_transactional_publish_too(
+    txdb: Any, clock: ManualClock, value: Any, found: str, in_transaction: bool
+) -> None:
+    # (The embedded backends cannot add to a Decimal128: mongomock raises TypeError.)
+    outbox = await new_outbox(txdb, clock, subscriptions={"*": ["h"]})
+    await outbox.publish([Event(id="e1", type="t", key="k")], session=None)
+    await outbox.sequences.update_one({"_id": "k"}, {"$set": {"value": value}})
+
+    async def publish(batch: list[Event]) -> Any:
+        if in_transaction:  # the caller's transaction aborts: its $inc is undone too
+            return await publish_in_transaction(txdb, outbox, batch)
+        return await outbox.publish(batch, session=None)
+
+    await assert_counter_refused(outbox, publish, found, value)
+
+
+@pytest.mark.parametrize(
+    ("value", "after"),
+    [(7.0, 9.0), (6.5, 8.5), (bson.Int64(7), 9)],
+    ids=["a whole double", "a fraction", "an int64"],
+)
+async def test_a_key_counter_that_holds_another_numeric_type_goes_on_from_its_value(
+    odb: Any, clock: ManualClock, value: Any, after: Any
+) -> None:
+    outbox = await new_outbox(odb, clock, subscriptions={"*": ["h"]})
+    await outbox.publish([Event(id="e1", type="t", key="k")], session=None)
+    await outbox.sequences.update_one({"_id": "k"}, {"$set": {"value": value}})
+
+    await outbox.publish(
+        [Event(id="e2", type="t", key="k"), Event(id="e3", type="t", key="k")], session=None
+    )
+
+    stored = await events(odb)
+    assert (stored["e2"]["sequence"], stored["e3"]["sequence"]) == (int(after) - 1, int(after))
+    assert (await outbox.sequences.find_one({"_id": "k"}) or {})["value"] == after
+
+
+async def test_a_key_counter_that_holds_a_decimal_goes_on_from_its_value(
+    txdb: Any, clock: ManualClock
+) -> None:
+    outbox = await new_outbox(txdb, clock, subscriptions={"*": ["h"]})
+    await outbox.publish([Event(id="e1", type="t", key="k")], session=None)
+    await outbox.sequences.update_one({"_id": "k"}, {"$set": {"value": bson.Decimal128("7")}})
+
+    await outbox.publish([Event(id="e2", type="t", key="k")], session=None)
+    await publish_in_transaction(txdb, outbox, [Event(id="e3", type="t", key="k")])
+
+    stored = await events(txdb)
+    assert (stored["e2"]["sequence"], stored["e3"]["sequence"]) == (8, 9)
+    assert [d["sequence"] for d in await deliveries(txdb)] == [1, 8, 9]
+    assert (await outbox.sequences.find_one({"_id": "k"}) or {})["value"] == bson.Decimal128("9")

@@ -46,6 +46,17 @@ What this adapter adds on top (the workarounds):
   run without one.
 - TTL emulation ignores ``partialFilterExpression`` and would delete every document old
   enough: a partial TTL index is declared (``index_information`` shows it) but never expires.
+- Type mismatches are refused as a server (and the embedded backend, `mongoq._embedded` rule 5)
+  refuses them, where mongomock-ng fails with Python's TypeError or AttributeError: ``$inc`` or
+  ``$mul`` of a field that holds no number with code 14 (TypeMismatch), ``$push`` or
+  ``$addToSet`` to a field that holds no array with code 2 (BadValue), checked before the
+  document is changed (it is left as it was): WriteError for update_one/update_many, a write
+  error in bulk_write, OperationFailure (a command error) for find_one_and_update. Inside a
+  transaction, that aborts it as any write error does.
+- ``$inc`` of a Decimal128 (or by one) adds as a server does, in decimal (mongomock-ng fails
+  with Python's TypeError): ``Decimal128("7")`` plus 1 is ``Decimal128("8")``, NaN stays NaN.
+- As on a server, a bulk write (or insert_many) in a transaction stops at its first write error,
+  ordered or not: the transaction is aborted then, and the reply lists that error only.
 - `TxDatabase.command` answers "ping" and "hello" (with ``localTime``, the server clock);
   commands mongomock-ng lacks raise OperationFailure (CommandNotFound), not NotImplementedError.
 Errors are PyMongo's own classes (mongomock-ng imports them from pymongo when it is installed).
@@ -55,6 +66,7 @@ Every call runs synchronously: awaiting one never yields to the event loop (as m
 from __future__ import annotations
 
 import asyncio
+import decimal
 import itertools
 import random
 import time
@@ -63,12 +75,17 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import mongomock_ng
+from bson import Decimal128, Int64
+from bson.decimal128 import create_decimal128_context
+from mongomock_ng.collection import Collection as _NgCollection
 from pymongo.errors import (
+    BulkWriteError,
     CollectionInvalid,
     InvalidOperation,
     NetworkTimeout,
     OperationFailure,
     PyMongoError,
+    WriteError,
 )
 from pymongo.operations import IndexModel
 
@@ -89,6 +106,99 @@ _WRITE_CONFLICT = (
     "WriteConflict error: this operation conflicted with another operation. "
     "Please retry your operation or multi-document transaction."
 )
+
+
+_TYPE_MISMATCH, _BAD_VALUE = 14, 2
+#: The refusals of a document's content a findAndModify answers as command errors, by name.
+_CODE_NAMES = {_TYPE_MISMATCH: "TypeMismatch", _BAD_VALUE: "BadValue"}
+_ARITHMETIC = ("$inc", "$mul")  # need a number in the field they change
+_ARRAYS = ("$push", "$addToSet")  # need an array
+_MISSING = object()
+
+
+def _field_at(document: Mapping[str, Any], path: str) -> Any:
+    value: Any = document
+    for part in path.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float | Int64 | Decimal128) and not isinstance(value, bool)
+
+
+def _type_refusal(document: Mapping[str, Any], update: Mapping[str, Any]) -> WriteError | None:
+    """What a server answers to `update` (operators) of `document`, when it refuses it for a
+    field of the wrong type (see the module doc); None when it does not."""
+    found: tuple[str, int] | None = None
+    for operator in (*_ARITHMETIC, *_ARRAYS):
+        for path in update.get(operator) or ():
+            value = _field_at(document, path)
+            if value is _MISSING:
+                continue
+            where = f"{{_id: {document.get('_id')!r}}}"
+            if operator in _ARITHMETIC and not _is_number(value):
+                found = (
+                    f"Cannot apply {operator} to a value of non-numeric type. {where} has the "
+                    f"field '{path}' of non-numeric type {type(value).__name__}",
+                    _TYPE_MISMATCH,
+                )
+            elif operator in _ARRAYS and not isinstance(value, list):
+                found = (
+                    f"The field '{path}' must be an array but is of type "
+                    f"{type(value).__name__} in document {where}",
+                    _BAD_VALUE,
+                )
+            if found is not None:
+                message, code = found
+                return WriteError(message, code, {"index": 0, "code": code, "errmsg": message})
+    return None
+
+
+def _decimal(value: Any) -> decimal.Decimal:
+    return value.to_decimal() if isinstance(value, Decimal128) else decimal.Decimal(value)
+
+
+def _decimal_sums(document: Mapping[str, Any], update: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`update` with each ``$inc`` that meets a Decimal128 (in the field or as the increment)
+    made a ``$set`` of the sum, computed as a server computes it."""
+    increments = update.get("$inc") or {}
+    sums: dict[str, Decimal128] = {}
+    for path, by in increments.items():
+        value = _field_at(document, path)
+        if isinstance(value, Decimal128) or isinstance(by, Decimal128):
+            with decimal.localcontext(create_decimal128_context()) as context:
+                base = _decimal(0 if value is _MISSING else value)
+                sums[path] = Decimal128(context.add(base, _decimal(by)))
+    if not sums:
+        return update
+    changed = {name: spec for name, spec in update.items() if name != "$inc"}
+    rest = {path: by for path, by in increments.items() if path not in sums}
+    if rest:
+        changed["$inc"] = rest
+    changed["$set"] = {**changed.get("$set", {}), **sums}
+    return changed
+
+
+_apply_update_document: Callable[..., Any] = _NgCollection._apply_update_document
+
+
+def _checked_update_document(
+    self: Any, existing_document: Any, spec: Any, document: Any, was_insert: Any
+) -> Any:
+    """mongomock-ng's `_apply_update_document` (it changes the stored document in place),
+    after the server's type checks: a refusal leaves the document as it was."""
+    refusal = _type_refusal(existing_document, document)
+    if refusal is not None:
+        raise refusal
+    document = _decimal_sums(existing_document, document)
+    return _apply_update_document(self, existing_document, spec, document, was_insert)
+
+
+# For the process: mongomock-ng serves only this engine in the test suite.
+_NgCollection._apply_update_document = _checked_update_document  # type: ignore[method-assign]
 
 
 def _failure(message: str, code: int, code_name: str, **extra: Any) -> OperationFailure:
@@ -377,7 +487,9 @@ class TxCollection:
             if write and session.in_transaction:
                 try:
                     session._hold((self.database.name, self.name))
-                    return getattr(self._inner, method)(*args, session=session._inner, **kwargs)
+                    if method in ("bulk_write", "insert_many") and len(args) < 2:
+                        kwargs["ordered"] = True  # its first error ends it (see module doc)
+                    return self._run(method, args, {**kwargs, "session": session._inner})
                 except OperationFailure:  # BulkWriteError and DuplicateKeyError included
                     session._abort_on_error()
                     raise
@@ -385,7 +497,24 @@ class TxCollection:
             # transaction (mongomock-ng would do nothing else with it).
         if not write:
             kwargs.pop("hint", None)  # mongomock-ng ignores hints, with a warning each time
-        return getattr(self._inner, method)(*args, **kwargs)
+        return self._run(method, args, kwargs)
+
+    def _run(self, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        try:
+            return getattr(self._inner, method)(*args, **kwargs)
+        except BulkWriteError as error:
+            # mongomock-ng records a write error by its str(), which PyMongo suffixes with the
+            # full error: keep the server's errmsg for the refusals raised here.
+            for entry in error.details.get("writeErrors", ()):
+                if entry.get("code") in _CODE_NAMES and isinstance(entry.get("errmsg"), str):
+                    entry["errmsg"] = entry["errmsg"].split(", full error: ", 1)[0]
+            raise
+        except WriteError as error:
+            # A findAndModify's refusal of a document's content is a command error.
+            if not method.startswith("find_one_and_") or error.code not in _CODE_NAMES:
+                raise
+            message = (error.details or {}).get("errmsg", str(error))
+            raise _failure(message, error.code, _CODE_NAMES[error.code]) from None
 
     find_one = _method("find_one", write=False)
     count_documents = _method("count_documents", write=False)

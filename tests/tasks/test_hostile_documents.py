@@ -14,7 +14,14 @@ import pytest
 
 from mongoq import InvalidInput, Task
 from mongoq.testing import ManualClock
-from tests.support.helpers import LEASE_TTL, new_queue, read, set_asides
+from tests.support.helpers import (
+    LEASE_TTL,
+    in_background,
+    napping,
+    new_queue,
+    read,
+    set_asides,
+)
 
 #: The shapes a claim cannot use, by field: what a hand edit leaves, and what the error names.
 SHAPES = [
@@ -25,6 +32,8 @@ SHAPES = [
     pytest.param("priority", "high", "a string", id="priority-string"),
     pytest.param("priority", None, "null", id="priority-null"),
     pytest.param("priority", {"n": 1}, "a document", id="priority-document"),
+    pytest.param("priority", True, "a bool", id="priority-bool"),
+    pytest.param("priority", "5", "a string", id="priority-numeral"),
 ]
 
 
@@ -110,7 +119,7 @@ async def test_a_claim_of_only_unusable_tasks_says_nothing_is_due(
     assert [doc["status"] for doc in docs] == ["failed"] * 3
 
 
-@pytest.mark.parametrize("attempts", ["x", None, "missing"])
+@pytest.mark.parametrize("attempts", ["x", None, "missing", float("nan")])
 async def test_an_expired_lease_whose_attempts_are_no_number_is_failed_by_reclaim(
     db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture, attempts: Any
 ) -> None:
@@ -175,9 +184,9 @@ async def test_a_document_with_an_unknown_status_is_listed_and_never_claimed(
         {"worker_id": {"$exists": True}},
         {"id": {"$gt": ""}},
         {"revision": {"$ne": "x"}},
-        {"id": True},
+        {"id": ["t1", "t2"]},
     ],
-    ids=["token", "worker", "id", "revision", "bool-id"],
+    ids=["token", "worker", "id", "revision", "array-id"],
 )
 async def test_a_hand_built_task_with_fields_of_the_wrong_type_settles_nothing(
     db: Any, clock: ManualClock, forged: dict[str, Any]
@@ -196,3 +205,48 @@ async def test_a_hand_built_task_with_fields_of_the_wrong_type_settles_nothing(
     with pytest.raises(InvalidInput):
         await queue.heartbeat_many([fake])
     assert await read(db, "t1") == before
+
+
+@pytest.mark.parametrize("batch_size", [1, 10])
+async def test_a_task_another_program_inserted_with_an_object_id_runs_as_any_other(
+    db: Any, clock: ManualClock, batch_size: int
+) -> None:
+    queue = await new_queue(db, clock)
+    await queue.put("g1")
+    inserted = await db["tasks"].insert_one({
+        "status": "pending", "lease_until": clock.now(), "attempts": 0, "priority": 0,
+        "payload": {"n": 1},
+    })  # fmt: skip
+
+    ran = await _run_all(queue, batch_size=batch_size)
+
+    assert sorted(ran) == sorted(["g1", str(inserted.inserted_id)])
+    stored = await read(db, inserted.inserted_id)
+    assert stored is not None and (stored["status"], stored["attempts"]) == ("done", 1)
+    assert (await read(db, "g1") or {})["status"] == "done"
+
+
+@pytest.mark.parametrize("due", [None, "soon", "missing"])
+async def test_a_pending_task_whose_due_time_is_no_date_is_set_aside_by_a_drained_run(
+    db: Any, clock: ManualClock, due: Any
+) -> None:
+    queue = await new_queue(db, clock)
+    await queue.put("bad")
+    await queue.put("later", delay=600)
+    spoil = {"$unset": {"lease_until": ""}} if due == "missing" else {"$set": {"lease_until": due}}
+    await db["tasks"].update_one({"_id": "bad"}, spoil)
+    ran: list[str] = []
+
+    async def handler(task: Task) -> None:
+        ran.append(str(task.id))
+
+    summary = await in_background(
+        clock, queue.run(handler, stop_when_drained=True), started=lambda: napping(queue),
+        advance=600,
+    )  # fmt: skip
+
+    assert ran == ["later"] and summary.completed == 1
+    bad = await read(db, "bad")
+    assert bad is not None and bad["status"] == "failed"
+    assert "field 'lease_until' holds" in bad["error"]
+    assert (await queue.get("bad")) is not None
