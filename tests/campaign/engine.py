@@ -13,14 +13,17 @@ module is what such a run is built from, and knows no primitive:
   (`Report`), the leases seen, and every handler execution, each start judged against the raw
   document at that instant (`Run.start`): under its own live lease, an overlap (another
   claim's lease live, or another execution still running under a lease last seen live), or a
-  late start (its lease ended);
+  late start (its lease ended); and the runaway handlers (``hostile``), ended once the run is
+  over (`Run.end_runaways`);
 - `Faults` (module ``faults``): seeded faults at every command of one worker;
 - `Observer`: a hook that reads the documents around every write of one worker, attributes
   writes to the claim they work for, and counts a change to a document held under a live lease
   by another claim (a stale settle accepted), and the claims each worker's writes made;
-- `Crew`: asyncio workers started, stopped, hard-cancelled and crashed; `Timeline` and `drive`:
-  the only way time moves (settle, advance a step, run the events that fell due);
-- `catching_unexpected_errors`: the ``mongoq`` log records that say "unexpected error".
+- `Crew`: asyncio workers started, stopped, hard-cancelled and crashed, and `check_stops`: a
+  hard-cancelled or crashed worker's run ends within a bound; `Timeline` and `drive`: the
+  only way time moves (settle, advance a step, run the events that fell due);
+- `catching_unexpected_errors`: the ``mongoq`` log records that say "unexpected error", and
+  those that say a handler was abandoned or a document set aside (kept for the checks).
 
 The reports live in ``report``, the running of seeds (forked, repeatable) in ``runner``; their
 names are re-exported here.
@@ -38,7 +41,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 import anyio
@@ -47,7 +50,7 @@ import anyio.abc
 from mongoq import _driver
 from mongoq.clock import stored_instant
 from mongoq.testing import ManualClock, Operation, instrument, settle
-from tests.campaign.faults import FaultRates, Faults
+from tests.campaign.faults import SPIN, FaultRates, Faults
 from tests.campaign.report import COUNTERS, KEPT, Finding, Report, error_text
 from tests.campaign.runner import (
     Primitive,
@@ -82,7 +85,9 @@ __all__ = [
     "Timeline",
     "Worker",
     "catching_unexpected_errors",
+    "check_outcomes",
     "check_stops",
+    "cut_short",
     "drive",
     "error_text",
     "instant",
@@ -216,10 +221,9 @@ class Run:
         self.holdings = holdings
         self.report = Report(primitive, runs=1)
         self.executions: dict[Any, list[Execution]] = {}
-        #: every lease seen in a document, by token: its latest end
-        self.leases: dict[str, datetime] = {}
-        #: the same by (collection, document id, token): a claim of several items (a batch)
-        #: has one token, and the renewals of the others go on when one of them is let go
+        #: every lease seen in a document, by (collection, document id, token): its latest
+        #: end (by item: the items of one claim, a batch, share its token, and the others are
+        #: still renewed when one of them is let go)
         self.held_until: dict[tuple[str, Any, str], datetime] = {}
         #: the handler executions that swallowed their cancellation (`hostile.Runaway`)
         self.runaways: list[Any] = []
@@ -229,6 +233,8 @@ class Run:
         self.set_aside: list[tuple[datetime, dict[str, Any]]] = []
         #: set once the run is over: a runaway still going on then ends
         self.over = False
+        #: why the run was cut short before its real-time bound (a busy loop), if it was
+        self.cut_short: str | None = None
         self.deadline = time.monotonic() + REAL_BOUND
         self._began = time.monotonic()
 
@@ -244,6 +250,18 @@ class Run:
 
     def violation(self, counter: str, text: str) -> None:
         self.report.count(Finding(self.seed, counter, text))
+
+    def spun(self, worker: str, op: Operation) -> None:
+        """`worker` sent `faults.SPIN` commands without the clock moving (the last one
+        `op`): a busy loop. Counted, and the run cut short (it would spin to its real-time
+        bound): the driver's next step ends it as a hang."""
+        self.violation(
+            "unexpected_errors",
+            f"busy loop: {worker} sent {SPIN} commands at {self.at(self.clock.now())} without "
+            f"the clock moving (the last {op.collection}.{op.name})",
+        )
+        self.cut_short = self.cut_short or f"busy loop of {worker}"
+        self.deadline = 0.0
 
     def end_runaways(self) -> None:
         """The run is over: every runaway still going on ends (cancelled, it gives up)."""
@@ -264,8 +282,10 @@ class Run:
         """Record a handler's start of `item` (default: `doc_id`) under claim `token`, judged
         by the raw document `doc_id` right now (call it before the handler's first await):
         under its own live lease; an overlap when another claim's lease on it is live, or when
-        another execution of the item still runs under a lease last seen live (a stale write
-        may have erased it from the document); late when its lease has ended."""
+        another execution of the item still runs under a lease on it last seen live (a stale
+        write may have erased it from the document; an abandoned handler runs on, its lease no
+        longer renewed, while the other items of its claim may be); late when its lease has
+        ended."""
         now = self.clock.now()
         doc = self.store.document(collection, doc_id)
         held = self.holdings.holding(collection, doc) if doc is not None else None
@@ -274,7 +294,7 @@ class Run:
             other
             for other in self.executions.get(key, ())
             if other.ended is None and other.token != token
-            and self.leases.get(other.token or "", EPOCH) >= now
+            and self.held_until.get((collection, doc_id, other.token or ""), EPOCH) >= now
         ]  # fmt: skip
         if held is not None and held.token != token and held.until >= now:
             verdict, state = "overlap", held.describe(self)
@@ -284,7 +304,7 @@ class Run:
             state = (
                 f"{_describe_doc(held, doc, self)}; {other.worker}'s execution (claim "
                 f"{(other.token or '?')[:6]}) runs under a lease seen until "
-                f"{self.at(self.leases[other.token or ''])}"
+                f"{self.at(self.held_until[(collection, doc_id, other.token or '')])}"
             )
         elif held is not None and held.token == token and held.until > now:
             verdict, state = "live", ""
@@ -346,8 +366,8 @@ class Observer:
     settle accepted unless it is attributed to that lease's claim or names its token (is fenced
     on it): claims never take a live lease, and a holder's writes come from the task that
     claimed. A write that lost its fence is thus judged by whose claim sent it, not by how its
-    filter looks. Every lease seen is remembered by token (`Run.leases`), for the overlap check
-    of `Run.start`."""
+    filter looks. Every lease seen is remembered by item and token (`Run.held_until`), for the
+    overlap check of `Run.start` and the runaways' renewal check."""
 
     def __init__(self, run: Run, writer: str, worker_id: str | None = None) -> None:
         self.run = run
@@ -385,7 +405,6 @@ class Observer:
             held = holdings.holding(op.collection, doc)
             if held is None:
                 continue
-            self.run.leases[held.token] = held.until
             self.run.held_until[(op.collection, doc["_id"], held.token)] = held.until
             if held.holder == self.worker_id and tokens.get(doc["_id"]) != held.token:
                 self.claims += 1
@@ -430,7 +449,12 @@ class Worker:
     #: running, stopped (asked to), cancelled (hard), crashed
     fate: str = "running"
     done: bool = False
-    #: when it was first hard-cancelled or crashed, and when its run ended (the clock's)
+    #: the grace its graceful stop gives (`stop(grace=)`: what still runs that long after is
+    #: cancelled), None for none: the scenario's, with `stop`
+    stop_grace: float | None = None
+    #: when it was first asked to stop, first hard-cancelled or crashed, and when its run
+    #: ended (the clock's)
+    stopped_at: datetime | None = None
     hard_at: datetime | None = None
     ended_at: datetime | None = None
     summary: Any = None
@@ -496,6 +520,7 @@ class Crew:
     def stop(self, worker: Worker) -> None:
         if worker.fate == "running" and not worker.done:
             worker.fate = "stopped"
+            worker.stopped_at = self.run.clock.now()
             worker.stop()
 
     def cancel(self, worker: Worker) -> None:
@@ -554,20 +579,57 @@ class Crew:
                 worker.scope.cancel()
 
 
+def cut_short(worker: Worker) -> bool:
+    """Whether `worker`'s run may have been cut short: crashed, hard-cancelled, or stopped with
+    a grace that ran out before its run ended (what still ran was then cancelled, as a hard
+    cancel does)."""
+    if worker.fate in ("crashed", "cancelled"):
+        return True
+    if worker.stopped_at is None or worker.stop_grace is None or worker.ended_at is None:
+        return False
+    return worker.ended_at >= worker.stopped_at + timedelta(seconds=worker.stop_grace)
+
+
+def check_outcomes(run: Run, worker: Worker, names: Iterable[str]) -> int:
+    """The summary check every scenario shares: `worker`'s summary (it has one: its run
+    returned) says it ``claimed`` as many items as its outcomes `names` add up to, unless its
+    run was cut short (`cut_short`: then it may have claimed some it counted nowhere). Returns
+    what they add up to."""
+    summary = worker.summary
+    outcomes: dict[str, int] = {name: getattr(summary, name) for name in names}
+    accounted = sum(outcomes.values())
+    if not cut_short(worker) and summary.claimed != accounted:
+        run.violation(
+            "unexpected_errors",
+            f"summary: {worker.name} claimed {summary.claimed} but its outcomes add up to "
+            f"{accounted} ({', '.join(f'{k} {v}' for k, v in outcomes.items() if v)})",
+        )
+    return accounted
+
+
 def check_stops(run: Run, workers: Iterable[Worker], bound: float) -> None:
     """A worker hard-cancelled or crashed (`Worker.hard_at`) ends its run within `bound`
-    seconds of the clock, whatever its handlers do (one that swallows its cancellation is
-    abandoned after a grace: the stop does not wait for it). A graceful stop lets its handlers
-    finish: the drain's bound (a hang) is what holds it."""
+    seconds of the clock from then, and one stopped with a grace (`Worker.stop_grace`) within
+    `bound` of the grace's end, or from the end of its last partition if later (a settle held
+    by one waits for it), whatever its handlers do: one that swallows its cancellation is
+    abandoned after a grace, the stop does not wait for it. A graceful stop without a grace
+    lets its handlers finish: the drain's bound (a hang) is what holds it."""
     for worker in workers:
-        if worker.hard_at is None:
+        since = [worker.hard_at] if worker.hard_at is not None else []
+        if worker.stopped_at is not None and worker.stop_grace is not None:
+            since.append(worker.stopped_at + timedelta(seconds=worker.stop_grace))
+        if not since:
             continue
-        took = None if worker.ended_at is None else (worker.ended_at - worker.hard_at)
+        start = max(min(since), worker.faults.until or min(since))
+        took = None if worker.ended_at is None else (worker.ended_at - start)
         if took is None or took.total_seconds() > bound:
+            grace = "" if worker.stop_grace is None else f" with a grace of {worker.stop_grace:g} s"
             run.violation(
                 "runaways",
-                f"slow stop: {worker.name} was {worker.fate} at {run.at(worker.hard_at)}; its "
-                f"run ended at {run.at(worker.ended_at)}, past {bound:g} s",
+                f"slow stop: {worker.name}, stopped{grace} at {run.at(worker.stopped_at)}, "
+                f"hard-cancelled or crashed at {run.at(worker.hard_at)}, its partitions over "
+                f"at {run.at(worker.faults.until)}: its run ended at {run.at(worker.ended_at)}, "
+                f"more than {bound:g} s after {run.at(start)}",
             )
 
 

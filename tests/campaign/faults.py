@@ -1,7 +1,10 @@
 """Seeded faults at every command of one worker (`Faults`, a `mongoq.testing` hook): yields, an
 error before the command applies, a reply lost after it applied, partitions (commands held on
 the clock, applied late, their replies later still) and crashes (nothing sent arrives any more).
-`FaultRates` says how often; the scenario says when a partition or a crash comes."""
+`FaultRates` says how often; the scenario says when a partition or a crash comes. It also
+counts the commands a worker sends at one instant of the clock: more than `SPIN` is a busy loop
+(`engine.Run.spun`), which the library promises never to run (a document it cannot use, a
+refusal it retries at once, a handler it cancels again and again)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,11 @@ from mongoq.testing import Operation
 if TYPE_CHECKING:
     from tests.campaign.engine import Run
 
-__all__ = ["FaultRates", "Faults"]
+__all__ = ["SPIN", "FaultRates", "Faults"]
+
+#: Commands one worker may send while the clock stands still (the most seen in a good run is
+#: about 25: a batch's claims, settles and reads); more is a busy loop.
+SPIN = 100
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,7 @@ class Faults:
     """Seeded faults at every command of one worker; the first hook of its view."""
 
     def __init__(self, run: Run, name: str, rates: FaultRates) -> None:
+        self.run = run
         self.name = name
         self.clock = run.clock
         self.rng = run.rng_for("faults", name)
@@ -57,6 +65,8 @@ class Faults:
         self.commands = 0
         self.until: datetime | None = None  # the partition's end
         self._late: set[int] = set()
+        self._instant: datetime | None = None  # when the commands of `_burst` were sent
+        self._burst = 0
 
     def partition(self, seconds: float) -> None:
         """From now on for `seconds`, commands wait, then apply late; replies come later."""
@@ -80,6 +90,12 @@ class Faults:
 
     async def before(self, op: Operation) -> None:
         self.commands += 1
+        now = self.clock.now()
+        if now != self._instant:
+            self._instant, self._burst = now, 0
+        self._burst += 1
+        if self._burst == SPIN:
+            self.run.spun(self.name, op)
         if self.crashed:
             raise self._refused(op)
         if not self.enabled:

@@ -23,8 +23,8 @@ lease each deletion of a message removed, and when. The checks after the drain:
   unmarked) or dead-lettered, or acked under a lease none of whose executions returned;
 - order: per group, the acks of messages not dead-lettered come in sequence order, and each
   acked execution started no earlier than the previous message of its group was acked;
-- summaries: each worker's ``claimed`` equals the sum of its outcomes (not for crashed or
-  hard-cancelled workers), and the messages its writes acked (deleted unmarked) number between
+- summaries: each worker's ``claimed`` equals the sum of its outcomes (not for a run cut short:
+  `engine.check_outcomes`), and the messages its writes acked (deleted unmarked) number between
   its ``acked`` and ``acked + unknown + lost`` (`ack_many` reports an ack it cannot prove as
   lost). About half of the workers share one worker id, ``w`` (`tasks.slot_names`), as the
   slots of one worker do: only the lease's token tells their writes apart.
@@ -56,11 +56,23 @@ from tests.campaign.engine import (
     Timeline,
     Worker,
     catching_unexpected_errors,
+    check_outcomes,
+    check_stops,
+    cut_short,
     drive,
     instant,
     run_async,
 )
-from tests.campaign.tasks import Act, Settings, draw_disruptions, slot_names, wind_down
+from tests.campaign.hostile import Runaways, check_runaways
+from tests.campaign.tasks import (
+    Act,
+    Settings,
+    draw_disruptions,
+    graceful,
+    slot_names,
+    stop_bound,
+    wind_down,
+)
 
 __all__ = ["HOLDINGS", "PRIMITIVE", "GroupObserver", "GroupShape", "check_run", "judge_start"]
 
@@ -323,17 +335,8 @@ def _check_summaries(run: Run, workers: list[Worker], deletions: list[Deletion])
         summary = worker.summary
         if summary is None:  # crashed: its run was cancelled and returned nothing
             continue
-        outcomes = {name: getattr(summary, name) for name in OUTCOMES}
-        accounted = sum(outcomes.values())
-        slack = 0
-        if worker.fate in ("crashed", "cancelled"):
-            slack = max(0, summary.claimed - accounted)
-        elif summary.claimed != accounted:
-            run.violation(
-                "unexpected_errors",
-                f"summary: {worker.name} claimed {summary.claimed} but its outcomes add up to "
-                f"{accounted} ({', '.join(f'{k} {v}' for k, v in outcomes.items() if v)})",
-            )
+        accounted = check_outcomes(run, worker, OUTCOMES)
+        slack = max(0, summary.claimed - accounted) if cut_short(worker) else 0
         low, high = summary.acked, summary.acked + summary.unknown + summary.lost + slack
         if not low <= acks[worker.name] <= high:
             run.violation(
@@ -360,6 +363,7 @@ class GroupScenario:
         self.deletions: list[Deletion] = []
         self.slots: list[Worker | None] = [None] * self.SLOTS
         self.generations = [0] * self.SLOTS
+        self.runaways = Runaways(self.run)
 
     async def main(self) -> Report:
         run, shape = self.run, self.shape
@@ -377,7 +381,11 @@ class GroupScenario:
                 timeline = self.timeline(crew)
                 in_time = await drive(run, timeline, end=shape.end, step=STEP)
                 completed = await self.drain(crew, in_time)
-            items = check_run(run, crew.workers, self.published, self.deletions) if completed else 0
+            items = 0
+            if completed:
+                items = check_run(run, crew.workers, self.published, self.deletions)
+                check_runaways(run, shape.lease_ttl)
+                check_stops(run, crew.workers, stop_bound(shape.lease_ttl))
         return run.finish(items)
 
     async def publish(self, messages: list[NewMessage]) -> None:
@@ -392,7 +400,8 @@ class GroupScenario:
         settings = Settings.draw(self.run, name, lease)
         retry = self.run.rng_for("retry", name).choice((0.0, 0.5, 1.0, 2.0))
         transport = self.shape.transport(worker.db, self.run)
-        worker.stop, worker.hard_cancel = transport.stop, transport._cancel_running
+        graceful(self.run, worker, transport.stop, lease)
+        worker.hard_cancel = transport._cancel_running
         crew.start(worker, partial(
             transport.run, self.handler(worker), worker_id=worker_id, retry_delay=retry,
             **settings.arguments(),
@@ -400,16 +409,15 @@ class GroupScenario:
         self.slots[slot] = worker
 
     def handler(self, worker: Worker) -> Callable[[GroupLease], Awaitable[Any]]:
-        run, lease = self.run, self.shape.lease_ttl
+        run, lease, runaways = self.run, self.shape.lease_ttl, self.runaways
 
         async def handle(group_lease: GroupLease) -> Any:
             execution = judge_start(run, group_lease, worker.name)
-            act = Act.draw(run, group_lease.seq, len(run.executions[group_lease.seq]), lease)
-            try:
-                await run.clock.sleep(act.seconds)
-            except BaseException:
-                execution.end(run.clock.now(), "cancelled")
-                raise
+            seq, number = group_lease.seq, len(run.executions[group_lease.seq])
+            act = Act.draw(run, seq, number, lease)
+            claim = (LOCKS, group_lease.group_id, group_lease.token)
+            runaway = runaways.draw(execution, repr(group_lease.group_id), claim, seq, number)
+            await runaways.sleep(execution, act.seconds, runaway)
             execution.end(run.clock.now(), "returned" if act.ending == "returns" else "raised")
             return act.finish(worker.name)
 

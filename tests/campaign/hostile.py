@@ -6,7 +6,7 @@ knows its documents: ``tasks.check_poisoned``).
 
 A runaway is a handler execution with a bare ``except BaseException`` around its sleeps: its
 first cancellation (a time limit, a lost lease, an operator's cancel, a hard stop, a crash) is
-caught, and it goes on for a drawn while (a fifth of `GRACE` to three times it, or, one time in
+caught, and it goes on for a drawn while (a fifth of `GRACE` to six times it, or, one time in
 four, until the run is over), swallowing every further cancellation, then ends as its `Act`
 says. The library cancels a handler once and, `GRACE` seconds of the clock later, abandons one
 still running: it stops renewing its lease, frees its slot, counts it ``lost``, logs one WARNING
@@ -83,7 +83,8 @@ class Runaway:
 
 class Runaways:
     """One run's runaways: the share of handler executions that swallow their cancellation
-    (drawn per run: none in half of the runs), and those that did (`Run.runaways`)."""
+    (drawn per run: none in a quarter of the runs, else 30-90 %), and those that did
+    (`Run.runaways`)."""
 
     def __init__(self, run: Run) -> None:
         self.run = run
@@ -158,9 +159,9 @@ def _abandoned(run: Run, runaway: Runaway) -> datetime | None:
     return None
 
 
-def check_runaways(run: Run, lease: float) -> None:
+def check_runaways(run: Run, lease: float | None) -> None:
     """The checks of every runaway of the run (see the module docstring); `lease` is the
-    primitive's lease in seconds."""
+    primitive's lease in seconds (None: leases not judged, as for a run that hung)."""
     now = run.clock.now()
     for runaway in run.runaways:
         assert runaway.swallowed is not None
@@ -178,7 +179,7 @@ def check_runaways(run: Run, lease: float) -> None:
                 f"abandoned early: {runaway.describe(run)}, ended at {run.at(runaway.ended)}, "
                 f"yet was abandoned at {run.at(abandoned)}",
             )
-        if runaway.lease is None:
+        if runaway.lease is None or lease is None:
             continue
         seen = run.held_until.get(runaway.lease)
         bound = runaway.swallowed + timedelta(seconds=GRACE + lease + SLACK)

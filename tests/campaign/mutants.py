@@ -25,6 +25,7 @@ from typing import Any
 import anyio
 
 from mongoq.errors import HandlerAbandoned
+from mongoq.runtime import handler as supervisor
 
 __all__ = ["MUTANTS", "Mutant", "MutantUnavailable", "Patch", "applied", "mutant", "replacing"]
 
@@ -239,6 +240,7 @@ def _waits_for_the_handler(original: Any) -> Any:
         handler.cancel()
         with anyio.CancelScope(shield=True):
             await ended.wait()
+        supervisor.running.pop(handler, None)
 
     return cancel
 

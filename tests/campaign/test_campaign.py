@@ -15,11 +15,15 @@ JOBS = 2
 #: Seeds per primitive of the short campaign.
 SEEDS = {"tasks": range(3), "facade": range(4)}
 #: Per mutant, the primitive whose campaign must catch it and how many seeds it may take (the
-#: first seeds that catch each: 2, 22 and 0 on the library as fixed for issue 24).
+#: first seeds that catch each, in this order: 1, 3, 0, then 0, 0 and 0 for the mutants of
+#: issue 34's hostile documents and runaway handlers).
 CAUGHT_BY = {
     "settle-without-fence": ("tasks", 10),
     "lease-from-reply": ("tasks", 40),
     "ignores-late-reply": ("tasks", 10),
+    "claim-retries-refused-document": ("tasks", 10),
+    "renewal-keeps-runaway-lease": ("tasks", 10),
+    "runaway-never-abandoned": ("tasks", 10),
 }
 
 
