@@ -104,9 +104,24 @@ async def worker(args: argparse.Namespace, uri: str | None) -> int:
 
 
 def exit_now(code: int) -> None:
-    """End the process at once with `code`, its logs flushed, leaving its tasks behind."""
+    """End the process at once with `code`, leaving its tasks behind: its logs, its output and
+    its tracer's spans flushed first (no ``atexit`` hook runs: one may wait for the very
+    threads an abandoned call holds)."""
+    _flush_spans()
     logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
     os._exit(code)
+
+
+def _flush_spans() -> None:
+    """The spans an OpenTelemetry SDK still buffers, exported (bounded by the SDK)."""
+    trace = sys.modules.get("opentelemetry.trace")
+    flush = getattr(trace.get_tracer_provider(), "force_flush", None) if trace else None
+    if flush is not None:
+        with contextlib.suppress(Exception):
+            flush()
 
 
 @contextlib.contextmanager

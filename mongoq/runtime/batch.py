@@ -23,6 +23,7 @@ Invariants the slot keeps for every primitive:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -100,6 +101,8 @@ class _Batch(Generic[Item]):
     confirmed: datetime = field(init=False)
     #: the item whose handler runs, and what a renewal that finds it lost sets to cancel it
     running: tuple[Item, anyio.CancelScope] | None = field(default=None, init=False)
+    #: the item started last and not finished: cut short by a cancellation, an attempt
+    current: Item | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.unsettled = list(self.items)
@@ -184,46 +187,52 @@ class _Batch(Generic[Item]):
             first_at=self.holder.lease_end(self.items[0]) - timedelta(seconds=2 * interval),
             name=f"batch of {len(self.items)}",
         )
-        current: Item | None = None
+        told = getattr(self.holder, "told", None)  # (the primitive's signals to renew now)
         try:
-            async with keepalive:
-                for item in self.items:
-                    # A hard stop that came while the last item ended (its guard swallowing
-                    # it) gives this one back unstarted, no attempt spent.
-                    current = None
-                    await anyio.lowlevel.checkpoint_if_cancelled()
-                    current = item
-                    if not await self.still_held(current):
-                        continue  # taken over meanwhile: never run it twice at once
-                    guard = anyio.CancelScope()
-                    self.running = (current, guard)
-                    try:
-                        result = await call_handler(
-                            partial(self.holder.handle, current), clock=self.clock,
-                            limit=self.limit, guard=guard, timed=self.timed,
-                            name=self.describe(current),
-                        )  # fmt: skip
-                    except HandlerAbandoned:  # still running: never settled, never renewed
-                        if current in self.unsettled:
-                            self.unsettled.remove(current)
-                            self.count("lost", 1)
-                    except Exception as exc:
-                        if isinstance(exc, LeaseLost) and guard.cancel_called:
-                            continue  # cancelled; counted lost by the renewal that found it
-                        await self.settle(
-                            current, partial(self.holder.settle_failure, current, exc)
-                        )
-                    else:
-                        # Finished: a cancellation from here on still completes it.
-                        self.finished.append((current, result))
-                    finally:
-                        self.running = None
-                current = None
+            with told(self.items, keepalive.renew_now) if told else contextlib.nullcontext():
+                await self._run_items(keepalive)
         finally:
             # Shielded, so a cancelled worker still settles what it holds; bounded, so a dead
             # server cannot hold the shutdown longer than the lease would have lasted.
             with anyio.move_on_after(self.lease, shield=True):
-                await self._settle_rest(current)
+                await self._settle_rest(self.current)
+
+    async def _run_items(self, keepalive: KeepAlive) -> None:
+        """Each item's handler in turn, under `keepalive`; `current` is the item whose handler
+        runs (cut short by a cancellation, it counts as an attempt)."""
+        async with keepalive:
+            for item in self.items:
+                # A hard stop that came while the last item ended (its guard swallowing it)
+                # gives this one back unstarted, no attempt spent.
+                self.current = None
+                await anyio.lowlevel.checkpoint_if_cancelled()
+                self.current = item
+                if not await self.still_held(item):
+                    continue  # taken over meanwhile: never run it twice at once
+                await self._run_one(item)
+            self.current = None
+
+    async def _run_one(self, item: Item) -> None:
+        guard = anyio.CancelScope()
+        self.running = (item, guard)
+        try:
+            result = await call_handler(
+                partial(self.holder.handle, item), clock=self.clock, limit=self.limit,
+                guard=guard, timed=self.timed, name=self.describe(item),
+            )  # fmt: skip
+        except HandlerAbandoned:  # still running: never settled, never renewed
+            if item in self.unsettled:
+                self.unsettled.remove(item)
+                self.count("lost", 1)
+        except Exception as exc:
+            if isinstance(exc, LeaseLost) and guard.cancel_called:
+                return  # cancelled; counted lost by the renewal that found it
+            await self.settle(item, partial(self.holder.settle_failure, item, exc))
+        else:
+            # Finished: a cancellation from here on still completes it.
+            self.finished.append((item, result))
+        finally:
+            self.running = None
 
     async def _settle_rest(self, current: Item | None) -> None:
         try:

@@ -17,6 +17,7 @@ Owns no collections.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -41,6 +42,13 @@ running: dict[asyncio.Task[Any], str] = {}
 #: Those of them abandoned (`HandlerAbandoned`) and still running: ``asyncio.run`` waits for
 #: every task at its end, so a process with one that never ends does not exit by itself.
 abandoned: set[asyncio.Task[Any]] = set()
+#: The handler task this code runs in, if any: a `call_handler` inside a handler (a task
+#: function's own time limit inside its run loop's) nests in the outer one, which then gives
+#: the inner one the time to abandon first, and says nothing more (`_nested`).
+_supervisor: contextvars.ContextVar[asyncio.Task[Any] | None] = contextvars.ContextVar(
+    "mongoq_supervisor", default=None
+)
+_nested: set[asyncio.Task[Any]] = set()
 
 
 async def call_handler(
@@ -73,6 +81,9 @@ async def _supervised(
     name: str,
     grace: float,
 ) -> T:
+    outer = _supervisor.get()
+    if outer is not None:
+        _nested.add(outer)
     ended = anyio.Event()
     handler: asyncio.Task[T] = asyncio.get_running_loop().create_task(_awaited(call))
     handler.add_done_callback(lambda _: ended.set())
@@ -81,6 +92,7 @@ async def _supervised(
         why = await _stop_reason(ended, clock, limit, guard)
     except BaseException:  # the caller's cancellation: the handler stops first, or is left
         await _cancel(handler, ended, clock, grace, name, "the worker stopped")
+        _raise_inner_abandoned(handler)
         if _finished(handler) and anyio.current_effective_deadline() == -math.inf:
             # It finished anyway (a thread cannot be interrupted): its result is recorded,
             # and the run loop's cancel scope delivers the cancellation again at once after.
@@ -88,13 +100,25 @@ async def _supervised(
         raise
     if why is None:
         running.pop(handler, None)
+        _nested.discard(handler)
         return handler.result()
     await _cancel(handler, ended, clock, grace, name, why)
+    _raise_inner_abandoned(handler)
     failure = None if handler.cancelled() else handler.exception()
     if why == _LOST:
         raise LeaseLost("the lease was lost while the handler ran; it was cancelled") from failure
     # Even if it returned anyway (a thread, or a cancellation swallowed).
     raise HandlerTimeout(f"timed out after {limit:g} s") from failure
+
+
+def _raise_inner_abandoned(handler: asyncio.Task[Any]) -> None:
+    """A nested call_handler inside `handler` abandoned its own handler (and said so): that is
+    this one's outcome too."""
+    _nested.discard(handler)
+    if handler.done() and not handler.cancelled():
+        failure = handler.exception()
+        if isinstance(failure, HandlerAbandoned):
+            raise failure
 
 
 def _finished(handler: asyncio.Task[Any]) -> bool:
@@ -103,6 +127,7 @@ def _finished(handler: asyncio.Task[Any]) -> bool:
 
 
 async def _awaited(call: Callable[[], Awaitable[T]]) -> T:
+    _supervisor.set(asyncio.current_task())  # (a call_handler inside it nests)
     return await call()
 
 
@@ -156,11 +181,13 @@ async def _cancel(
     """Cancel `handler` once and give it `grace` seconds to end; `HandlerAbandoned` when it
     does not (it runs on, unsupervised)."""
     handler.cancel()
+    # A nested supervisor inside gets its own grace first: this one waits twice as long.
+    wait = 2 * grace if handler in _nested else grace
     with anyio.CancelScope(shield=True):
         async with anyio.create_task_group() as group:
 
             async def give_up() -> None:
-                await clock.sleep(grace)
+                await clock.sleep(wait)
                 group.cancel_scope.cancel()
 
             group.start_soon(give_up)
@@ -170,6 +197,7 @@ async def _cancel(
         running.pop(handler, None)
         return
     abandoned.add(handler)
+    _nested.discard(handler)
     handler.add_done_callback(_when_abandoned_ends(name))
     log.warning(
         "%s: abandoned, still running %g s after it was cancelled (%s): it ignores its "

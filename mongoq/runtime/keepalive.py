@@ -46,6 +46,7 @@ class KeepAlive:
     _next: datetime = field(init=False)
     _group: Any = field(default=None, init=False)
     _sleep: anyio.CancelScope | None = field(default=None, init=False)
+    _told: int = field(default=0, init=False)  # `renew_now` calls so far
 
     def __post_init__(self) -> None:
         self._next = self.first_at
@@ -72,7 +73,9 @@ class KeepAlive:
 
     def renew_now(self) -> None:
         """Renew at once, not at the next interval: the lease may have ended elsewhere (the
-        item was cancelled or removed), and a renewal is how the holder finds out."""
+        item was cancelled or removed), and a renewal is how the holder finds out. Told while
+        a renewal is in flight (sent before the news), it renews once more after it."""
+        self._told += 1
         self._next = self.clock.now()
         if self._sleep is not None:
             self._sleep.cancel()
@@ -82,6 +85,7 @@ class KeepAlive:
             with anyio.CancelScope() as self._sleep:
                 await self.clock.sleep_until(self._next)
             self._sleep = None
+            told = self._told
             try:
                 held = await self.renew()
             except _driver.DRIVER_ERRORS as exc:
@@ -97,4 +101,6 @@ class KeepAlive:
                 log.warning("%s: the lease is no longer held; renewal stopped", self.name)
                 return
             self.renewals += 1
-            self._next = self.clock.now() + timedelta(seconds=self.interval)
+            self._next = self.clock.now()
+            if self._told == told:  # else told during the renewal: once more, at once
+                self._next += timedelta(seconds=self.interval)

@@ -5,14 +5,17 @@ write goes through the queue's fenced calls.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from mongoq import _driver
 from mongoq.errors import InvalidInput, PermanentError
+from mongoq.runtime import wakeups
 from mongoq.runtime.loop import WORKER_STOPPED
+from mongoq.tasks import cancels
 from mongoq.tasks.models import Task, check_result
 
 if TYPE_CHECKING:
@@ -65,6 +68,20 @@ class TaskBatch:
         """Per task no longer held: ``cancelled`` when it was (one read), else ``lost``."""
         cancelled = await self.queue._cancelled_of(items)
         return ["cancelled" if item.id in cancelled else "lost" for item in items]
+
+    @contextlib.contextmanager
+    def told(self, items: Sequence[Task], renew_now: Callable[[], None]) -> Iterator[None]:
+        """While a batch of `items` runs: a cancel or removal of one of them, in this process
+        or heard from elsewhere (`mongoq.tasks.cancels`), renews the batch at once, which
+        finds it gone and stops its handler; the poll of long-held tasks sees them."""
+        with contextlib.ExitStack() as stack:
+            for item in items:
+                stop = cancels.stop_key(self.queue._stop_base, item.id)
+                stack.enter_context(wakeups.listen(stop, renew_now))
+            held = cancels.Held(list(items), self.queue.clock.now())
+            self.queue._batches.add(held)
+            stack.callback(self.queue._batches.discard, held)
+            yield
 
     async def give_back(self, item: Task) -> str:
         held = await self.queue.release_not_an_attempt(item, delay=0)

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from mongoq import _driver
@@ -29,7 +30,7 @@ from mongoq.clock import Clock
 from mongoq.runtime import wakeups
 from mongoq.tasks.models import Task, TaskId
 
-__all__ = ["stop_key", "tell_holders", "watch_held"]
+__all__ = ["Held", "stop_key", "tell_holders", "watch_held"]
 
 log = logging.getLogger("mongoq.tasks")
 
@@ -41,9 +42,18 @@ class _Lease(Protocol):
     def held_since(self) -> Any: ...
 
 
+@dataclass(eq=False)
+class Held:
+    """The tasks of a batch a run holds, since when (`TaskBatch.told`)."""
+
+    tasks: list[Task]
+    since: datetime
+
+
 class _Queue(Protocol):
     clock: Clock
     _leases: Any
+    _batches: set[Held]
     _stop_base: wakeups.Key
 
     async def _cancelled_of(self, tasks: Sequence[Task]) -> set[TaskId]: ...
@@ -69,6 +79,8 @@ async def watch_held(queue: _Queue, poll: float) -> None:
         cutoff = queue.clock.now() - timedelta(seconds=poll)
         held = [lease.task for lease in list(queue._leases.values())
                 if lease.held_since is not None and lease.held_since <= cutoff]  # fmt: skip
+        held += [task for batch in list(queue._batches) if batch.since <= cutoff
+                 for task in batch.tasks]  # fmt: skip
         if not held:
             continue
         try:

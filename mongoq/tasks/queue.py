@@ -125,6 +125,7 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         self._wake_key = wakeups.key_of("tasks", db, name)
         self._finished_base = wakeups.key_of("tasks.finished", db, name)
         self._stop_base = wakeups.key_of("tasks.stop", db, name)
+        self._batches: set[cancels.Held] = set()  # the batches of `run` held now
         self._scheduler = Scheduler(self)
         self._presence = Presence(self)
 

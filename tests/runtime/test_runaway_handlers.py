@@ -12,6 +12,7 @@ from typing import Any
 import anyio
 import pytest
 
+import mongoq
 from mongoq import OutboxDispatcher, Task
 from mongoq.runtime.handler import GRACE
 from mongoq.testing import ManualClock, settle
@@ -203,3 +204,32 @@ async def test_a_handler_that_ends_within_the_grace_is_not_abandoned(
     doc = await read(db, "slow")
     assert doc is not None and doc["status"] == "pending"
     assert doc["error"].endswith("HandlerTimeout: timed out after 2 s")
+
+
+async def test_a_task_function_with_its_own_time_limit_is_abandoned_with_one_warning(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two supervisors nest (the function's time limit inside its run loop's lease): a hard
+    stop reaches both, and only the inner one says it abandoned the call."""
+    jobs = mongoq.Jobs(db, clock=clock)
+    swallower = Swallower()
+
+    @jobs.task(queue="nested", timeout=600)
+    async def swallow() -> None:
+        await swallower(None)
+
+    await jobs.setup()
+    await swallow.defer()
+    caplog.set_level(logging.WARNING, "mongoq")
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(jobs.run)
+        await wait_for(lambda: len(swallower.items) == 1, "the call to start")
+        jobs._cancel_running()  # a hard stop (a second signal)
+        await wait_for(lambda: swallower.cancellations >= 1, "the cancellation to reach it")
+        for _ in range(4):  # past both graces
+            await settle(10)
+            clock.advance(GRACE)
+    assert len(_abandoned(caplog)) == 1
+    swallower.release.set()
+    await settle(5)

@@ -199,3 +199,33 @@ async def test_a_cancel_from_another_process_reaches_the_handler_within_two_poll
         then=cancel_elsewhere, advance=0,
     )  # fmt: skip
     assert summary.cancelled == 1
+
+
+@pytest.mark.parametrize("elsewhere", [False, True], ids=["this-process", "another-process"])
+async def test_a_cancel_reaches_a_handler_running_in_a_batch_as_promptly(
+    db: Any, clock: ManualClock, elsewhere: bool
+) -> None:
+    poll = 1.0
+    queue = await new_queue(db, clock)
+    await queue.put_many([NewTask("t1"), NewTask("t2")])
+    sleeper = Sleeper()
+
+    async def cancel() -> None:
+        if elsewhere:  # the database changes, nothing in this process is told
+            await db["tasks"].update_one(
+                {"_id": "t1"}, {"$set": {"status": "cancelled", "lease_token": None}}
+            )
+            for _ in range(2):  # two polls, far from the batch's renewal
+                await settle(5)
+                clock.advance(poll)
+        else:
+            assert await queue.cancel("t1") is True
+        await wait_for(lambda: sleeper.seen[:2] == ["started", "cancelled"], "t1 to stop")
+        queue.stop(grace=0)
+
+    summary = await in_background(
+        clock, queue.run(sleeper, batch_size=2, poll_interval=poll),
+        started=lambda: sleeper.seen, then=cancel, advance=0,
+    )  # fmt: skip
+    assert summary.cancelled == 1
+    assert (await read(db, "t1") or {})["status"] == "cancelled"
