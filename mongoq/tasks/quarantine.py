@@ -63,14 +63,15 @@ async def set_aside_first(
     queue: _Queue, due: Mapping[str, Any], now: datetime, refusal: BaseException
 ) -> None:
     """After the server refused a claim for a type mismatch: set aside the first candidate,
-    the one the refused claim would have taken (same filter, order and index). `refusal` is
-    raised again when that candidate is usable: then the refusal was about something else."""
+    the one the refused claim would have taken (same filter, order and index); when that one
+    is usable (a task put before it meanwhile), every unusable one of the window
+    (`set_aside_candidates`, which raises `refusal` again when there is none)."""
     docs = await _driver.find_list(
         queue.collection, due, sort=schema.CLAIM_ORDER, limit=1, hint=schema.CLAIM_INDEX
     )
     if docs and task_fault(docs[0]) is None:
-        raise refusal
-    if docs:
+        await set_aside_candidates(queue, due, now, refusal)
+    elif docs:
         await set_aside(queue, docs[0], schema.task_unchanged(docs[0], due), now)
 
 
