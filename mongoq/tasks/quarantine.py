@@ -94,15 +94,16 @@ async def set_aside_candidates(
 
 
 async def log_buried(queue: _Queue, now: datetime) -> int:
-    """After `reclaim_expired` buried tasks at `now`: log those it set aside for their
-    attempts (one read), one WARNING each; how many they were."""
+    """After `reclaim_expired` buried tasks at `now`: log those it set aside for a field no
+    claim can use (one read), one WARNING each; how many they were."""
     docs = await _driver.find_list(
-        queue.collection, schema.tasks_buried_unusable(now), projection={"worker_id": 1},
-        limit=_WINDOW, hint=schema.STATUS_UPDATED.name,
+        queue.collection, schema.tasks_buried_unusable(now),
+        projection={"worker_id": 1, "error": 1}, limit=_WINDOW, hint=schema.STATUS_UPDATED.name,
     )  # fmt: skip
     for doc in docs:
+        field = "priority" if doc.get("error") == schema.UNUSABLE_PRIORITY_EXPIRED else "attempts"
         log_set_aside(
-            log, _attempt(queue, doc), queue.collection.name, "attempts", "no number", "failed"
+            log, _attempt(queue, doc), queue.collection.name, field, "no number", "failed"
         )
     return len(docs)
 

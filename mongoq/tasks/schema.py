@@ -66,6 +66,7 @@ __all__ = [
     "DUE_ORDER",
     "EXPIRED_ON_LAST_ATTEMPT",
     "UNUSABLE_EXPIRED",
+    "UNUSABLE_PRIORITY_EXPIRED",
     "INDEXES",
     "LIST_ORDER",
     "PURGEABLE",
@@ -248,20 +249,35 @@ _NAN = MappingProxyType({"$type": "number", "$not": {"$gte": float("-inf")}})
 UNUSABLE_EXPIRED = (
     "unreadable task document: field 'attempts' holds no number; set aside when its lease expired"
 )
+#: The same for a task whose priority is no number (its claim could not read it, and the
+#: set-aside's write did not go through).
+UNUSABLE_PRIORITY_EXPIRED = UNUSABLE_EXPIRED.replace("'attempts'", "'priority'")
 
 
 def task_burying(now: datetime) -> list[dict[str, Any]]:
     """`reclaim_expired`'s end of a `task_expired_exhausted` task: failed, with the error that
     says which of the two it was (a pipeline: one command for both)."""
-    counted = {"$and": [{"$isNumber": "$attempts"}, {"$gte": ["$attempts", float("-inf")]}]}
-    error = {"$cond": [counted, EXPIRED_ON_LAST_ATTEMPT, UNUSABLE_EXPIRED]}
+    counted = _is_count("$attempts")
+    ranked = _is_count({"$ifNull": ["$priority", 0]})
+    last = {"$cond": [ranked, EXPIRED_ON_LAST_ATTEMPT, UNUSABLE_PRIORITY_EXPIRED]}
+    error = {"$cond": [counted, last, UNUSABLE_EXPIRED]}
     return [{"$set": {**task_failing(now, None)["$set"], "error": error}}]
 
 
+def _is_count(value: Any) -> dict[str, Any]:
+    """Whether `value` (an expression) is a number other than NaN (the one below -inf)."""
+    return {"$and": [{"$isNumber": value}, {"$gte": [value, float("-inf")]}]}
+
+
 def tasks_buried_unusable(now: datetime) -> dict[str, Any]:
-    """The tasks a `task_burying` at `now` set aside for their attempts: `reclaim_expired`'s
-    read of which, only when it buried some (``status_updated``: one equality range)."""
-    return {"status": FAILED, "updated_at": now, "error": UNUSABLE_EXPIRED}
+    """The tasks a `task_burying` at `now` set aside for a field no claim can use:
+    `reclaim_expired`'s read of which, only when it buried some (``status_updated``: one
+    equality range)."""
+    return {
+        "status": FAILED,
+        "updated_at": now,
+        "error": {"$in": [UNUSABLE_EXPIRED, UNUSABLE_PRIORITY_EXPIRED]},
+    }
 
 
 def task_reclaiming(now: datetime) -> dict[str, Any]:

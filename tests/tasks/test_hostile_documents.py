@@ -250,3 +250,23 @@ async def test_a_pending_task_whose_due_time_is_no_date_is_set_aside_by_a_draine
     assert bad is not None and bad["status"] == "failed"
     assert "field 'lease_until' holds" in bad["error"]
     assert (await queue.get("bad")) is not None
+
+
+async def test_an_expired_last_attempt_whose_priority_is_no_number_is_buried_naming_it(
+    db: Any, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The claim took it but could not set it aside (its write failed): its lease ends on its
+    last attempt, and the burial names the field, not a crash."""
+    queue = await new_queue(db, clock, max_attempts=1)
+    await queue.put("bad")
+    assert await queue.claim("w") is not None
+    await db["tasks"].update_one({"_id": "bad"}, {"$set": {"priority": float("nan")}})
+    clock.advance(LEASE_TTL + 1)
+    caplog.set_level(logging.WARNING, "mongoq")
+
+    assert (await queue.reclaim_expired()).failed == 1
+
+    bad = await read(db, "bad")
+    assert bad is not None and bad["status"] == "failed"
+    assert "field 'priority' holds no number" in bad["error"]
+    assert set_asides(caplog) == [("tasks", "bad", "priority", "failed")]
