@@ -50,14 +50,27 @@ _CALLERS = frozenset({"mongoq", "mongoq_sync", "anyio", "asyncio", "concurrent",
 
 
 def error_text(error: BaseException | str | None) -> str | None:
-    """The text stored for an error: its traceback (or the string), last 2,000 characters."""
+    """The text stored for an error: its traceback from the handler's frame on (the run
+    loop's frames that called it say nothing of the item, and would push its own lines out),
+    or the string; the last 2,000 characters."""
     if error is None:
         return None
     if isinstance(error, BaseException):
-        text = "".join(traceback.format_exception(error)).rstrip()
+        start = _from_handler(error.__traceback__)
+        shown = traceback.TracebackException(type(error), error, start)
+        text = "".join(shown.format()).rstrip()
     else:
         text = str(error)
     return text[-ERROR_LIMIT:]
+
+
+def _from_handler(entry: TracebackType | None) -> TracebackType | None:
+    """`entry`'s traceback from its first frame outside the code that calls handlers; whole
+    when every frame is mongoq's own (a fault of mongoq's)."""
+    start = entry
+    while start is not None and _is_caller(start):
+        start = start.tb_next
+    return start if start is not None else entry
 
 
 def error_line(error: BaseException | str | None) -> str:
@@ -137,10 +150,7 @@ def _traceback(
     handler's), or whole when every frame is mongoq's own (a fault of mongoq's)."""
     if not isinstance(error, Exception) or isinstance(error, _VERDICTS):
         return None
-    start = error.__traceback__
-    while start is not None and _is_caller(start):
-        start = start.tb_next
-    return type(error), error, start if start is not None else error.__traceback__
+    return type(error), error, _from_handler(error.__traceback__)
 
 
 def _is_caller(entry: TracebackType) -> bool:
