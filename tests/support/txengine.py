@@ -75,7 +75,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import mongomock_ng
-from bson import Decimal128, Int64
+from bson import Decimal128
 from bson.decimal128 import create_decimal128_context
 from mongomock_ng.collection import Collection as _NgCollection
 from pymongo.errors import (
@@ -88,6 +88,8 @@ from pymongo.errors import (
     WriteError,
 )
 from pymongo.operations import IndexModel
+
+from mongoq import _embedded
 
 __all__ = [
     "TxClient",
@@ -113,20 +115,8 @@ _TYPE_MISMATCH, _BAD_VALUE = 14, 2
 _CODE_NAMES = {_TYPE_MISMATCH: "TypeMismatch", _BAD_VALUE: "BadValue"}
 _ARITHMETIC = ("$inc", "$mul")  # need a number in the field they change
 _ARRAYS = ("$push", "$addToSet")  # need an array
-_MISSING = object()
-
-
-def _field_at(document: Mapping[str, Any], path: str) -> Any:
-    value: Any = document
-    for part in path.split("."):
-        if not isinstance(value, Mapping) or part not in value:
-            return _MISSING
-        value = value[part]
-    return value
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float | Int64 | Decimal128) and not isinstance(value, bool)
+# The embedded backend's own readings of a document (the same server rules, another engine).
+_MISSING, _field_at, _is_number = _embedded._MISSING, _embedded._field_at, _embedded._is_number
 
 
 def _type_refusal(document: Mapping[str, Any], update: Mapping[str, Any]) -> WriteError | None:
