@@ -69,6 +69,7 @@ from tests.campaign.tasks import (
     Settings,
     draw_disruptions,
     graceful,
+    hard_stop,
     slot_names,
     stop_bound,
     wind_down,
@@ -401,7 +402,7 @@ class GroupScenario:
         retry = self.run.rng_for("retry", name).choice((0.0, 0.5, 1.0, 2.0))
         transport = self.shape.transport(worker.db, self.run)
         graceful(self.run, worker, transport.stop, lease)
-        worker.hard_cancel = transport._cancel_running
+        worker.hard_cancel = hard_stop(transport)
         crew.start(worker, partial(
             transport.run, self.handler(worker), worker_id=worker_id, retry_delay=retry,
             **settings.arguments(),

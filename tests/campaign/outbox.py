@@ -81,6 +81,7 @@ from tests.campaign.tasks import (
     Act,
     draw_disruptions,
     graceful,
+    hard_stop,
     slot_names,
     stop_bound,
     wind_down,
@@ -345,19 +346,20 @@ class OutboxScenario:
         dispatcher = settings.dispatcher(outbox, self.handler(worker, outbox.instance), owner)
         if settings.once:  # (a stop's grace cuts a `run` short; `run_once` in a loop has none)
             worker.stop = dispatcher.stop
-            crew.start(worker, partial(self.once, worker, dispatcher, settings.poll_interval))
+            scope = anyio.CancelScope()  # now: a hard cancel may come before `once` runs
+            worker.hard_cancel = scope.cancel
+            crew.start(worker, partial(self.once, dispatcher, settings.poll_interval, scope))
         else:
             graceful(self.run, worker, dispatcher.stop, self.shape.lease)
-            worker.hard_cancel = dispatcher._cancel_running
+            worker.hard_cancel = hard_stop(dispatcher)
             crew.start(worker, dispatcher.run)
 
     async def once(
-        self, worker: Worker, dispatcher: OutboxDispatcher, poll: float
+        self, dispatcher: OutboxDispatcher, poll: float, scope: anyio.CancelScope
     ) -> OutboxRunSummary:
-        """``run_once()`` in a loop until stopped (or hard-cancelled), then the lanes handed
-        back, as a caller of ``run_once`` does."""
-        with anyio.CancelScope() as scope:
-            worker.hard_cancel = scope.cancel
+        """``run_once()`` in a loop until stopped (or hard-cancelled: `scope` cancelled), then
+        the lanes handed back, as a caller of ``run_once`` does."""
+        with scope:
             while not dispatcher.stopping:
                 if not (await dispatcher.run_once()).claimed:
                     await self.run.clock.sleep(poll)

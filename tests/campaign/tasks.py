@@ -54,6 +54,7 @@ from typing import Any
 import anyio
 
 from mongoq import AsyncTaskQueue, NewTask, PermanentError, Task
+from mongoq.runtime.loop import WorkerHost
 from mongoq.tasks.models import tick_task_id
 from mongoq.testing import memory_database, settle
 from tests.campaign.engine import (
@@ -76,7 +77,7 @@ from tests.campaign.hostile import GRACE, SHAPES, Runaways, check_runaways
 
 __all__ = [
     "HOLDINGS", "PRIMITIVE", "Act", "Poisoning", "Settings", "Shape", "check_poisoned",
-    "check_run", "draw_disruptions", "graceful", "slot_names", "stop_bound",
+    "check_run", "draw_disruptions", "graceful", "hard_stop", "slot_names", "stop_bound",
 ]  # fmt: skip
 
 QUEUE = "campaign"
@@ -238,6 +239,20 @@ def graceful(run: Run, worker: Worker, stop: Callable[..., None], lease: float) 
     rng = run.rng_for("stop grace", worker.name)
     worker.stop_grace = round(lease * rng.uniform(0.2, 2.0), 2) if rng.random() < 0.5 else None
     worker.stop = partial(stop, worker.stop_grace)
+
+
+def hard_stop(host: WorkerHost) -> Callable[[], None]:
+    """A worker's hard cancel, as a second signal gives it: the first signal's `stop` (which
+    holds for a ``run`` that has not started its loop yet: it returns at once), then
+    ``_cancel_running`` (which reaches only the loops running now). Alone, a hard cancel that
+    comes before the worker's ``run`` registered its loop (hired by a restart at the same step)
+    would be lost, and that run would go on for good."""
+
+    def cancel() -> None:
+        host.stop()
+        host._cancel_running()
+
+    return cancel
 
 
 def slot_names(run: Run, slot: int, generations: list[int]) -> tuple[str, str]:
@@ -523,7 +538,7 @@ class TaskScenario:
         settings = Settings.draw(self.run, name, self.shape.lease)
         queue = self.shape.queue(worker.db, self.run)
         graceful(self.run, worker, queue.stop, self.shape.lease)
-        worker.hard_cancel = queue._cancel_running
+        worker.hard_cancel = hard_stop(queue)
         crew.start(worker, partial(
             queue.run, self.handler(worker), worker_id=worker_id, **settings.arguments()
         ))  # fmt: skip
