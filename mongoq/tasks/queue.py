@@ -265,13 +265,10 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
             return None, True
         if before is None:
             return None, False
-        claimed = schema.task_as_claimed(before, claiming)
-        try:
-            task = Task.from_document(claimed)
-        except READ_ERRORS:
-            fence = schema.task_unchanged(claimed, {"status": PROCESSING})
-            await quarantine.set_aside(self, claimed, fence, now)
+        readable, _ = await self._readable([schema.task_as_claimed(before, claiming)], now)
+        if not readable:  # set aside (or changed meanwhile): claim again
             return None, True
+        task = readable[0]
         report_start_delay("tasks", self.name, stored_instant(before.get("lease_until")), now)
         log.debug("claimed %r (attempt %d) for %s", task.id, task.attempts, worker)
         return task, False
