@@ -21,7 +21,7 @@ from mongoq.testing import ManualClock
 
 pytest_plugins = ["pytester"]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 #: The plugin by its module, whether or not mongoq's entry point is installed yet: pytest
 #: refuses one module registered under two names (the entry point's, ``mongoq``, and its own).

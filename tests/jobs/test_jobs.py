@@ -23,7 +23,7 @@ from mongoq.clock import stored_instant
 from mongoq.testing import FaultInjector, ManualClock, instrument
 from tests.support.helpers import napping, until, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def new_jobs(db: Any, clock: ManualClock) -> Jobs:
