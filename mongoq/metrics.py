@@ -2,8 +2,9 @@
 
 - `RunMetrics`: what the run loops of this process do, heard through
   `mongoq.runtime.events`: ``mongoq_items_total{primitive,queue,outcome}`` and the handler
-  durations ``mongoq_handler_seconds{primitive,queue}``. Start it once in a worker process and
-  expose the registry however you already do.
+  durations ``mongoq_handler_seconds{primitive,queue}``, and the maintenance services' rounds
+  ``mongoq_service_rounds_total{primitive,queue,service,outcome}``. Start it once in a worker
+  process and expose the registry however you already do.
 - `StatsCollector`: a custom collector that reads ``stats()`` of each primitive it was given on
   every scrape and yields gauges (backlog, in flight, dead letters, the oldest waiting age),
   with ``mongoq_up`` saying whether that read succeeded. A fixed number of indexed commands per
@@ -118,6 +119,13 @@ class RunMetrics:
             "How long after falling due each mongoq work item was claimed.",
             registry,
         )
+        self._service_rounds = Counter(
+            "mongoq_service_rounds",
+            "Rounds of a mongoq run loop's maintenance services, by whether they reached the "
+            "server (ran) or failed with a driver error (failed).",
+            ("primitive", "queue", "service", "outcome"),
+            registry=registry,
+        )
         self._lock = threading.Lock()
         self._unsubscribe: Callable[[], None] | None = None
 
@@ -126,6 +134,11 @@ class RunMetrics:
             self._handler_seconds.labels(event.primitive, event.queue).observe(event.seconds)
         elif event.outcome == "start_delay_seconds":
             self._start_delay.labels(event.primitive, event.queue).observe(event.seconds)
+        elif event.service:
+            outcome = event.outcome.removeprefix("service_")
+            self._service_rounds.labels(event.primitive, event.queue, event.service, outcome).inc(
+                event.count
+            )
         else:
             self._items.labels(event.primitive, event.queue, event.outcome).inc(event.count)
 

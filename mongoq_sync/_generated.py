@@ -67,6 +67,9 @@ class TaskQueue(Facade):
     (``False`` or `LeaseLost`); a crash at any point leaves every task claimable again after at
     most one `lease_ttl`; a task that fails or crashes `max_attempts` times ends ``failed``.
     Delivery is at least once: handlers must be idempotent.
+
+    In mongoq_sync: `run` runs the queue; a source of work for a loop of your own
+    (`source`) is the async API's.
     """
 
     def __init__(
@@ -571,6 +574,9 @@ class GroupTransport(Facade):
     dies leaves its group claimable again after `lease_ttl` with the same head. Delivery is at
     least once. Without `max_deliveries`, a head that always fails blocks its group (FIFO): set it
     to move such heads to the dead letters.
+
+    In mongoq_sync: `run` runs the transport; a source of work for a loop of your
+    own (`source`) is the async API's.
     """
 
     def __init__(
@@ -1050,6 +1056,9 @@ class OutboxDispatcher(Facade):
 
     Through `mongoq_sync`, handlers are plain functions run in worker threads; their context
     gives `delivery` and `attempt` (completing inside a transaction needs the async API).
+
+    In mongoq_sync: `run` and `run_once` dispatch; the calls a run loop makes of a
+    source of work (`claim`, `process`, `next_due`) are the async API's.
     """
 
     def __init__(

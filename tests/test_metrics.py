@@ -608,3 +608,26 @@ def test_without_prometheus_client_the_import_names_the_extra(
         match=r"mongoq\.metrics needs the 'metrics' extra: pip install 'mongoq-queue\[metrics\]'",
     ):
         importlib.import_module("mongoq.metrics")
+
+
+def service_rounds(metrics: RunMetrics, service: str, outcome: str) -> float:
+    labels = {"primitive": "tasks", "queue": QUEUE, "service": service, "outcome": outcome}
+    return metrics.registry.get_sample_value("mongoq_service_rounds_total", labels) or 0.0
+
+
+async def test_the_maintenance_services_rounds_are_counted_ran_or_failed(
+    db: Any, clock: ManualClock, run_metrics: RunMetrics
+) -> None:
+    faults = FaultInjector()
+    # The first reclaim round (a slot found nothing: it runs when idle) loses its connection.
+    faults.fail_before("update_many", collection=QUEUE, error=AutoReconnect("connection reset"))
+    queue = await new_queue(instrument(db, faults), clock)
+    await queue.put("t")
+
+    await queue.run(handler_for(clock), stop_when_empty=True)
+    await queue.run(handler_for(clock), stop_when_empty=True)
+
+    assert [op.name for op in faults.triggered] == ["update_many"]
+    assert service_rounds(run_metrics, "reclaim", "failed") == 1
+    assert service_rounds(run_metrics, "reclaim", "ran") == 1
+    assert (await db[QUEUE].find_one({"_id": "t"}))["status"] == "done"

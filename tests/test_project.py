@@ -65,6 +65,38 @@ def test_the_library_imports_neither_its_test_tools_nor_its_blocking_facade() ->
     assert {path: names for path, names in offenders.items() if names} == {}
 
 
+def _private_names_of(folder: Path) -> set[str]:
+    """The private names (``_x``, not dunders) the modules of `folder` define: functions,
+    classes, methods, and attributes they assign (``self._x = ...``, ``_x: T``)."""
+    names: set[str] = set()
+    for path in folder.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_the_task_functions_use_no_private_name_of_the_task_queue() -> None:
+    """`mongoq/jobs` runs its queues through their public members (`AsyncTaskQueue.source`):
+    no private name that `mongoq/tasks` defines is imported or reached into from there, unless
+    `mongoq/jobs` defines that name for itself too (and reaches it on ``self``)."""
+    theirs = _private_names_of(ROOT / "mongoq" / "tasks")
+    found: set[str] = set()
+    for path in sorted((ROOT / "mongoq" / "jobs").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mongoq.tasks"):
+                found.update(f"{path.name}: {a.name}" for a in node.names if a.name in theirs)
+            elif isinstance(node, ast.Attribute) and node.attr in theirs:
+                own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+                if not own:
+                    found.add(f"{path.name}:{node.lineno}: .{node.attr}")
+    assert sorted(found) == []
+
+
 @pytest.mark.parametrize("example", EXAMPLES, ids=[path.name for path in EXAMPLES])
 def test_example_runs_on_the_embedded_backend(example: Path) -> None:
     result = run(sys.executable, str(example))

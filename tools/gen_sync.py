@@ -80,6 +80,11 @@ CLASSES = (
         "AsyncTaskQueue",
         "TaskQueue",
         (("name", "str"), ("max_attempts", "int"), ("lease_ttl", "float")),
+        excluded=("source",),
+        note=(
+            "In mongoq_sync: `run` runs the queue; a source of work for a loop of your own\n"
+            "(`source`) is the async API's."
+        ),
     ),
     Spec(
         "mongoq.tasks.settles",
@@ -93,6 +98,11 @@ CLASSES = (
         "AsyncGroupTransport",
         "GroupTransport",
         (("prefix", "str"), ("lease_ttl", "float"), ("max_deliveries", "int | None")),
+        excluded=("source",),
+        note=(
+            "In mongoq_sync: `run` runs the transport; a source of work for a loop of your\n"
+            "own (`source`) is the async API's."
+        ),
     ),
     Spec(
         "mongoq.outbox.store",
@@ -107,6 +117,11 @@ CLASSES = (
         (("worker_id", "str"), ("concurrency", "int"), ("max_attempts", "int")),
         database_params=(),
         database_from="outbox._database",
+        excluded=("claim", "process", "next_due"),
+        note=(
+            "In mongoq_sync: `run` and `run_once` dispatch; the calls a run loop makes of a\n"
+            "source of work (`claim`, `process`, `next_due`) are the async API's."
+        ),
     ),
     Spec(
         "mongoq.jobs.registry",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import datetime, timedelta
-from functools import partial
 from typing import Any
 
 import anyio
@@ -35,7 +34,6 @@ from mongoq._validation import (
 )
 from mongoq.clock import Clock, ServerClock, stored_instant
 from mongoq.groups import quarantine, schema
-from mongoq.groups.batch import GroupBatch
 from mongoq.groups.models import (
     READ_ERRORS,
     GroupId,
@@ -52,10 +50,9 @@ from mongoq.groups.models import (
 )
 from mongoq.groups.operators import GroupOperators
 from mongoq.groups.settles import GroupSettles
-from mongoq.runtime import changes, wakeups
-from mongoq.runtime.batch import run_batch
+from mongoq.groups.source import GroupSource
+from mongoq.runtime import wakeups
 from mongoq.runtime.candidates import take_candidates
-from mongoq.runtime.events import Tally
 from mongoq.runtime.loop import WorkerHost, WorkerLoop
 from mongoq.runtime.report import log_attempt_end
 
@@ -569,66 +566,42 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         that it is back. With `give_up_after` (seconds) the call raises `ServerUnavailable` once
         the server has been gone that long; by default it waits for the server forever.
         """
-        check_async_handler("handler", handler)
         check_stop_when(stop_when_empty, stop_when_drained)
         check_int("concurrency", concurrency, low=1)
-        check_priority("min_priority", min_priority)
-        check_int("batch_size", batch_size, low=1, high=MAX_BATCH)
         poll = check_interval("poll_interval", poll_interval)
-        retry = check_seconds("retry_delay", retry_delay)
-        limit = check_timeout("handler_timeout", handler_timeout)
         give_up = check_timeout("give_up_after", give_up_after)
-        worker = self._worker(worker_id)
-        summary = GroupRunSummary()
-        tally = Tally(summary, "groups", self.prefix)
-        claim, process = self._batch_steps(
-            GroupBatch(self, handler, retry), worker, min_priority, batch_size, limit, tally
-        )
-        loop: WorkerLoop[list[GroupLease]] = WorkerLoop(
-            claim=claim,
-            process=process,
-            clock=self.clock,
-            concurrency=concurrency,
-            poll_interval=poll,
-            stop_when_empty=stop_when_empty,
-            housekeeping=self.recover_orphans,
-            housekeeping_interval=self.lease_ttl,
-            name=f"groups:{self.prefix}",
-            next_due=partial(self._next_due, min_priority) if stop_when_drained else None,
-            wake_key=self._wake_key,
-            changes=(self.locks, changes.GROUPS_READY),
+        source = self.source(
+            handler, worker_id=worker_id, min_priority=min_priority, retry_delay=retry_delay,
+            batch_size=batch_size, handler_timeout=handler_timeout,
+        )  # fmt: skip
+        loop = WorkerLoop(
+            [source], concurrency=concurrency, poll_interval=poll,
+            stop_when_empty=stop_when_empty, stop_when_drained=stop_when_drained,
             give_up_after=give_up,
-        )
+        )  # fmt: skip
         await self._run_loop(loop, handle_signals=handle_signals)
-        return summary
+        return source.summary
 
-    def _batch_steps(
-        self, holder: GroupBatch, worker: str, min_priority: int, batch_size: int,
-        limit: float | None, tally: Tally,
-    ) -> tuple[
-        Callable[[], Awaitable[list[GroupLease] | None]],
-        Callable[[list[GroupLease]], Awaitable[None]],
-    ]:  # fmt: skip
-        """The claim and process functions of `run`'s slots: lease up to `batch_size` groups,
-        then run their heads in the shared batch slot."""
-
-        async def claim() -> list[GroupLease] | None:
-            if batch_size == 1:
-                lease = await self.claim(worker, min_priority=min_priority)
-                leases = [] if lease is None else [lease]
-            else:
-                leases = await self.claim_many(batch_size, worker, min_priority=min_priority)
-            tally("claimed", len(leases))
-            return leases or None
-
-        async def process(leases: list[GroupLease]) -> None:
-            await run_batch(
-                holder, leases, clock=self.clock, lease=self.lease_ttl, count=tally,
-                describe=lambda lease: f"group {lease.group_id!r}", logger=log,
-                handler_timeout=limit, timed=tally.handler_time,
-            )  # fmt: skip
-
-        return claim, process
+    def source(
+        self,
+        handler: Callable[[GroupLease], Awaitable[Any]],
+        *,
+        worker_id: str | None = None,
+        min_priority: int = 0,
+        retry_delay: float = 1.0,
+        batch_size: int = 1,
+        handler_timeout: float | None = None,
+    ) -> GroupSource:
+        """This transport as a source of work for a `mongoq.runtime.loop.WorkerLoop`: what
+        `run` runs. The options are `run`'s."""
+        check_async_handler("handler", handler)
+        return GroupSource(
+            self, handler, worker_id=self._worker(worker_id),
+            min_priority=check_priority("min_priority", min_priority),
+            retry_delay=check_seconds("retry_delay", retry_delay),
+            batch_size=check_int("batch_size", batch_size, low=1, high=MAX_BATCH),
+            handler_timeout=check_timeout("handler_timeout", handler_timeout),
+        )  # fmt: skip
 
     async def _next_due(self, floor: int) -> datetime | None:
         """When the next group is claimable; None when no message is left (of any priority:

@@ -301,12 +301,8 @@ class Jobs(WorkerHost):
             stop_when_empty=stop_when_empty, stop_when_drained=stop_when_drained,
             give_up_after=give_up_after,
         )  # fmt: skip
-        await worker.announce()
-        try:
-            lease = min(queue.lease_ttl for queue in worker.queues)
-            await self._run_loop(loop, handle_signals=handle_signals, lease=lease)
-        finally:  # after the loop: no housekeeping round can announce it again meanwhile
-            await worker.withdraw()
+        lease = min(queue.lease_ttl for queue in worker.queues)
+        await self._run_loop(loop, handle_signals=handle_signals, lease=lease)
         return worker.summary
 
     def _chosen(self, queues: Sequence[str] | None) -> list[str]:

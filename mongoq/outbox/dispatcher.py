@@ -1,7 +1,9 @@
 """`OutboxDispatcher`: runs an outbox's handlers.
 
-It runs on the shared run loop (`mongoq.runtime.loop.WorkerLoop` in its `claim_many` mode: one
-claim for every free slot, wake-ups, graceful and hard stops, signals). It claims deliveries of
+It is a source of work for the shared run loop (`mongoq.runtime.source`): one that fills, its
+claim handing out deliveries for every free slot in one command; the loop brings wake-ups,
+graceful and hard stops, signals. Its one maintenance service, ``lanes``, renews the lanes it
+holds every ``lease_ttl / 3`` while a handler runs. It claims deliveries of
 its handlers, runs each handler coroutine, renews its lanes while any runs, completes finished
 deliveries in batches (`complete_many`: the completions that finish while one batch is being
 written form the next), reschedules failures with backoff, buries a delivery after
@@ -40,6 +42,8 @@ from mongoq.runtime import lease as leases
 from mongoq.runtime.events import Tally
 from mongoq.runtime.handler import call_handler
 from mongoq.runtime.loop import WorkerHost, WorkerLoop, default_worker_id
+from mongoq.runtime.services import Service
+from mongoq.runtime.source import ChangeFeed
 
 __all__ = ["DeliveryContext", "Handler", "OutboxDispatcher", "default_backoff"]
 
@@ -132,7 +136,14 @@ class OutboxDispatcher(WorkerHost):
         self.handler_timeout = check_timeout("handler_timeout", handler_timeout)
         self.poll_interval = check_interval("poll_interval", poll_interval)
         self.summary = OutboxRunSummary()
-        self._tally = Tally(self.summary, "outbox", outbox.prefix)
+        self.tally = Tally(self.summary, "outbox", outbox.prefix)
+        self.name = f"outbox:{outbox.prefix}"
+        self.clock = outbox.clock
+        self.wake_key = outbox.wake_key
+        self.changes = ChangeFeed(outbox.deliveries, changes.DELIVERIES_READY)
+        self.services = [Service(
+            "lanes", self._renew_lanes, interval=outbox.lease_ttl / 3, proves_server=False
+        )]  # fmt: skip
         #: one per running handler: cancelled when a renewal finds every lane lost
         self._guards: set[anyio.CancelScope] = set()
         self._finished: list[Delivery] = []
@@ -153,7 +164,7 @@ class OutboxDispatcher(WorkerHost):
             # Shielded: a claim applied on the server but cancelled before its reply is read
             # would keep its lanes, unseen, for a whole lease.
             with anyio.CancelScope(shield=True):
-                batch = await self._claim_batch(self.concurrency)
+                batch = await self.claim(self.concurrency)
         except _driver.DRIVER_ERRORS as exc:
             log.warning("claim failed (%s)", exc)
             batch = []
@@ -163,7 +174,7 @@ class OutboxDispatcher(WorkerHost):
                     group.start_soon(self._renew_while_running)
                     async with anyio.create_task_group() as handlers:
                         for claimed in batch:
-                            handlers.start_soon(self._run_one, claimed)
+                            handlers.start_soon(self.process, claimed)
                     group.cancel_scope.cancel()
         finally:
             # Also when cancelled: what finished is completed, not left to run again. Bounded,
@@ -197,20 +208,11 @@ class OutboxDispatcher(WorkerHost):
         hands the lanes back. Returns the totals of this dispatcher."""
         check_stop_when(stop_when_empty, stop_when_drained)
         give_up = check_timeout("give_up_after", give_up_after)
-        loop: WorkerLoop[tuple[Delivery, datetime]] = WorkerLoop(
-            claim_many=self._claim_batch,
-            process=self._run_one,
-            clock=self.outbox.clock,
-            concurrency=self.concurrency,
-            poll_interval=self.poll_interval,
-            stop_when_empty=stop_when_empty,
-            name=f"outbox:{self.outbox.prefix} dispatcher {self.worker_id}",
-            next_due=self._next_due if stop_when_drained else None,
-            wake_key=self.outbox.wake_key,
-            background=[self._renew_while_running],
-            changes=(self.outbox.deliveries, changes.DELIVERIES_READY),
-            give_up_after=give_up,
-        )
+        loop = WorkerLoop(
+            [self], concurrency=self.concurrency, poll_interval=self.poll_interval,
+            stop_when_empty=stop_when_empty, stop_when_drained=stop_when_drained,
+            give_up_after=give_up, name=f"{self.name} dispatcher {self.worker_id}",
+        )  # fmt: skip
         try:
             await self._run_loop(loop, handle_signals=handle_signals, lease=self.outbox.lease_ttl)
         finally:
@@ -224,42 +226,51 @@ class OutboxDispatcher(WorkerHost):
                 self._stop_pending = False
         return self.summary
 
-    async def _next_due(self) -> datetime | None:
+    # -------------------------------------------------------------- as a source of work
+
+    fills = True
+
+    async def next_due(self) -> datetime | None:
         return await self.outbox._next_due(list(self.handlers))
 
-    async def _claim_batch(self, limit: int) -> list[tuple[Delivery, datetime]]:
+    async def claim(self, limit: int) -> list[tuple[Delivery, datetime]]:
         """Up to `limit` deliveries, each with when the lease of its lane ends: the claim
         writes each lane it hands a delivery from with a lease dated no earlier than it was
-        sent. The run loop's `claim_many`."""
+        sent."""
         sent = self.outbox.clock.now()
         batch = await self.outbox.claim(self.worker_id, list(self.handlers), limit=limit)
-        self._tally("claimed", len(batch))
+        self.tally("claimed", len(batch))
         lease_end = leases.renewed_until(sent, self.outbox.lease_ttl)
         return [(delivery, lease_end) for delivery in batch]
 
+    async def _renew_lanes(self, interval: float) -> None:
+        """One round of the ``lanes`` service: the lanes renewed while a handler runs."""
+        if not self._guards:
+            return
+        # Only what ran before the renewal: a handler started on a lane claimed while it was
+        # on its way is not among the lost.
+        running = list(self._guards)
+        if await self.outbox.extend_lease(self.worker_id) == 0:
+            # Taken over: whatever runs can no longer settle; stop it. (A loss of some lanes
+            # only is found by the settles, which the lane epoch fences.)
+            log.warning("%s holds no lane any more; cancelling %d running handler(s)",
+                        self.worker_id, len(running))  # fmt: skip
+            for guard in running:
+                guard.cancel()
+
     async def _renew_while_running(self) -> None:
+        """`run_once`'s lanes renewed, every ``lease_ttl / 3``, until cancelled."""
         interval = self.outbox.lease_ttl / 3
         while True:
             await self.outbox.clock.sleep(interval)
-            if not self._guards:
-                continue
-            # Only what ran before the renewal: a handler started on a lane claimed while it
-            # was on its way is not among the lost.
-            running = list(self._guards)
             try:
-                if await self.outbox.extend_lease(self.worker_id) == 0:
-                    # Taken over: whatever runs can no longer settle; stop it. (A loss of some
-                    # lanes only is found by the settles, which the lane epoch fences.)
-                    log.warning("%s holds no lane any more; cancelling %d running handler(s)",
-                                self.worker_id, len(running))  # fmt: skip
-                    for guard in running:
-                        guard.cancel()
+                await self._renew_lanes(interval)
             except _driver.DRIVER_ERRORS as exc:
                 log.warning("renewing lanes failed (%s); retrying", exc)
 
     # ---------------------------------------------------------------------------- delivery
 
-    async def _run_one(self, claimed: tuple[Delivery, datetime]) -> None:
+    async def process(self, claimed: tuple[Delivery, datetime]) -> None:
         delivery, lease_end = claimed
         guard = anyio.CancelScope()
         self._guards.add(guard)
@@ -290,13 +301,13 @@ class OutboxDispatcher(WorkerHost):
             await call_handler(
                 partial(self.handlers[delivery.handler], delivery.event, context),
                 clock=self.outbox.clock, limit=self.handler_timeout, guard=guard,
-                timed=self._tally.handler_time, name=f"delivery {delivery.id}",
+                timed=self.tally.handler_time, name=f"delivery {delivery.id}",
             )  # fmt: skip
         except HandlerAbandoned as exc:
             # It runs on, unsupervised. Its key's other deliveries must not wait behind it under
             # a lane this worker keeps renewing: it is retried after its backoff (or buried on
             # its last attempt), as after any failure, and counted lost.
-            self._tally("lost")
+            self.tally("lost")
             if delivery.attempt >= self.max_attempts:
                 call = self.outbox.bury(delivery, error=exc)
             else:
@@ -314,7 +325,7 @@ class OutboxDispatcher(WorkerHost):
                 # handler cancelled: another worker runs the delivery. The release changes
                 # nothing then; it only stops this instance counting it as running. (A
                 # LeaseLost of the handler's own is a failure like any other.)
-                self._tally("lost")
+                self.tally("lost")
                 await self._settle(delivery, "released", self.outbox.release(delivery), True)
                 return
             if delivery.attempt >= self.max_attempts:
@@ -364,14 +375,14 @@ class OutboxDispatcher(WorkerHost):
             log.warning("settling delivery %s failed (%s); it will run again unless the settle "
                         "applied", delivery.id, exc)  # fmt: skip
             if not quiet:
-                self._tally("unknown")
+                self.tally("unknown")
             return
         if quiet:
             return
         if done and self.outbox._was_set_aside(delivery):
             outcome = "buried"  # a hand-edited field: a dead letter instead (logged as such)
         field = outcome if done else otherwise
-        self._tally(field)
+        self.tally(field)
 
     async def _flush(self) -> None:
         """Complete what finished, in one batch; completions that finish meanwhile wait for
@@ -387,7 +398,7 @@ class OutboxDispatcher(WorkerHost):
                 kept = newest.get(delivery.id)
                 if kept is None or delivery.generation > kept.generation:
                     newest[delivery.id] = delivery
-            self._tally("lost", len(batch) - len(newest))  # their claims ended: counted once
+            self.tally("lost", len(batch) - len(newest))  # their claims ended: counted once
             batch = list(newest.values())
             with anyio.CancelScope(shield=True):
                 try:
@@ -396,13 +407,13 @@ class OutboxDispatcher(WorkerHost):
                     # Applied or not: what was not deleted is freed by the next claim.
                     log.warning("completing %d deliveries failed (%s); the ones not completed "
                                 "will run again", len(batch), exc)  # fmt: skip
-                    self._tally("unknown", len(batch))
+                    self.tally("unknown", len(batch))
                     return
-            self._tally("completed", sum(done))
+            self.tally("completed", sum(done))
             # (an event refusing its record: the delivery set aside, a dead letter)
             aside = sum(
                 not ok and self.outbox._was_set_aside(d) for d, ok in zip(batch, done, strict=True)
             )
             if aside:
-                self._tally("buried", aside)
-            self._tally("lost", len(done) - sum(done) - aside)
+                self.tally("buried", aside)
+            self.tally("lost", len(done) - sum(done) - aside)

@@ -18,6 +18,7 @@ __all__ = [
     "Tally",
     "report_handler_time",
     "report_outcome",
+    "report_service_round",
     "report_start_delay",
     "subscribe",
 ]
@@ -31,13 +32,16 @@ class RunEvent:
     field: ``claimed``, ``completed`` / ``acked``, ``retried``, ``failed`` / ``dead`` /
     ``buried``, ``released``, ``lost``, ``unknown``); or, with `outcome` ``"handler_seconds"``,
     one handler ran `seconds`; or, with ``"start_delay_seconds"``, one item was claimed
-    `seconds` after it fell due (its due time, or its lease's end for a take-over)."""
+    `seconds` after it fell due (its due time, or its lease's end for a take-over); or, with
+    ``"service_ran"`` / ``"service_failed"``, one round of the maintenance service `service`
+    (`mongoq.runtime.services`) ran, or failed with a driver error."""
 
     primitive: str
     queue: str
     outcome: str
     count: int = 1
     seconds: float = 0.0
+    service: str = ""
 
 
 Observer = Callable[[RunEvent], None]
@@ -77,6 +81,12 @@ def report_start_delay(primitive: str, queue: str, due: datetime | None, now: da
     """A claim took an item at `now` that fell due at `due` (nothing when unknown)."""
     if _observers and due is not None:
         _emit(RunEvent(primitive, queue, "start_delay_seconds", 1, (now - due).total_seconds()))
+
+
+def report_service_round(primitive: str, queue: str, service: str, outcome: str) -> None:
+    """One round of `service` ended: ``"ran"`` or ``"failed"``."""
+    if _observers:
+        _emit(RunEvent(primitive, queue, f"service_{outcome}", 1, service=service))
 
 
 @dataclass(frozen=True)

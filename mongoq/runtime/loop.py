@@ -1,20 +1,24 @@
-"""Run loops shared by the primitives: concurrency, idle polling, graceful stop, signals.
+"""The run loop shared by the primitives and the task functions: slots, idle polling, graceful
+stop, signals.
 
-A `WorkerLoop` runs `concurrency` slots. Each slot claims one item (or one batch), processes
-it, and claims again. When nothing is claimable, one idle slot polls for all of them: it
-sleeps `poll_interval` on the primitive's clock and claims again, while the other idle slots
-wait; a slot that claims something wakes one waiting slot, which claims too (and wakes the
-next if it finds something), so an idle worker sends one claim an interval whatever its
-concurrency. With `claim_many` instead, one claimer fills every free slot with one claim and
-claims again as soon as a slot frees up (the outbox's dispatcher: its claim hands out many
-deliveries from the lanes it leases in one command). A put or publish in the same process
-wakes the poller at once (`mongoq.runtime.wakeups`), and on a replica set so does a change
-stream's event (`mongoq.runtime.changes`). The primitive's housekeeping (reclaiming expired
-leases, readying orphaned groups) runs every `housekeeping_interval`, busy or not, and when a
-slot finds nothing to claim unless it ran within that interval. `stop()` is graceful: no slot
-claims again, in-flight items finish, `run()` returns. Cancelling `run()` cancels in-flight
-items, whose lease handling releases them. With `handle_signals`, the first SIGTERM/SIGINT
-stops gracefully and a second one cancels. Owns no collections.
+A `WorkerLoop` runs `concurrency` slots over one or more sources of work
+(`mongoq.runtime.source`: what each primitive's face hands out). Each slot claims one item (a
+task, or a batch), processes it, and claims again; a claim tries the sources in turn, starting
+at the one after the last claimed from, and tries last those that were found empty within a
+poll interval (unless a wake-up of theirs came since). When nothing is claimable, one idle slot
+polls for all of them: it sleeps `poll_interval` on the sources' clock and claims again, while
+the other idle slots wait; a slot that claims something wakes one waiting slot, which claims
+too (and wakes the next if it finds something), so an idle worker sends one claim an interval
+whatever its concurrency. Sources that `fill` instead are served by one claimer that fills
+every free slot with one claim and claims again as soon as a slot frees up (the outbox's
+dispatcher: its claim hands out many deliveries from the lanes it leases in one command). A
+put or publish in the same process wakes the poller at once (`mongoq.runtime.wakeups`), and on
+a replica set so does a change stream's event (`mongoq.runtime.changes`). The sources'
+maintenance services (`mongoq.runtime.services`: reclaiming expired leases, ticking
+schedules, renewing lanes...) run beside the slots. `stop()` is graceful: no slot claims
+again, in-flight items finish, `run()` returns. Cancelling `run()` cancels in-flight items,
+whose lease handling releases them. With `handle_signals`, the first SIGTERM/SIGINT stops
+gracefully and a second one cancels. Owns no collections.
 """
 
 from __future__ import annotations
@@ -26,20 +30,21 @@ import signal
 import socket
 import threading
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from functools import partial
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Protocol
 
 import anyio
 import anyio.lowlevel
 
 from mongoq import _driver
 from mongoq._validation import check_seconds, check_worker_id
-from mongoq.clock import Clock
 from mongoq.errors import MongoqError
 from mongoq.runtime import changes, wakeups, watchdog
 from mongoq.runtime.outage import Outage
+from mongoq.runtime.services import Services
+from mongoq.runtime.source import Source
 
 __all__ = [
     "WORKER_STOPPED",
@@ -53,9 +58,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("mongoq.worker")
-
-Item = TypeVar("Item")
-T = TypeVar("T")
 
 #: The error recorded for an item whose handler was cancelled: the worker stopped under it
 #: (a cancelled `run`, a second signal), not a failure of the item's own.
@@ -119,58 +121,52 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]
             yield error
 
 
-class WorkerLoop(Generic[Item]):
-    """Claim-process slots over a claim function and a process function."""
+class WorkerLoop:
+    """Claim-process slots over one or more sources of work (`mongoq.runtime.source`)."""
 
     def __init__(
         self,
+        sources: Sequence[Source],
         *,
-        claim: Callable[[], Awaitable[Item | None]] | None = None,
-        claim_many: Callable[[int], Awaitable[list[Item]]] | None = None,
-        process: Callable[[Item], Awaitable[None]],
-        clock: Clock,
         concurrency: int = 1,
         poll_interval: float = 1.0,
         stop_when_empty: bool = False,
-        housekeeping: Callable[[], Awaitable[Any]] | None = None,
-        housekeeping_interval: float = 60.0,
-        name: str = "worker",
-        next_due: Callable[[], Awaitable[datetime | None]] | None = None,
-        wake_key: wakeups.Key | None = None,
-        background: Sequence[Callable[[], Coroutine[Any, Any, Any]]] = (),
-        changes: tuple[Any, Sequence[Mapping[str, Any]]] | None = None,
-        on_change: Callable[[Mapping[str, Any]], bool] | None = None,
+        stop_when_drained: bool = False,
         give_up_after: float | None = None,
+        name: str | None = None,
     ) -> None:
-        if (claim is None) == (claim_many is None):
-            raise ValueError("a WorkerLoop claims with one of claim and claim_many")
-        self._claim = claim
-        self._claim_many = claim_many
-        self._ended = 0  # items processed, ever (`claim_many`: a slot freed up)
-        self._next_due = next_due
-        self._process = process
-        self._clock = clock
+        if not sources:
+            raise ValueError("a WorkerLoop runs at least one source")
+        if len({source.fills for source in sources}) != 1:
+            raise ValueError("a WorkerLoop's sources all fill its slots, or none does")
+        self._sources = list(sources)
+        self._fills = sources[0].fills
+        self._clock = sources[0].clock
         self._concurrency = concurrency
         self._poll_interval = poll_interval
         self._stop_when_empty = stop_when_empty
-        self._housekeeping = housekeeping
-        self._housekeeping_interval = housekeeping_interval
-        self._housekept_at: datetime | None = None
-        self.name = name
+        self._drains = stop_when_drained
+        self.name = name if name is not None else sources[0].name
         self._outage = Outage(
-            name, clock, poll_interval=poll_interval, give_up_after=give_up_after,
+            self.name, self._clock, poll_interval=poll_interval, give_up_after=give_up_after,
             on_back=self._cut_naps,
         )  # fmt: skip
+        self._services = Services(
+            [(s.tally.primitive, s.tally.queue, each) for s in sources for each in s.services],
+            clock=self._clock, poll_interval=poll_interval, outage=self._outage, name=self.name,
+        )  # fmt: skip
+        self._turn = 0  # the source the next claim starts at
+        # Until when a source is taken for empty: its claim found nothing, and neither a
+        # wake-up of it nor a poll interval came since. Tried last, so that a busy source's
+        # items are not each charged a claim of an empty one.
+        self._empty_until: list[datetime | None] = [None] * len(self._sources)
+        self._ended = 0  # items processed, ever (filling: a slot freed up)
         self._stopping = False
         self._naps: set[anyio.CancelScope] = set()
         self._scope: anyio.CancelScope | None = None
         self._group: anyio.abc.TaskGroup | None = None  # while running: for the drain timer
         self._drain: float | None = None  # a stop's grace, once one was given
         self.in_flight = 0
-        self._wake_key = wake_key
-        self._background = tuple(background)  # run beside the slots, cancelled after them
-        self._changes = changes  # (collection, pipeline): a change stream's events wake it
-        self._on_change = on_change  # hears each event first; it wakes the loop if this says so
         self._wakes = 0  # wake-ups so far: one that came while a slot claimed is not missed
         self._poller: int | None = None  # the idle slot that polls for all of them
         self._waiting: list[anyio.Event] = []  # the other idle slots, oldest first
@@ -182,10 +178,10 @@ class WorkerLoop(Generic[Item]):
     @property
     def idle(self) -> bool:
         """Nothing in flight, and every slot naps on the clock or waits for another slot's
-        poll (with `claim_many`: the claimer naps): only the clock or a wake-up moves it."""
+        poll (filling: the claimer naps): only the clock or a wake-up moves it."""
         if self.in_flight:
             return False
-        if self._claim_many is not None:
+        if self._fills:
             return bool(self._naps)
         return len(self._naps) + len(self._waiting) == self._concurrency
 
@@ -219,6 +215,16 @@ class WorkerLoop(Generic[Item]):
         elif self._poller is None:  # (a poller that is claiming claims again: `_wakes`)
             self._wake_one()
 
+    def _woken(self, index: int) -> None:
+        """Source `index` may have work (its wake key, its change stream)."""
+        self._empty_until[index] = None
+        self.wake()
+
+    def _changed(self, index: int, event: Mapping[str, Any]) -> None:
+        feed = self._sources[index].changes
+        if feed is not None and (feed.heard is None or feed.heard(event)):
+            self._woken(index)
+
     def _wake_one(self) -> bool:
         """Wake the longest-waiting idle slot; False when none waits."""
         while self._waiting:
@@ -232,7 +238,10 @@ class WorkerLoop(Generic[Item]):
         if handle_signals:
             require_main_thread()
         with mongoq_errors_unwrapped():
-            await self._run(handle_signals)
+            try:
+                await self._run(handle_signals)
+            finally:
+                await self._services.close()
 
     def cancel(self) -> None:
         """Hard stop: cancel the in-flight items (their lease handling releases them, recorded
@@ -248,56 +257,56 @@ class WorkerLoop(Generic[Item]):
                 group.start_soon(self._drain_after, self._drain)
             if handle_signals:
                 group.start_soon(watch_signals, self, group.cancel_scope, self.name)
-            if self._housekeeping is not None:
-                group.start_soon(self._housekeep)
-            for task in self._background:
-                group.start_soon(task)
-            if self._changes is not None:
-                collection, pipeline = self._changes
-                group.start_soon(partial(
-                    changes.watch, collection, pipeline, self._changed, clock=self._clock,
-                    retry=self._poll_interval, name=self.name,
-                ))  # fmt: skip
-            listening = (
-                wakeups.listen(self._wake_key, self.wake)
-                if self._wake_key is not None
-                else contextlib.nullcontext()
-            )
-            with listening:
+            for index, source in enumerate(self._sources):
+                if source.changes is not None:
+                    group.start_soon(partial(
+                        changes.watch, source.changes.collection, source.changes.pipeline,
+                        partial(self._changed, index), clock=self._clock,
+                        retry=self._poll_interval, name=source.name,
+                    ))  # fmt: skip
+            with contextlib.ExitStack() as listening:
+                for index, source in enumerate(self._sources):
+                    if source.wake_key is not None:
+                        listening.enter_context(
+                            wakeups.listen(source.wake_key, partial(self._woken, index))
+                        )
+                await self._services.start(group)
                 async with anyio.create_task_group() as slots:
-                    if self._claim_many is not None:
+                    if self._fills:
                         await self._fill_slots(slots)
                     else:
                         for number in range(self._concurrency):
                             slots.start_soon(self._slot, number)
-            group.cancel_scope.cancel()  # the signal watcher, once every slot has returned
+            group.cancel_scope.cancel()  # the services and watchers, once every slot returned
 
-    def _changed(self, event: Mapping[str, Any]) -> None:
-        if self._on_change is None or self._on_change(event):
-            self.wake()
+    def _rotation(self) -> list[int]:
+        """The sources in the order a claim tries them: from the one after the last claimed
+        from, those taken for empty last."""
+        count, now = len(self._sources), self._clock.now()
+        rotation = [(self._turn + offset) % count for offset in range(count)]
+        self._turn = (rotation[0] + 1) % count  # a slot claiming meanwhile starts at the next
+        fresh = [i for i in rotation if (self._empty_until[i] or now) <= now]
+        return fresh + [i for i in rotation if i not in fresh]
 
-    async def _housekeep(self) -> None:
-        while True:
-            await self._clock.sleep(self._housekeeping_interval)
-            await self._run_housekeeping()
+    async def _claim(self, limit: int) -> list[tuple[int, Any]]:
+        """Up to `limit` items over the sources, each with the index of its source."""
+        claimed: list[tuple[int, Any]] = []
+        for index in self._rotation():
+            items = await self._sources[index].claim(limit - len(claimed))
+            if items:
+                self._turn = (index + 1) % len(self._sources)
+                self._empty_until[index] = None
+                claimed += [(index, item) for item in items]
+                if len(claimed) >= limit:
+                    break
+            else:
+                when = self._clock.now() + timedelta(seconds=self._poll_interval)
+                self._empty_until[index] = when
+        return claimed
 
-    async def _run_housekeeping(self, *, unless_recent: bool = False) -> None:
-        if self._housekeeping is None:
-            return
-        now = self._clock.now()
-        if (
-            unless_recent
-            and self._housekept_at is not None
-            and ((now - self._housekept_at).total_seconds() < self._housekeeping_interval)
-        ):
-            return
-        self._housekept_at = now
-        try:
-            await self._housekeeping()
-        except _driver.DRIVER_ERRORS as exc:
-            self._outage.failed(exc, "housekeeping", now)  # tried again at its next turn
-        else:
-            self._outage.succeeded(now)
+    async def _next_due(self) -> datetime | None:
+        dues = [await source.next_due() for source in self._sources]
+        return min((due for due in dues if due is not None), default=None)
 
     async def _nap(self, until: datetime | None = None, *, seconds: float | None = None) -> None:
         """Sleep `seconds` (default `poll_interval`), or until `until` if that comes first;
@@ -313,10 +322,9 @@ class WorkerLoop(Generic[Item]):
                 self._naps.discard(scope)
 
     async def _drained(self, wakes: int) -> bool:
-        """With `next_due`: True (and the loop stops) when nothing is left at all; otherwise
-        sleeps until the next item is due (or `poll_interval`), and says False. No sleep when
-        a wake-up came since `wakes` (counted before the claim)."""
-        assert self._next_due is not None
+        """Stopping when drained: True (and the loop stops) when nothing is left at all;
+        otherwise sleeps until the next item is due (or `poll_interval`), and says False. No
+        sleep when a wake-up came since `wakes` (counted before the claim)."""
         started = self._clock.now()
         try:
             due = await self._next_due()
@@ -333,7 +341,7 @@ class WorkerLoop(Generic[Item]):
         if due is None or due <= self._clock.now():
             # Another slot's item may still come back (a retry), or the claim found nothing
             # due although something is: another worker took it, it is below this worker's
-            # priority, or it waits for housekeeping. Poll, never spin.
+            # priority, or it waits for a maintenance round. Poll, never spin.
             await self._nap()
             return False
         await self._nap(due)
@@ -373,15 +381,14 @@ class WorkerLoop(Generic[Item]):
         while not self._stopping:
             await anyio.lowlevel.checkpoint_if_cancelled()  # the shield below would hide it
             wakes = self._wakes
-            assert self._claim is not None
-            claimed, item = await self._shielded(self._claim)
+            claimed, items = await self._shielded(1)
             if not claimed:
                 continue
-            if item is None:
-                await self._run_housekeeping(unless_recent=True)
+            if not items:
+                await self._services.idle()
                 if self._stop_when_empty:
                     return
-                if self._next_due is not None:
+                if self._drains:
                     if await self._drained(wakes):
                         return
                 elif self._wakes == wakes:  # else woken while claiming: claim again at once
@@ -389,49 +396,50 @@ class WorkerLoop(Generic[Item]):
                 continue
             self._leave_idle(number)
             self.in_flight += 1
-            await self._process_item(item)
+            await self._process_item(items[0])
 
-    async def _process_item(self, item: Item) -> None:
-        """Process `item` (counted in flight by the caller); its slot is free again after."""
+    async def _process_item(self, claimed: tuple[int, Any]) -> None:
+        """Process a claimed item (counted in flight by the caller); its slot is free again
+        after."""
+        index, item = claimed
         try:
-            await self._process(item)
+            await self._sources[index].process(item)
         except Exception:
-            # The primitive's process function settles its own item; anything that still
-            # escapes is logged rather than allowed to end the slot (the lease recovers it).
+            # The source settles its own item; anything that still escapes is logged rather
+            # than allowed to end the slot (the lease recovers it).
             log.exception("%s: unexpected error while processing", self.name)
         finally:
             self.in_flight -= 1
 
-    async def _shielded(self, claim: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
-        """Run `claim`, shielded: a claim applied on the server but cancelled before its reply
-        is read would hold what it claimed, unseen, for a whole lease. Once it is back, the
-        cancellation reaches the processing, whose lease handling releases it. A driver error
-        is noted (`Outage`: logged once while the server is lost, backed off, given up on
-        after `give_up_after`) and napped on: (False, None)."""
+    async def _shielded(self, limit: int) -> tuple[bool, list[tuple[int, Any]]]:
+        """Claim up to `limit` items, shielded: a claim applied on the server but cancelled
+        before its reply is read would hold what it claimed, unseen, for a whole lease. Once
+        it is back, the cancellation reaches the processing, whose lease handling releases
+        it. A driver error is noted (`Outage`: logged once while the server is lost, backed
+        off, given up on after `give_up_after`) and napped on: (False, [])."""
         started = self._clock.now()
         try:
             with anyio.CancelScope(shield=True):
-                result = await claim()
+                result = await self._claim(limit)
         except _driver.DRIVER_ERRORS as exc:
             await self._nap(seconds=self._outage.failed(exc, "claim", started))
-            return False, None
+            return False, []
         self._outage.succeeded(started)
         return True, result
 
     async def _fill_slots(self, slots: anyio.abc.TaskGroup) -> None:
-        """`claim_many` mode: claim for every free slot at once, start each item in a slot of
+        """Filling sources: claim for every free slot at once, start each item in a slot of
         its own, and claim again when an item ended, a wake-up came, or the nap is over."""
-        assert self._claim_many is not None
         while not self._stopping:
             await anyio.lowlevel.checkpoint_if_cancelled()  # the shield below would hide it
             free = self._concurrency - self.in_flight
             ended, wakes = self._ended, self._wakes
-            items: list[Item] | None = []
+            items: list[tuple[int, Any]] = []
             if free > 0:
-                claimed, items = await self._shielded(partial(self._claim_many, free))
+                claimed, items = await self._shielded(free)
                 if not claimed:
                     continue
-            for item in items or ():
+            for item in items:
                 self.in_flight += 1
                 slots.start_soon(self._process_one, item)
             if items or self._ended != ended or (free > 0 and self._wakes != wakes):
@@ -439,15 +447,16 @@ class WorkerLoop(Generic[Item]):
                 # nap, and the claim may have read the state from before it): claim again.
                 continue
             if self.in_flight == 0:
+                await self._services.idle()
                 if self._stop_when_empty:
                     return
-                if self._next_due is not None:
+                if self._drains:
                     if await self._drained(wakes):
                         return
                     continue
             await self._nap()
 
-    async def _process_one(self, item: Item) -> None:
+    async def _process_one(self, item: tuple[int, Any]) -> None:
         """Process an item `_fill_slots` claimed, then have the claimer claim for its slot."""
         try:
             await self._process_item(item)
@@ -480,7 +489,7 @@ class WorkerHost:
     db: Any
 
     def __init__(self) -> None:
-        self._loops: set[WorkerLoop[Any]] = set()
+        self._loops: set[WorkerLoop] = set()
         self._stop_pending = False
         self._stop_grace: float | None = None
         self._identity = (os.getpid(), default_worker_id())
@@ -493,7 +502,7 @@ class WorkerHost:
         return self._identity[1]
 
     async def _run_loop(
-        self, loop: WorkerLoop[Any], *, handle_signals: bool, lease: float | None = None
+        self, loop: WorkerLoop, *, handle_signals: bool, lease: float | None = None
     ) -> None:
         """Run `loop` until it returns, watched for a blocked event loop (`watchdog`) past a
         third of `lease` (default: this primitive's ``lease_ttl``)."""

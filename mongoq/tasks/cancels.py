@@ -6,11 +6,11 @@ its next renewal (a third of a lease later: five minutes at the default lease).
   task's end that a `wait` of this process hears (`changes.TASKS_ENDED`).
 - On a replica set, a run loop's change stream (`changes.TASKS_DUE_OR_STOPPED`, the one that
   wakes it for new work) brings a cancel or a removal from any process, and notifies the key.
-- Where there is none, `watch_held` reads every poll interval which of the tasks this queue
-  instance has held for at least that long were cancelled: one read a poll, only
-  while such tasks run (a task shorter than a poll costs nothing; its settle is refused anyway,
-  the task being cancelled). A task cancelled within its first poll interval is found at the
-  end of its second at the latest.
+- Where there is none, `tell_cancelled` (the run loop's ``holders`` service) reads every
+  poll interval which of the tasks this queue instance has held for at least that long were
+  cancelled: one read a poll, only while such tasks run (a task shorter than a poll costs
+  nothing; its settle is refused anyway, the task being cancelled). A task cancelled within
+  its first poll interval is found at the end of its second at the latest.
 
 Told, the lease renews at once (`KeepAlive.renew_now`); the renewal finds the task gone and
 cancels the handler (`mongoq.runtime.handler`). Reads the queue's collection (``{name}``, see
@@ -25,12 +25,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
-from mongoq import _driver
 from mongoq.clock import Clock
 from mongoq.runtime import wakeups
 from mongoq.tasks.models import Task, TaskId
 
-__all__ = ["Held", "stop_key", "tell_holders", "watch_held"]
+__all__ = ["Held", "stop_key", "tell_cancelled", "tell_holders"]
 
 log = logging.getLogger("mongoq.tasks")
 
@@ -71,21 +70,15 @@ def tell_holders(base: wakeups.Key, task_ids: Iterable[TaskId]) -> None:
         wakeups.notify(stop_key(base, task_id))
 
 
-async def watch_held(queue: _Queue, poll: float) -> None:
-    """Until cancelled: every `poll` seconds, which of the tasks held for `poll` seconds or
-    more were cancelled (one read, only when some are), their holders told."""
-    while True:
-        await queue.clock.sleep(poll)
-        cutoff = queue.clock.now() - timedelta(seconds=poll)
-        held = [lease.task for lease in list(queue._leases.values())
-                if lease.held_since is not None and lease.held_since <= cutoff]  # fmt: skip
-        held += [task for batch in list(queue._batches) if batch.since <= cutoff
-                 for task in batch.tasks]  # fmt: skip
-        if not held:
-            continue
-        try:
-            cancelled = await queue._cancelled_of(held)
-        except _driver.DRIVER_ERRORS as exc:  # the renewal still finds out, later
-            log.debug("reading which held tasks were cancelled failed (%s)", exc)
-            continue
-        tell_holders(queue._stop_base, cancelled)
+async def tell_cancelled(queue: _Queue, held_for: float) -> None:
+    """One round of the run loop's ``holders`` service (every poll interval): which of the
+    tasks held for `held_for` seconds or more were cancelled (one read, only when some are),
+    their holders told. A read that fails goes to the loop's backoff; the renewal still finds
+    out, later."""
+    cutoff = queue.clock.now() - timedelta(seconds=held_for)
+    held = [lease.task for lease in list(queue._leases.values())
+            if lease.held_since is not None and lease.held_since <= cutoff]  # fmt: skip
+    held += [task for batch in list(queue._batches) if batch.since <= cutoff
+             for task in batch.tasks]  # fmt: skip
+    if held:
+        tell_holders(queue._stop_base, await queue._cancelled_of(held))

@@ -13,12 +13,10 @@ and every filter and update sent are in `mongoq.tasks.schema`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from datetime import datetime
-from functools import partial
 from typing import Any
 
-import anyio
 from pymongo import ReturnDocument
 from pymongo.errors import OperationFailure
 
@@ -38,16 +36,12 @@ from mongoq._validation import (
     check_timeout,
 )
 from mongoq.clock import Clock, ServerClock, stored_instant
-from mongoq.errors import InvalidInput, LeaseLost
-from mongoq.runtime import changes, wakeups
-from mongoq.runtime import lease as leases
-from mongoq.runtime.batch import run_batch
+from mongoq.errors import InvalidInput
+from mongoq.runtime import wakeups
 from mongoq.runtime.candidates import take_candidates
-from mongoq.runtime.events import Tally, report_start_delay
-from mongoq.runtime.handler import call_handler
+from mongoq.runtime.events import report_start_delay
 from mongoq.runtime.loop import WorkerHost, WorkerLoop
 from mongoq.tasks import cancels, quarantine, schema
-from mongoq.tasks.batch import TaskBatch
 from mongoq.tasks.models import (
     PROCESSING,
     READ_ERRORS,
@@ -65,13 +59,11 @@ from mongoq.tasks.operators import TaskOperators
 from mongoq.tasks.presence import Presence
 from mongoq.tasks.schedules import Scheduler, TaskSchedules
 from mongoq.tasks.settles import TaskLease, TaskSettles
+from mongoq.tasks.source import TaskSource
 
 __all__ = ["AsyncTaskQueue"]
 
 log = logging.getLogger("mongoq.tasks")
-
-#: `run`'s claim step and process step (one task, or a batch).
-_Steps = tuple[Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]]
 
 
 def _retention(field: str, seconds: float | None) -> int | None:
@@ -413,80 +405,45 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         that it is back. With `give_up_after` (seconds) the call raises `ServerUnavailable` once
         the server has been gone that long; by default it waits for the server forever.
         """
-        check_async_handler("handler", handler)
         check_stop_when(stop_when_empty, stop_when_drained)
         check_int("concurrency", concurrency, low=1)
-        check_int("batch_size", batch_size, low=1, high=MAX_BATCH)
         poll = check_interval("poll_interval", poll_interval)
-        limit = check_timeout("handler_timeout", handler_timeout)
         give_up = check_timeout("give_up_after", give_up_after)
-        worker = self._worker(worker_id)
-        summary = TaskRunSummary()
-        tally = Tally(summary, "tasks", self.name)
-
-        holder = TaskBatch(self, handler)
-        steps: _Steps = (
-            self._single_steps(holder, tally, worker, limit)
-            if batch_size == 1
-            else self._batch_steps(holder, tally, worker, batch_size, limit)
-        )
-        loop = self._worker_loop(
-            steps, concurrency=concurrency, poll=poll, stop_when_empty=stop_when_empty,
-            stop_when_drained=stop_when_drained, schedules=schedules, give_up_after=give_up,
+        source = self.source(
+            handler, worker_id=worker_id, batch_size=batch_size,
+            handler_timeout=handler_timeout, schedules=schedules,
+        )  # fmt: skip
+        loop = WorkerLoop(
+            [source], concurrency=concurrency, poll_interval=poll,
+            stop_when_empty=stop_when_empty, stop_when_drained=stop_when_drained,
+            give_up_after=give_up,
         )  # fmt: skip
         await self._run_loop(loop, handle_signals=handle_signals)
-        return summary
+        return source.summary
 
-    def _worker_loop(
+    def source(
         self,
-        steps: _Steps,
+        handler: Callable[[Task], Awaitable[Any]],
         *,
-        concurrency: int,
-        poll: float,
-        stop_when_empty: bool,
-        stop_when_drained: bool,
-        schedules: bool,
-        give_up_after: float | None,
-    ) -> WorkerLoop[Any]:
-        """`run`'s loop around its claim and process `steps`: expired leases reclaimed every
-        ``lease_ttl / 3``, woken by this process's puts and the collection's change stream,
-        the schedules ticked beside it when `schedules`, the holders of cancelled tasks told
-        (`mongoq.tasks.cancels`)."""
-        return WorkerLoop(
-            claim=steps[0],
-            process=steps[1],
-            clock=self.clock,
-            concurrency=concurrency,
-            poll_interval=poll,
-            stop_when_empty=stop_when_empty,
-            housekeeping=self.reclaim_expired,
-            housekeeping_interval=self.lease_ttl / 3,
-            name=f"tasks:{self.name}",
-            next_due=self._next_due if stop_when_drained else None,
-            wake_key=self._wake_key,
-            background=[
-                *([partial(self._scheduler.run, poll)] if schedules else []),
-                *self._holders_told(poll),
-            ],
-            changes=(self.collection, changes.TASKS_DUE_OR_STOPPED),
-            on_change=self._heard,
-            give_up_after=give_up_after,
-        )
-
-    def _heard(self, event: Mapping[str, Any]) -> bool:
-        """A change event of `changes.TASKS_DUE_OR_STOPPED`: a task cancelled or removed tells
-        its holders in this process (False: nothing to claim); any other, True (claim)."""
-        stopped = changes.stopped_task(event)
-        if stopped is None:
-            return True
-        cancels.tell_holders(self._stop_base, [stopped])
-        return False
-
-    def _holders_told(self, poll: float) -> list[Callable[[], Coroutine[Any, Any, None]]]:
-        """What runs beside a run loop so that the holders of a task cancelled in another
-        process hear of it within a poll interval where no change stream tells them
-        (`mongoq.tasks.cancels`)."""
-        return [partial(cancels.watch_held, self, poll)]
+        worker_id: str | None = None,
+        batch_size: int = 1,
+        handler_timeout: float | None = None,
+        schedules: bool = True,
+        functions: Sequence[str] | None = None,
+    ) -> TaskSource:
+        """This queue as a source of work for a `mongoq.runtime.loop.WorkerLoop`: what `run`
+        runs, and what a loop over several queues runs one of per queue (`Jobs.run`). The
+        options are `run`'s; with `functions`, it claims only the tasks of those task
+        functions, and keeps the worker's presence in ``{name}_workers`` while it runs (read
+        by `stats`)."""
+        check_async_handler("handler", handler)
+        return TaskSource(
+            self, handler, worker_id=self._worker(worker_id),
+            batch_size=check_int("batch_size", batch_size, low=1, high=MAX_BATCH),
+            handler_timeout=check_timeout("handler_timeout", handler_timeout),
+            schedules=schedules,
+            functions=check_functions("functions", functions),
+        )  # fmt: skip
 
     async def _next_due(self, functions: Sequence[str] | None = None) -> datetime | None:
         """When the next task left (of `functions` only, when given) becomes claimable (a
@@ -511,74 +468,3 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
                 self, docs[0], schema.task_unchanged(docs[0], unfinished), now
             )
         return None
-
-    def _single_steps(
-        self, holder: TaskBatch, tally: Tally, worker: str, limit: float | None
-    ) -> tuple[Callable[[], Awaitable[Task | None]], Callable[[Task], Awaitable[None]]]:
-        """The claim and process steps of `run` one task at a time: the handler runs inside
-        `leased`, started only under a lease known to be live (`mongoq.runtime.lease`)."""
-
-        async def claim() -> Task | None:
-            task = await self.claim(worker)
-            if task is not None:
-                tally("claimed")
-            return task
-
-        async def process(task: Task) -> None:
-            liveness = await leases.confirm(
-                task.lease_until or self.clock.now(), clock=self.clock, lease=self.lease_ttl,
-                renew=partial(self.heartbeat, task), name=f"task {task.id!r}",
-            )  # fmt: skip
-            if liveness is not leases.Liveness.LIVE:
-                tally(await holder.not_started(task, lost=liveness is leases.Liveness.LOST))
-                return
-            lease = self.leased(task)
-            try:
-                async with lease:
-                    result = await call_handler(
-                        partial(holder.handler, task), clock=self.clock, limit=limit,
-                        guard=lease._guard(), timed=tally.handler_time, name=f"task {task.id!r}",
-                    )  # fmt: skip
-                    # Finished: a hard stop from here on still records it (as a batch does),
-                    # bounded like a batch's final settle.
-                    with anyio.move_on_after(self.lease_ttl, shield=True) as bound:
-                        try:
-                            await lease.complete(result)
-                        except InvalidInput as exc:  # a result that cannot be stored: a bug
-                            await lease.fail(exc)
-                    if bound.cancelled_caught:  # no answer: the lease expires, result untold
-                        lease._abandon()
-            except LeaseLost:
-                pass
-            except _driver.DRIVER_ERRORS:
-                log.warning("settling %r failed; its lease will expire", task.id, exc_info=True)
-            except Exception:
-                pass  # settled (and logged) by the lease's exit
-            finally:  # a cancellation (a second signal) is counted too
-                tally(lease.outcome or "unknown")
-
-        return claim, process
-
-    def _batch_steps(
-        self,
-        holder: TaskBatch,
-        tally: Tally,
-        worker: str,
-        batch_size: int,
-        limit: float | None,
-    ) -> tuple[Callable[[], Awaitable[list[Task] | None]], Callable[[list[Task]], Awaitable[None]]]:
-        """The claim and process steps of `run` with batches."""
-
-        async def claim() -> list[Task] | None:
-            tasks = await self.claim_many(batch_size, worker)
-            tally("claimed", len(tasks))
-            return tasks or None
-
-        async def process(tasks: list[Task]) -> None:
-            await run_batch(
-                holder, tasks, clock=self.clock, lease=self.lease_ttl, count=tally,
-                describe=lambda task: repr(task.id), logger=log, handler_timeout=limit,
-                timed=tally.handler_time,
-            )  # fmt: skip
-
-        return claim, process

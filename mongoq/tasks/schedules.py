@@ -1,6 +1,6 @@
 """Periodic tasks of a queue: `Scheduler`, one per `AsyncTaskQueue`, behind its `schedule`,
-`schedules` and `unschedule` (`TaskSchedules`, mixed into the queue), and the ticker its `run`
-keeps going.
+`schedules` and `unschedule` (`TaskSchedules`, mixed into the queue), and its `tick`, which a
+run loop's ``schedules`` service calls (`mongoq.tasks.source`).
 
 A schedule's tick puts one task, ``"<name>@<tick>"`` (`tick_task_id`): the id is the same in
 every process, so any number of workers tick without a leader and the put, idempotent by id,
@@ -24,8 +24,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-import anyio
-from pymongo.errors import ConnectionFailure, DuplicateKeyError
+from pymongo.errors import DuplicateKeyError
 
 from mongoq import _driver
 from mongoq._unreachable import names_unreachable_server
@@ -261,32 +260,6 @@ class Scheduler:
                        "mongoq_item": schedule.name},
             )  # fmt: skip
         return following
-
-    async def run(self, poll_interval: float) -> None:
-        """Tick until cancelled: at each schedule's next tick, at least every `RECHECK`
-        seconds, and at once when this process defines one. A failed read is retried after
-        `poll_interval`."""
-        clock = self.queue.clock
-        changed = anyio.Event()
-
-        def wake() -> None:
-            changed.set()
-
-        with wakeups.listen(self.wake_key, wake):
-            while True:
-                changed = anyio.Event()
-                try:
-                    upcoming = await self.tick()
-                except _driver.DRIVER_ERRORS as exc:
-                    # A lost server is the run loop's to say, once; anything else, each time.
-                    lost = isinstance(exc, ConnectionFailure)
-                    (log.debug if lost else log.warning)(
-                        "ticking the schedules failed (%s); retrying", exc
-                    )
-                    upcoming = clock.now() + timedelta(seconds=poll_interval)
-                recheck = clock.now() + timedelta(seconds=RECHECK)
-                until = recheck if upcoming is None else min(upcoming, recheck)
-                await wakeups.sleep_until_woken(clock, until, changed)
 
 
 def _checked_name(name: Any) -> str:

@@ -148,25 +148,36 @@ class Runaways:
             runaway.ended = clock.now()
 
 
-def _abandoned(run: Run, runaway: Runaway) -> datetime | None:
-    """When the library logged the abandonment of `runaway` (its WARNING naming it, about
-    `GRACE` after it swallowed its cancellation); None if it did not."""
-    assert runaway.swallowed is not None
-    due = runaway.swallowed + timedelta(seconds=GRACE)
+def _abandonments(run: Run) -> dict[int, datetime]:
+    """When the library logged the abandonment of each runaway (its WARNING naming it, about
+    `GRACE` after it swallowed its cancellation), by the runaway's index in `Run.runaways`; one
+    it did not abandon is absent. A WARNING goes to one runaway only: of those it names and
+    could be about, one still running when it came (only a running handler is abandoned), then
+    the one whose due time it is closest to; the same item run twice by one worker (its first
+    lease lost) names two runaways alike."""
+    found: dict[int, datetime] = {}
     for at, name in run.abandoned:
-        if runaway.name in name and abs((at - due).total_seconds()) <= SLACK:
-            return at
-    return None
+        fits = []
+        for index, runaway in enumerate(run.runaways):
+            assert runaway.swallowed is not None
+            off = abs((at - (runaway.swallowed + timedelta(seconds=GRACE))).total_seconds())
+            if index not in found and runaway.name in name and off <= SLACK:
+                ended_before = runaway.ended is not None and runaway.ended < at
+                fits.append((ended_before, off, index))
+        if fits:
+            found[min(fits)[2]] = at
+    return found
 
 
 def check_runaways(run: Run, lease: float | None) -> None:
     """The checks of every runaway of the run (see the module docstring); `lease` is the
     primitive's lease in seconds (None: leases not judged, as for a run that hung)."""
     now = run.clock.now()
-    for runaway in run.runaways:
+    abandonments = _abandonments(run)
+    for index, runaway in enumerate(run.runaways):
         assert runaway.swallowed is not None
         went = ((runaway.ended or now) - runaway.swallowed).total_seconds()
-        abandoned = _abandoned(run, runaway)
+        abandoned = abandonments.get(index)
         if went > GRACE + SLACK and abandoned is None:
             run.violation(
                 "runaways",

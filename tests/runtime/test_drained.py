@@ -10,6 +10,7 @@ import anyio
 import pytest
 
 from mongoq import GroupLease, InvalidInput, OutboxDispatcher, Task
+from mongoq.runtime.events import Tally
 from mongoq.runtime.loop import WorkerLoop
 from mongoq.testing import ManualClock, settle
 from tests.support.group_helpers import dead, messages, new_transport
@@ -138,10 +139,18 @@ async def test_both_ways_to_stop_at_once_are_refused(db: Any, clock: ManualClock
 
 
 class Loop:
-    """A WorkerLoop over a fake claim: `items` are claimed in turn, each processed until its
+    """A WorkerLoop over a fake source: `items` are claimed in turn, each processed until its
     gate opens; `due` is what "what is left" answers."""
 
+    fills = False
+    wake_key = None
+    changes = None
+    services = ()
+    name = "fake"
+
     def __init__(self, clock: ManualClock, items: list[str], due: Any, concurrency: int) -> None:
+        self.clock = clock
+        self.tally = Tally(object(), "fake", "fake")
         self.items = list(items)
         self.due = due
         self.claims = 0
@@ -149,14 +158,11 @@ class Loop:
         self.gates = {item: anyio.Event() for item in items}
         self.processed: list[str] = []
         self.comes_back: dict[str, list[str]] = {}
-        self.loop: WorkerLoop[str] = WorkerLoop(
-            claim=self.claim, process=self.process, clock=clock, concurrency=concurrency,
-            next_due=self.next_due,
-        )  # fmt: skip
+        self.loop = WorkerLoop([self], concurrency=concurrency, stop_when_drained=True)
 
-    async def claim(self) -> str | None:
+    async def claim(self, limit: int) -> list[str]:
         self.claims += 1
-        return self.items.pop(0) if self.items else None
+        return [self.items.pop(0)] if self.items else []
 
     async def process(self, item: str) -> None:
         await self.gates[item].wait()

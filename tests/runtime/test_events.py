@@ -37,7 +37,7 @@ def handler_for(clock: ManualClock) -> Any:
 def outcomes(heard: list[events.RunEvent]) -> Counter[tuple[str, str, str]]:
     counted: Counter[tuple[str, str, str]] = Counter()
     for e in heard:
-        if not e.outcome.endswith("_seconds"):
+        if not e.outcome.endswith("_seconds") and not e.service:
             counted[(e.primitive, e.queue, e.outcome)] += e.count
     return counted
 
