@@ -27,6 +27,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from mongoq import _driver
+from mongoq._collections import SUFFIXES
 from mongoq._version import __version__
 from mongoq.clock import stored_instant
 from mongoq.errors import InvalidInput
@@ -74,20 +75,7 @@ def _id(primitive: Primitive, name: str) -> str:
 
 def _suffixes(primitive: Primitive) -> tuple[str, ...]:
     """What `primitive` appends to its name to name each of its collections."""
-    # Imported here: the primitives import this module, and their schema modules hold the
-    # suffixes.
-    if primitive == "tasks":
-        from mongoq.tasks.schema import SCHEDULES_SUFFIX, WORKERS_SUFFIX
-
-        return ("", SCHEDULES_SUFFIX, WORKERS_SUFFIX)
-    if primitive == "groups":
-        from mongoq.groups import schema as groups
-
-        return tuple(f"_{part}" for part in (groups.MESSAGES, groups.LOCKS, groups.COUNTERS,
-                                             groups.DEAD))  # fmt: skip
-    from mongoq.outbox import schema as outbox
-
-    return (outbox.EVENTS, outbox.DELIVERIES, outbox.SEQUENCES, outbox.LANES, outbox.HISTORY)
+    return SUFFIXES[primitive]
 
 
 def collections_of(primitive: Primitive, name: str) -> tuple[str, ...]:

@@ -1104,7 +1104,8 @@ class OutboxDispatcher(Facade):
 
     def run_once(self) -> OutboxRunSummary:
         """Claim one batch (up to `concurrency`), run it to the end, settle it; returns what
-        this call did. Lanes stay held for the next call (see `stop`/`run`).
+        this call did. Lanes stay held for the next call (see `stop`/`run`); a claim that
+        fails claims nothing.
         """
         return cast("OutboxRunSummary", self._call("run_once"))
 

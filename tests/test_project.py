@@ -65,6 +65,28 @@ def test_the_library_imports_neither_its_test_tools_nor_its_blocking_facade() ->
     assert {path: names for path, names in offenders.items() if names} == {}
 
 
+#: The floor beneath the primitives: what they are built on, which imports none of them (not
+#: even inside a function), so that no import arrow runs from a lower module back up.
+FLOOR = [
+    *sorted(p for p in (ROOT / "mongoq").glob("_*.py") if not p.name.startswith("__")),
+    *(ROOT / "mongoq" / f"{name}.py" for name in ("clock", "errors", "registry")),
+    *sorted((ROOT / "mongoq" / "runtime").glob("*.py")),
+]
+PRIMITIVES = ("mongoq.tasks", "mongoq.groups", "mongoq.outbox", "mongoq.jobs")
+
+
+def test_no_module_beneath_the_primitives_imports_one() -> None:
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(
+            name
+            for name in _imported_modules(path)
+            if any(name == up or name.startswith(f"{up}.") for up in PRIMITIVES)
+        )
+        for path in FLOOR
+    }
+    assert {path: names for path, names in offenders.items() if names} == {}
+
+
 def _private_names_of(folder: Path) -> set[str]:
     """The private names (``_x``, not dunders) the modules of `folder` define: functions,
     classes, methods, and attributes they assign (``self._x = ...``, ``_x: T``)."""

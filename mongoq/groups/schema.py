@@ -38,6 +38,10 @@ from datetime import datetime
 from typing import Any
 
 from mongoq import _driver
+from mongoq._collections import COUNTERS as COUNTERS
+from mongoq._collections import DEAD as DEAD
+from mongoq._collections import LOCKS as LOCKS
+from mongoq._collections import MESSAGES as MESSAGES
 from mongoq._indexes import IndexSpec
 from mongoq.clock import stored_instant
 from mongoq.groups.models import (
@@ -50,7 +54,6 @@ from mongoq.groups.models import (
     priority_of,
 )
 
-MESSAGES, LOCKS, COUNTERS, DEAD = "messages", "locks", "counters", "dead"
 #: ``_id`` of the sequence allocator's document in ``counters``.
 SEQ_COUNTER = "seq"
 Filter = dict[str, Any]

@@ -158,24 +158,15 @@ class OutboxDispatcher(WorkerHost):
 
     async def run_once(self) -> OutboxRunSummary:
         """Claim one batch (up to `concurrency`), run it to the end, settle it; returns what
-        this call did. Lanes stay held for the next call (see `stop`/`run`)."""
+        this call did. Lanes stay held for the next call (see `stop`/`run`); a claim that
+        fails claims nothing."""
         before = OutboxRunSummary(**vars(self.summary))
+        loop = WorkerLoop(
+            [self], concurrency=self.concurrency, poll_interval=self.poll_interval, once=True,
+            name=f"{self.name} dispatcher {self.worker_id}",
+        )  # fmt: skip
         try:
-            # Shielded: a claim applied on the server but cancelled before its reply is read
-            # would keep its lanes, unseen, for a whole lease.
-            with anyio.CancelScope(shield=True):
-                batch = await self.claim(self.concurrency)
-        except _driver.DRIVER_ERRORS as exc:
-            log.warning("claim failed (%s)", exc)
-            batch = []
-        try:
-            if batch:
-                async with anyio.create_task_group() as group:
-                    group.start_soon(self._renew_while_running)
-                    async with anyio.create_task_group() as handlers:
-                        for claimed in batch:
-                            handlers.start_soon(self.process, claimed)
-                    group.cancel_scope.cancel()
+            await loop.run()
         finally:
             # Also when cancelled: what finished is completed, not left to run again. Bounded,
             # so a dead server cannot hold the caller longer than the lease would have lasted.
@@ -257,16 +248,6 @@ class OutboxDispatcher(WorkerHost):
                         self.worker_id, len(running))  # fmt: skip
             for guard in running:
                 guard.cancel()
-
-    async def _renew_while_running(self) -> None:
-        """`run_once`'s lanes renewed, every ``lease_ttl / 3``, until cancelled."""
-        interval = self.outbox.lease_ttl / 3
-        while True:
-            await self.outbox.clock.sleep(interval)
-            try:
-                await self._renew_lanes(interval)
-            except _driver.DRIVER_ERRORS as exc:
-                log.warning("renewing lanes failed (%s); retrying", exc)
 
     # ---------------------------------------------------------------------------- delivery
 

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 import bson
 
 from mongoq import _driver
+from mongoq._collections import DELIVERIES, EVENTS, HISTORY, LANES, SEQUENCES
 from mongoq._indexes import IndexSpec
 
 if TYPE_CHECKING:
@@ -68,19 +69,19 @@ if TYPE_CHECKING:
 __all__ = [
     "CLAIM_INDEX",
     "COLLECTIONS",
+    "DELIVERIES",
     "DUE_INDEX",
+    "EVENTS",
+    "HISTORY",
     "INDEXES",
+    "IndexSpec",
+    "LANES",
     "ORDERING_INDEX",
     "PARKED_INDEX",
     "READY_INDEX",
-    "IndexSpec",
+    "SEQUENCES",
 ]
 
-EVENTS = "events"
-DELIVERIES = "deliveries"
-SEQUENCES = "key_sequences"
-LANES = "lanes"
-HISTORY = "completed_deliveries"
 #: The collections, by the name that follows the prefix, in the order `setup` creates them.
 COLLECTIONS = (EVENTS, DELIVERIES, SEQUENCES, LANES, HISTORY)
 

@@ -134,7 +134,12 @@ class WorkerLoop:
         stop_when_drained: bool = False,
         give_up_after: float | None = None,
         name: str | None = None,
+        once: bool = False,
     ) -> None:
+        """`once`: one round of claims (each slot claims once; a filling source, one claim for
+        every slot), what it got run to the end, and `run` returns: no change stream, no
+        wake-ups, no backoff (a claim that fails claims nothing), the services only while
+        items run (the outbox's `run_once`)."""
         if not sources:
             raise ValueError("a WorkerLoop runs at least one source")
         if len({source.fills for source in sources}) != 1:
@@ -146,6 +151,7 @@ class WorkerLoop:
         self._poll_interval = poll_interval
         self._stop_when_empty = stop_when_empty
         self._drains = stop_when_drained
+        self._once = once
         self.name = name if name is not None else sources[0].name
         self._outage = Outage(
             self.name, self._clock, poll_interval=poll_interval, give_up_after=give_up_after,
@@ -154,6 +160,7 @@ class WorkerLoop:
         self._services = Services(
             [(s.tally.primitive, s.tally.queue, each) for s in sources for each in s.services],
             clock=self._clock, poll_interval=poll_interval, outage=self._outage, name=self.name,
+            quiet=once,
         )  # fmt: skip
         self._turn = 0  # the source the next claim starts at
         # Until when a source is taken for empty: its claim found nothing, and neither a
@@ -258,7 +265,7 @@ class WorkerLoop:
             if handle_signals:
                 group.start_soon(watch_signals, self, group.cancel_scope, self.name)
             for index, source in enumerate(self._sources):
-                if source.changes is not None:
+                if source.changes is not None and not self._once:
                     group.start_soon(partial(
                         changes.watch, source.changes.collection, source.changes.pipeline,
                         partial(self._changed, index), clock=self._clock,
@@ -266,7 +273,7 @@ class WorkerLoop:
                     ))  # fmt: skip
             with contextlib.ExitStack() as listening:
                 for index, source in enumerate(self._sources):
-                    if source.wake_key is not None:
+                    if source.wake_key is not None and not self._once:
                         listening.enter_context(
                             wakeups.listen(source.wake_key, partial(self._woken, index))
                         )
@@ -382,6 +389,11 @@ class WorkerLoop:
             await anyio.lowlevel.checkpoint_if_cancelled()  # the shield below would hide it
             wakes = self._wakes
             claimed, items = await self._shielded(1)
+            if self._once:
+                if items:
+                    self.in_flight += 1
+                    await self._process_item(items[0])
+                return
             if not claimed:
                 continue
             if not items:
@@ -422,7 +434,9 @@ class WorkerLoop:
             with anyio.CancelScope(shield=True):
                 result = await self._claim(limit)
         except _driver.DRIVER_ERRORS as exc:
-            await self._nap(seconds=self._outage.failed(exc, "claim", started))
+            pause = self._outage.failed(exc, "claim", started)
+            if not self._once:
+                await self._nap(seconds=pause)
             return False, []
         self._outage.succeeded(started)
         return True, result
@@ -437,11 +451,13 @@ class WorkerLoop:
             items: list[tuple[int, Any]] = []
             if free > 0:
                 claimed, items = await self._shielded(free)
-                if not claimed:
+                if not claimed and not self._once:
                     continue
             for item in items:
                 self.in_flight += 1
                 slots.start_soon(self._process_one, item)
+            if self._once:
+                return  # (the slots' group waits for what was claimed)
             if items or self._ended != ended or (free > 0 and self._wakes != wakes):
                 # Claimed, or an item ended or a wake-up came while the claim ran (it found no
                 # nap, and the claim may have read the state from before it): claim again.

@@ -85,6 +85,7 @@ class Services:
         poll_interval: float,
         outage: Outage,
         name: str,
+        quiet: bool = False,
     ) -> None:
         # (primitive, queue, service) for every service of every source, in their order
         self._services = [(_Labels(primitive, queue), s) for primitive, queue, s in named]
@@ -92,6 +93,7 @@ class Services:
         self._poll_interval = poll_interval
         self._outage = outage
         self._name = name
+        self._quiet = quiet  # (a loop run again and again, as `run_once`: no line each time)
         self._ran_at: dict[int, datetime] = {}
 
     def _interval(self, service: Service) -> float:
@@ -103,7 +105,7 @@ class Services:
 
     async def start(self, group: anyio.abc.TaskGroup) -> None:
         """Run the `at_start` rounds, then start every service's rounds in `group`."""
-        if self._services:
+        if self._services and not self._quiet:
             log.info("%s: services: %s", self._name, self.describe(),
                      extra={"mongoq_loop": self._name,
                             "mongoq_services": [s.name for _, s in self._services]})  # fmt: skip

@@ -44,6 +44,7 @@ from types import MappingProxyType
 from typing import Any
 
 from mongoq import _driver
+from mongoq._collections import SCHEDULES_SUFFIX, WORKERS_SUFFIX
 from mongoq._indexes import IndexSpec
 from mongoq.clock import to_millis
 from mongoq.tasks.models import (
@@ -65,26 +66,28 @@ __all__ = [
     "CLAIM_ORDER",
     "DUE_ORDER",
     "EXPIRED_ON_LAST_ATTEMPT",
-    "UNUSABLE_EXPIRED",
-    "UNUSABLE_PRIORITY_EXPIRED",
     "INDEXES",
+    "IndexSpec",
     "LIST_ORDER",
     "PURGEABLE",
-    "RETAIN_DONE",
     "RETAIN_CANCELLED",
+    "RETAIN_DONE",
     "RETAIN_FAILED",
+    "SCHEDULES_SUFFIX",
     "STATUS_LEASE",
     "STATUS_UPDATED",
     "TOMBSTONE_TTL",
+    "UNUSABLE_EXPIRED",
+    "UNUSABLE_PRIORITY_EXPIRED",
     "WITHOUT_PAYLOADS",
+    "WORKERS_SUFFIX",
     "WORKER_EXPIRY",
     "WORKER_EXPIRY_SLACK",
-    "WORKERS_SUFFIX",
-    "IndexSpec",
     "task_as_claimed",
-    "tasks_finished_between",
     "task_burying",
     "task_by_id",
+    "task_cancellable",
+    "task_cancelling",
     "task_claimable",
     "task_claiming",
     "task_completing",
@@ -92,14 +95,10 @@ __all__ = [
     "task_expired",
     "task_expired_exhausted",
     "task_expired_retryable",
-    "task_fields_as_read",
-    "tasks_buried_unusable",
     "task_extending",
-    "task_cancellable",
-    "task_cancelling",
     "task_failed",
-    "tasks_cancelled",
     "task_failing",
+    "task_fields_as_read",
     "task_held",
     "task_held_at_revision",
     "task_in_status",
@@ -114,9 +113,12 @@ __all__ = [
     "task_setting_aside",
     "task_taken_by",
     "task_unchanged",
+    "tasks_buried_unusable",
+    "tasks_cancelled",
     "tasks_claimed",
     "tasks_done",
     "tasks_failed",
+    "tasks_finished_between",
     "tasks_held",
     "tasks_listed",
     "tasks_purgeable",
@@ -604,7 +606,6 @@ def task_failing(now: datetime, error: str | None) -> dict[str, Any]:
 # (a digest of what defines it), anchor (the first tick, for `every`), next_at (the next tick
 # not put yet), last_tick, created_at, updated_at}``.
 
-SCHEDULES_SUFFIX = "_schedules"
 #: Serves the ticker's read of the due schedules and of the next one, in `SCHEDULE_ORDER`.
 SCHEDULE_DUE = IndexSpec("next_at", (("next_at", 1),))
 SCHEDULE_ORDER = [("next_at", 1)]
@@ -660,7 +661,6 @@ def schedule_advancing(
 # A worker announces itself when it starts and at each housekeeping round, and deletes its
 # document when its run ends; a killed worker's document counts no more from ``expires`` on.
 
-WORKERS_SUFFIX = "_workers"
 #: Deletes, an hour after its ``expires``, the presence of a worker that could not withdraw it
 #: (killed): TTL. Only clean-up: readers filter on ``expires`` themselves (served by this
 #: index), and the hour keeps the server's wall clock, which TTL goes by, from deleting a live
