@@ -27,6 +27,9 @@ MAX_PAYLOAD_BYTES = MAX_DOCUMENT_BYTES - 64 * 1024
 MAX_ID_LENGTH = 1024
 #: The largest batch a batched call takes (a bulk write's natural size).
 MAX_BATCH = 1000
+#: The most slots one run loop keeps: each is a task of the event loop, and a server's
+#: connection pool serves far fewer commands at once.
+MAX_CONCURRENCY = 1000
 #: Durations beyond ten years are mistakes (and overflow date arithmetic near year 9999).
 MAX_SECONDS = 10 * 365 * 24 * 3600
 #: What a stored integer may be (BSON's int64).
@@ -129,6 +132,12 @@ def check_worker_id(field: str, value: Any) -> str:
         raise InvalidInput(field, f"must not contain line breaks or control characters, "
                                   f"got {value!r}")  # fmt: skip
     return value
+
+
+def check_concurrency(value: Any) -> int:
+    """A run's `concurrency`: its slots, from 1 to `MAX_CONCURRENCY`, the same for every
+    primitive and `Jobs`."""
+    return check_int("concurrency", value, low=1, high=MAX_CONCURRENCY)
 
 
 def check_int(field: str, value: Any, *, low: int | None = None, high: int | None = None) -> int:

@@ -275,7 +275,7 @@ class Jobs(WorkerHost):
         self,
         *,
         queues: Sequence[str] | None = None,
-        concurrency: int = 8,
+        concurrency: int = 1,
         batch_size: int = 1,
         poll_interval: float = 1.0,
         stop_when_empty: bool = False,

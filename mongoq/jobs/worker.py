@@ -11,7 +11,13 @@ import logging
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from mongoq._validation import MAX_BATCH, check_int, check_interval, check_timeout
+from mongoq._validation import (
+    MAX_BATCH,
+    check_concurrency,
+    check_int,
+    check_interval,
+    check_timeout,
+)
 from mongoq.errors import HandlerTimeout, PermanentError
 from mongoq.runtime.handler import call_handler
 from mongoq.runtime.loop import WorkerLoop
@@ -41,7 +47,7 @@ class JobsWorker:
         worker_id: str,
     ) -> None:
         self.jobs = jobs
-        self.concurrency = check_int("concurrency", concurrency, low=1)
+        self.concurrency = check_concurrency(concurrency)
         self.batch_size = check_int("batch_size", batch_size, low=1, high=MAX_BATCH)
         self.poll_interval = check_interval("poll_interval", poll_interval)
         self.worker_id = worker_id

@@ -27,6 +27,7 @@ from mongoq import _driver
 from mongoq._unreachable import names_unreachable_server
 from mongoq._validation import (
     check_async_handler,
+    check_concurrency,
     check_int,
     check_interval,
     check_seconds,
@@ -106,7 +107,7 @@ class OutboxDispatcher(WorkerHost):
         handlers: Mapping[str, Callable[[Event, DeliveryContext], Awaitable[Any]]],
         *,
         worker_id: str | None = None,
-        concurrency: int = 8,
+        concurrency: int = 1,
         max_attempts: int = 10,
         backoff: Callable[[int], float] | None = None,
         poll_interval: float = 1.0,
@@ -130,7 +131,7 @@ class OutboxDispatcher(WorkerHost):
             if worker_id is not None
             else default_worker_id()
         )
-        self.concurrency = check_int("concurrency", concurrency, low=1, high=1000)
+        self.concurrency = check_concurrency(concurrency)
         self.max_attempts = check_int("max_attempts", max_attempts, low=1)
         self.backoff = backoff if backoff is not None else default_backoff
         self.handler_timeout = check_timeout("handler_timeout", handler_timeout)

@@ -26,6 +26,7 @@ from mongoq._unreachable import names_unreachable_server
 from mongoq._validation import (
     MAX_BATCH,
     check_async_handler,
+    check_concurrency,
     check_functions,
     check_int,
     check_interval,
@@ -406,7 +407,7 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         the server has been gone that long; by default it waits for the server forever.
         """
         check_stop_when(stop_when_empty, stop_when_drained)
-        check_int("concurrency", concurrency, low=1)
+        check_concurrency(concurrency)
         poll = check_interval("poll_interval", poll_interval)
         give_up = check_timeout("give_up_after", give_up_after)
         source = self.source(
