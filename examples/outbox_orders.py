@@ -83,8 +83,8 @@ async def main() -> None:
 
         await in_transaction(db, work)
 
-    dispatcher = OutboxDispatcher(outbox, {"mail": mail, "stats": stats}, concurrency=4)
-    print(await dispatcher.run(stop_when_empty=True))
+    dispatcher = OutboxDispatcher(outbox, {"mail": mail, "stats": stats})
+    print(await dispatcher.run(concurrency=4, stop_when_empty=True))
     print("mail sent:", sent)
     print("revenue:", await db.revenue.find({}, sort=[("_id", 1)]).to_list(None))
     print(await outbox.stats())

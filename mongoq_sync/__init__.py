@@ -51,7 +51,6 @@ from mongoq.groups.models import (
 )
 from mongoq.jobs.functions import Deferral, TaskFunction
 from mongoq.jobs.tracing import TracerProviderLike
-from mongoq.outbox.dispatcher import DeliveryContext
 from mongoq.outbox.models import (
     Delivery,
     DeliveryInfo,
@@ -61,6 +60,7 @@ from mongoq.outbox.models import (
     PublishResult,
     PurgeResult,
 )
+from mongoq.outbox.source import DeliveryContext
 from mongoq.tasks.models import (
     MissedTicks,
     NewTask,

@@ -24,7 +24,6 @@ from mongoq.groups.transport import AsyncGroupTransport as _AsyncGroupTransport
 from mongoq.jobs.functions import Deferral, TaskFunction
 from mongoq.jobs.registry import Jobs as _AsyncJobs
 from mongoq.jobs.tracing import TracerProviderLike
-from mongoq.outbox.dispatcher import DeliveryContext
 from mongoq.outbox.dispatcher import OutboxDispatcher as _AsyncOutboxDispatcher
 from mongoq.outbox.models import (
     Delivery,
@@ -35,6 +34,7 @@ from mongoq.outbox.models import (
     PublishResult,
     PurgeResult,
 )
+from mongoq.outbox.source import DeliveryContext
 from mongoq.outbox.store import AsyncOutbox as _AsyncOutbox
 from mongoq.tasks.models import (
     MissedTicks,
@@ -1050,15 +1050,12 @@ class OutboxDispatcher(Facade):
     A handler that returns completes its delivery; one that raises `PermanentError` buries it
     as a dead letter; any other exception reschedules it after ``backoff(attempt)`` seconds
     (`default_backoff` when None), until the attempt numbered `max_attempts` fails, which
-    buries it. Handlers must be idempotent: delivery is at least once. A handler running past
-    `handler_timeout` seconds (of the outbox's clock) is cancelled, and its attempt fails with
-    ``HandlerTimeout: timed out after N s``.
+    buries it. Handlers must be idempotent: delivery is at least once. How a run goes (its
+    worker id, concurrency, poll interval, handler time limit) is given to `run` or
+    `run_once`, as to every primitive's `run`.
 
     Through `mongoq_sync`, handlers are plain functions run in worker threads; their context
     gives `delivery` and `attempt` (completing inside a transaction needs the async API).
-
-    In mongoq_sync: `run` and `run_once` dispatch; the calls a run loop makes of a
-    source of work (`claim`, `process`, `next_due`) are the async API's.
     """
 
     def __init__(
@@ -1066,58 +1063,68 @@ class OutboxDispatcher(Facade):
         outbox: Outbox,
         handlers: Mapping[str, Callable[[Event, DeliveryContext], Any]],
         *,
-        worker_id: str | None = None,
-        concurrency: int = 1,
         max_attempts: int = 10,
         backoff: Callable[[int], float] | None = None,
-        poll_interval: float = 1.0,
-        handler_timeout: float | None = None,
     ) -> None:
         self._build(
             outbox._database,
             _AsyncOutboxDispatcher,
             outbox,
             {key: in_worker_thread(value, f"handlers[{key!r}]") for key, value in handlers.items()},
-            worker_id=worker_id,
-            concurrency=concurrency,
             max_attempts=max_attempts,
             backoff=backoff,
-            poll_interval=poll_interval,
-            handler_timeout=handler_timeout,
         )
-
-    @property
-    def worker_id(self) -> str:
-        return cast("str", self._get("worker_id"))
-
-    @property
-    def concurrency(self) -> int:
-        return cast("int", self._get("concurrency"))
 
     @property
     def max_attempts(self) -> int:
         return cast("int", self._get("max_attempts"))
 
     @property
+    def worker_id(self) -> str:
+        return cast("str", self._get("worker_id"))
+
+    @property
     def stopping(self) -> bool:
         return cast("bool", self._get("stopping"))
 
-    def run_once(self) -> OutboxRunSummary:
+    def run_once(
+        self,
+        *,
+        worker_id: str | None = None,
+        concurrency: int = 1,
+        handler_timeout: float | None = None,
+    ) -> OutboxRunSummary:
         """Claim one batch (up to `concurrency`), run it to the end, settle it; returns what
-        this call did. Lanes stay held for the next call (see `stop`/`run`); a claim that
-        fails claims nothing.
+        this call did. Lanes stay held for the next call with the same `worker_id` (see
+        `stop`/`run`); a claim that fails claims nothing. The options are `run`'s.
         """
-        return cast("OutboxRunSummary", self._call("run_once"))
+        return cast(
+            "OutboxRunSummary",
+            self._call(
+                "run_once",
+                worker_id=worker_id,
+                concurrency=concurrency,
+                handler_timeout=handler_timeout,
+            ),
+        )
 
     def run(
         self,
         *,
+        worker_id: str | None = None,
+        concurrency: int = 1,
+        poll_interval: float = 1.0,
+        handler_timeout: float | None = None,
         stop_when_empty: bool = False,
         stop_when_drained: bool = False,
         handle_signals: bool = False,
         give_up_after: float | None = None,
     ) -> OutboxRunSummary:
-        """Dispatch until `stop()`. `stop_when_empty` returns as soon as nothing is claimable
+        """Dispatch until `stop()`, as `worker_id` (default: `worker_id`, this dispatcher's),
+        with up to `concurrency` handlers at once, claiming again every `poll_interval` seconds
+        when idle; a handler running past `handler_timeout` seconds (of the outbox's clock) is
+        cancelled, and its attempt fails with ``HandlerTimeout: timed out after N s``.
+        `stop_when_empty` returns as soon as nothing is claimable
         now and nothing runs (deliveries waiting out a backoff, or behind a busy key, wait for
         a later run); `stop_when_drained` only when no delivery of these handlers is left
         pending at all, sleeping on the outbox's clock until the next one is due meanwhile.
@@ -1135,6 +1142,10 @@ class OutboxDispatcher(Facade):
             "OutboxRunSummary",
             self._call_run(
                 "run",
+                worker_id=worker_id,
+                concurrency=concurrency,
+                poll_interval=poll_interval,
+                handler_timeout=handler_timeout,
                 stop_when_empty=stop_when_empty,
                 stop_when_drained=stop_when_drained,
                 handle_signals=handle_signals,

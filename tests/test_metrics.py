@@ -484,9 +484,7 @@ async def test_group_runs_and_dispatchers_are_counted_too(
     await outbox.publish([event(1), event(2)], session=None)
 
     groups = await transport.run(handler_for(clock), stop_when_empty=True, retry_delay=10)
-    dispatch = await OutboxDispatcher(outbox, {"h": handler_for(clock)}, worker_id="w").run(
-        stop_when_empty=True
-    )
+    dispatch = await OutboxDispatcher(outbox, {"h": handler_for(clock)}).run(stop_when_empty=True)
 
     assert counted(run_metrics, "groups", GROUPS) == nonzero(groups)
     assert counted(run_metrics, "outbox", PREFIX) == nonzero(dispatch)

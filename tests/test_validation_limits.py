@@ -499,7 +499,9 @@ async def test_a_poll_interval_out_of_range_is_refused_before_anything_is_claime
         await primitives.groups.run(never_called, poll_interval=poll_interval,
                                     stop_when_empty=True)  # fmt: skip
     with pytest.raises(InvalidInput, match=r"^poll_interval: must be from 0.01 to 3600"):
-        OutboxDispatcher(primitives.outbox, {"h": never_called}, poll_interval=poll_interval)
+        await OutboxDispatcher(primitives.outbox, {"h": never_called}).run(
+            poll_interval=poll_interval
+        )
     assert await stored(db) == before
 
 
@@ -623,7 +625,7 @@ async def test_a_worker_id_that_would_forge_a_log_line_is_refused(
     with pytest.raises(InvalidInput, match=r"^worker_id: must not contain line breaks"):
         await primitives.outbox.claim(worker_id)
     with pytest.raises(InvalidInput, match=r"^worker_id: must not contain line breaks"):
-        OutboxDispatcher(primitives.outbox, {"h": never_called}, worker_id=worker_id)
+        await OutboxDispatcher(primitives.outbox, {"h": never_called}).run(worker_id=worker_id)
     assert await stored(db) == before
 
 

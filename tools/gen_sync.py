@@ -114,14 +114,9 @@ CLASSES = (
         "mongoq.outbox.dispatcher",
         "OutboxDispatcher",
         "OutboxDispatcher",
-        (("worker_id", "str"), ("concurrency", "int"), ("max_attempts", "int")),
+        (("max_attempts", "int"),),
         database_params=(),
         database_from="outbox._database",
-        excluded=("claim", "process", "next_due"),
-        note=(
-            "In mongoq_sync: `run` and `run_once` dispatch; the calls a run loop makes of a\n"
-            "source of work (`claim`, `process`, `next_due`) are the async API's."
-        ),
     ),
     Spec(
         "mongoq.jobs.registry",

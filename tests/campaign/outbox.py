@@ -166,10 +166,18 @@ class DispatchSettings:
         self, outbox: AsyncOutbox, handler: Callable[..., Awaitable[Any]], owner: str
     ) -> OutboxDispatcher:
         return OutboxDispatcher(
-            outbox, dict.fromkeys(HANDLERS, handler), worker_id=owner,
-            concurrency=self.concurrency, max_attempts=self.max_attempts, backoff=backoff,
-            poll_interval=self.poll_interval, handler_timeout=self.handler_timeout,
+            outbox, dict.fromkeys(HANDLERS, handler), max_attempts=self.max_attempts,
+            backoff=backoff,
         )  # fmt: skip
+
+    def run_options(self, owner: str) -> dict[str, Any]:
+        """What `run` (and, but for the poll interval, `run_once`) is given."""
+        return {
+            "worker_id": owner,
+            "concurrency": self.concurrency,
+            "poll_interval": self.poll_interval,
+            "handler_timeout": self.handler_timeout,
+        }
 
 
 def backoff(attempt: int) -> float:
@@ -348,24 +356,25 @@ class OutboxScenario:
             worker.stop = dispatcher.stop
             scope = anyio.CancelScope()  # now: a hard cancel may come before `once` runs
             worker.hard_cancel = scope.cancel
-            crew.start(worker, partial(self.once, dispatcher, settings.poll_interval, scope))
+            crew.start(worker, partial(self.once, dispatcher, settings.run_options(owner), scope))
         else:
             graceful(self.run, worker, dispatcher.stop, self.shape.lease)
             worker.hard_cancel = hard_stop(dispatcher)
-            crew.start(worker, dispatcher.run)
+            crew.start(worker, partial(dispatcher.run, **settings.run_options(owner)))
 
     async def once(
-        self, dispatcher: OutboxDispatcher, poll: float, scope: anyio.CancelScope
+        self, dispatcher: OutboxDispatcher, options: dict[str, Any], scope: anyio.CancelScope
     ) -> OutboxRunSummary:
         """``run_once()`` in a loop until stopped (or hard-cancelled: `scope` cancelled), then
         the lanes handed back, as a caller of ``run_once`` does."""
+        poll = options.pop("poll_interval")
         with scope:
             while not dispatcher.stopping:
-                if not (await dispatcher.run_once()).claimed:
+                if not (await dispatcher.run_once(**options)).claimed:
                     await self.run.clock.sleep(poll)
         with anyio.CancelScope(shield=True):
             with contextlib.suppress(*_driver.DRIVER_ERRORS):  # else their leases expire
-                await dispatcher.outbox.relinquish(dispatcher.worker_id)
+                await dispatcher.outbox.relinquish(options["worker_id"])
         return dispatcher.summary
 
     def handler(self, worker: Worker, instance: str) -> Callable[..., Awaitable[Any]]:
@@ -410,9 +419,12 @@ class OutboxScenario:
         drainer.observer.instance = outbox.instance
         dispatcher = OutboxDispatcher(
             outbox, dict.fromkeys(HANDLERS, self.handler(drainer, outbox.instance)),
-            worker_id="drain", concurrency=2, max_attempts=6, backoff=backoff, poll_interval=1.0,
+            max_attempts=6, backoff=backoff,
         )  # fmt: skip
-        crew.start(drainer, partial(dispatcher.run, stop_when_drained=True))
+        crew.start(drainer, partial(
+            dispatcher.run, worker_id="drain", concurrency=2, poll_interval=1.0,
+            stop_when_drained=True,
+        ))  # fmt: skip
         finished = await drive(run, Timeline(), end=run.elapsed() + DRAIN, step=STEP,
                                until=crew.all_done)  # fmt: skip
         if not finished:

@@ -299,13 +299,13 @@ async def test_requeued_dead_letter_waits_while_a_later_delivery_of_its_key_runs
         if event.id == "e2":
             await gate.wait()
 
-    worker = dispatcher(outbox, {"h": handle})
+    worker = dispatcher(outbox, {"h": handle}, concurrency=2, poll_interval=1)
     async with anyio.create_task_group() as group:
         group.start_soon(partial(worker.run, stop_when_empty=True))
         await wait_for(lambda: ran == ["e1", "e2"], "e1 buried and e2 running")
         assert await outbox.requeue("e1", "h") is True
         clock.advance(5)  # the claim loop polls again: e1 must not start beside e2
-        next_poll = clock.now() + timedelta(seconds=worker.poll_interval)
+        next_poll = clock.now() + timedelta(seconds=1)
         await wait_for(lambda: clock.sleeping_until(next_poll) == 1, "the poll's claim to end")
         assert ran == ["e1", "e2"]
         gate.set()
@@ -554,8 +554,14 @@ async def noop(event: Event, context: DeliveryContext) -> None:
         ("handlers", [("h", noop)], {}),
         ("handlers", {"": noop}, {}),
         ("handlers['h']", {"h": "not callable"}, {}),
-        ("concurrency", {"h": noop}, {"concurrency": 0}),
         ("max_attempts", {"h": noop}, {"max_attempts": 0}),
+        ("concurrency", {"h": noop}, {"run": {"concurrency": 0}}),
+        ("concurrency", {"h": noop}, {"run": {"concurrency": 1001}}),
+        ("worker_id", {"h": noop}, {"run": {"worker_id": ""}}),
+        ("poll_interval", {"h": noop}, {"run": {"poll_interval": 0}}),
+        ("handler_timeout", {"h": noop}, {"run": {"handler_timeout": -1}}),
+        ("concurrency", {"h": noop}, {"run_once": {"concurrency": 0}}),
+        ("handler_timeout", {"h": noop}, {"run_once": {"handler_timeout": -1}}),
     ],
 )
 async def test_bad_dispatcher_arguments_are_refused(
@@ -563,7 +569,14 @@ async def test_bad_dispatcher_arguments_are_refused(
 ) -> None:
     outbox = await holding(odb, clock, event(1))
     with rejects(field):
-        OutboxDispatcher(outbox, handlers, worker_id="w", **options)
+        built = OutboxDispatcher(
+            outbox, handlers, **{k: v for k, v in options.items() if k not in ("run", "run_once")}
+        )
+        run, run_once = options.get("run"), options.get("run_once")
+        if run is not None:
+            await built.run(stop_when_empty=True, **run)
+        if run_once is not None:
+            await built.run_once(**run_once)
     [stored] = await deliveries(odb)
     assert (stored["status"], stored["attempts"], stored["claims"]) == ("pending", 0, 0)
     await assert_lanes_handed_back(odb)

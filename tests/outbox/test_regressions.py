@@ -24,6 +24,8 @@ import mongoq.outbox.parking as parking_module
 from mongoq import _driver
 from mongoq.errors import LeaseLost
 from mongoq.outbox import AsyncOutbox, Delivery, DeliveryContext, Event, OutboxRunSummary, lane_of
+from mongoq.outbox.dispatcher import OutboxDispatcher
+from mongoq.outbox.source import DeliverySource
 from mongoq.testing import ManualClock, Operation, instrument
 from tests.support.helpers import nth, utc
 from tests.support.outbox_helpers import (
@@ -419,10 +421,11 @@ async def test_a_flush_holding_two_claims_of_one_delivery_completes_it_by_the_ne
     async def noop(event: Event, context: DeliveryContext) -> None:
         return None
 
-    worker = dispatcher(outbox, {"h": noop})
-    worker._finished = [old, new] if stale == "first" else [new, old]
-    await worker._flush()
-    assert worker._finished == []
+    worker = OutboxDispatcher(outbox, {"h": noop})
+    source = DeliverySource(worker, worker_id="w", handler_timeout=None)
+    source._finished = [old, new] if stale == "first" else [new, old]
+    await source.flush()
+    assert source._finished == []
     # The older claim had ended: counted lost, so that each claim is counted once.
     assert worker.summary == OutboxRunSummary(completed=1, lost=1)
     assert await deliveries(odb) == []

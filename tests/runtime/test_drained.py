@@ -106,7 +106,7 @@ async def test_a_dispatcher_drains_through_its_backoff(db: Any, clock: ManualClo
     outbox = await new_outbox(db, clock, subscriptions={"*": ["h"]})
     await outbox.publish([event(1), event(2)], session=None)
     handler = fails_first(1)
-    dispatcher = OutboxDispatcher(outbox, {"h": handler}, worker_id="w", backoff=lambda a: 10)
+    dispatcher = OutboxDispatcher(outbox, {"h": handler}, backoff=lambda a: 10)
 
     summary = await drive(
         clock, dispatcher.run(stop_when_drained=True), step=5,

@@ -82,9 +82,7 @@ async def test_a_group_run_and_a_dispatcher_report_too(
     await outbox.publish([event(1)], session=None)
 
     await transport.run(handler_for(clock), stop_when_empty=True, retry_delay=10)
-    await OutboxDispatcher(outbox, {"h": handler_for(clock)}, worker_id="w").run(
-        stop_when_empty=True
-    )
+    await OutboxDispatcher(outbox, {"h": handler_for(clock)}).run(stop_when_empty=True)
 
     assert outcomes(heard) == Counter(
         {("groups", transport.prefix, "claimed"): 2, ("groups", transport.prefix, "acked"): 1,

@@ -83,7 +83,7 @@ async def test_the_dispatcher_refuses_a_handler_that_is_not_async(
     await outbox.publish([event(1)], session=None)
 
     with pytest.raises(InvalidInput, match=r"^handlers\['bad'\]: "):
-        OutboxDispatcher(outbox, {"good": asynchronous, "bad": handler}, worker_id="w")
+        OutboxDispatcher(outbox, {"good": asynchronous, "bad": handler})
 
     assert calls == []
     assert sorted((d["handler"], d["status"], d["attempts"]) for d in await deliveries(db)) == [

@@ -140,13 +140,11 @@ async def test_a_delivery_rescheduled_is_info_and_buried_is_warning(
     caplog.set_level(logging.DEBUG, logger="mongoq")
     outbox = await new_outbox(db, clock, subscriptions={"*": ["h"]})
     await outbox.publish([event(1)], session=None)
-    dispatcher = OutboxDispatcher(
-        outbox, {"h": boom}, worker_id="w", max_attempts=2, backoff=lambda attempt: 10
-    )
+    dispatcher = OutboxDispatcher(outbox, {"h": boom}, max_attempts=2, backoff=lambda attempt: 10)
 
-    await dispatcher.run(stop_when_empty=True)
+    await dispatcher.run(worker_id="w", stop_when_empty=True)
     clock.advance(10)
-    await dispatcher.run(stop_when_empty=True)
+    await dispatcher.run(worker_id="w", stop_when_empty=True)
 
     [stored] = await deliveries(db)
     assert (stored["status"], stored["attempts"]) == ("dead", 2)
@@ -180,7 +178,7 @@ async def test_a_worker_on_the_embedded_backend_says_once_that_it_is_in_process(
     with caplog.at_level(logging.WARNING, logger="mongoq.worker"):
         await queue.run(nothing, stop_when_empty=True)
         await queue.run(nothing, stop_when_empty=True)
-        await OutboxDispatcher(outbox, {"h": nothing}, worker_id="w").run(stop_when_empty=True)
+        await OutboxDispatcher(outbox, {"h": nothing}).run(worker_id="w", stop_when_empty=True)
 
     notes = [r for r in caplog.records if getattr(r, "mongoq_backend", None) == "embedded"]
     embedded = _driver.backend_of(db) is _driver.Backend.MEMORY
@@ -231,7 +229,7 @@ async def test_a_permanent_error_buries_a_message_and_a_delivery_in_one_line(
     await outbox.publish([event(1)], session=None)
 
     await transport.run(permanent, stop_when_empty=True, worker_id="w")
-    await OutboxDispatcher(outbox, {"h": permanent}, worker_id="w").run(stop_when_empty=True)
+    await OutboxDispatcher(outbox, {"h": permanent}).run(worker_id="w", stop_when_empty=True)
 
     assert list(await dead(db)) == [seq]
     [stored] = await deliveries(db)

@@ -135,17 +135,14 @@ async def test_a_delivery_whose_handler_ignores_its_cancellation_is_abandoned_an
     outbox = await new_outbox(db, clock, subscriptions={"*": ["h"]})
     await outbox.publish([event(1)], session=None)
     swallower = Swallower()
-    dispatcher = OutboxDispatcher(
-        outbox, {"h": swallower}, worker_id="w", backoff=lambda attempt: 60,
-        handler_timeout=TIMEOUT,
-    )  # fmt: skip
+    dispatcher = OutboxDispatcher(outbox, {"h": swallower}, backoff=lambda attempt: 60)
     caplog.set_level(logging.WARNING, "mongoq")
 
     async with anyio.create_task_group() as group:
         results: list[Any] = []
 
         async def run() -> None:
-            results.append(await dispatcher.run())
+            results.append(await dispatcher.run(handler_timeout=TIMEOUT))
 
         group.start_soon(run)
         await _abandon(clock, swallower)

@@ -82,7 +82,7 @@ async def subject(kind: str, db: Any, clock: ManualClock, hook: Unreachable) -> 
         return Subject(transport, lambda **o: transport.run(nothing, **o), messages_left)
     outbox = await new_outbox(down, clock, subscriptions={"t": ["h"]})
     await outbox.publish([event(1), event(2)], session=None)
-    dispatcher = OutboxDispatcher(outbox, {"h": nothing}, worker_id="w")
+    dispatcher = OutboxDispatcher(outbox, {"h": nothing})
 
     async def deliveries_left() -> int:
         stats = await outbox.stats()

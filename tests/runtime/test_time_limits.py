@@ -173,12 +173,10 @@ async def test_a_delivery_past_its_time_limit_is_rescheduled_with_the_reason(
     outbox = await new_outbox(db, clock, subscriptions={"*": ["h"]})
     await outbox.publish([event(1)], session=None)
     stuck = Stuck()
-    dispatcher = OutboxDispatcher(
-        outbox, {"h": stuck}, worker_id="w", backoff=lambda attempt: 60, handler_timeout=TIMEOUT
-    )
+    dispatcher = OutboxDispatcher(outbox, {"h": stuck}, backoff=lambda attempt: 60)
 
     summary = await in_background(
-        clock, dispatcher.run(stop_when_empty=True),
+        clock, dispatcher.run(handler_timeout=TIMEOUT, stop_when_empty=True),
         started=lambda: stuck.calls, then=nothing, advance=TIMEOUT,
     )  # fmt: skip
 
@@ -202,7 +200,7 @@ async def test_a_time_limit_must_be_a_positive_number_of_seconds(
         with pytest.raises(InvalidInput, match=r"^handler_timeout: "):
             await run(stuck, handler_timeout=bad)
     with pytest.raises(InvalidInput, match=r"^handler_timeout: "):
-        OutboxDispatcher(outbox, {"h": stuck}, handler_timeout=bad)
+        await OutboxDispatcher(outbox, {"h": stuck}).run(handler_timeout=bad)
     assert stuck.calls == []
     doc = await read(db, "t")
     assert doc is not None and (doc["status"], doc["attempts"]) == ("pending", 0)
@@ -214,7 +212,7 @@ async def test_a_dispatcher_whose_lanes_were_all_taken_cancels_its_handlers(
     outbox = await new_outbox(db, clock, subscriptions={"*": ["h"]})
     await outbox.publish([event(1)], session=None)
     stuck = Stuck()
-    dispatcher = OutboxDispatcher(outbox, {"h": stuck}, worker_id="w", backoff=lambda attempt: 60)
+    dispatcher = OutboxDispatcher(outbox, {"h": stuck}, backoff=lambda attempt: 60)
 
     async def take_over() -> None:
         lanes = db[f"{PREFIX_OUTBOX}lanes"]
@@ -222,7 +220,7 @@ async def test_a_dispatcher_whose_lanes_were_all_taken_cancels_its_handlers(
         assert taken.modified_count >= 1
 
     summary = await in_background(
-        clock, dispatcher.run(stop_when_empty=True),
+        clock, dispatcher.run(worker_id="w", stop_when_empty=True),
         started=lambda: stuck.calls, then=take_over, advance=outbox.lease_ttl / 3,
     )  # fmt: skip
 

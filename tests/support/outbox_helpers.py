@@ -215,13 +215,36 @@ async def bury_head(outbox: AsyncOutbox, error: str | None = None) -> Delivery:
 # ------------------------------------------------------------------------------ dispatching
 
 
-def dispatcher(
-    outbox: AsyncOutbox, handlers: dict[str, Handler], **options: Any
-) -> OutboxDispatcher:
-    """A dispatcher of worker "w" whose retries wait 10 s, unless `options` say otherwise."""
+#: The options of `OutboxDispatcher.run` (`run_once` takes those it needs of them).
+RUN_OPTIONS = ("worker_id", "concurrency", "poll_interval", "handler_timeout")
+
+
+class Dispatching:
+    """An `OutboxDispatcher` whose runs get the run options a test gave once (worker "w" by
+    default); anything else is the dispatcher's own."""
+
+    def __init__(self, dispatcher: OutboxDispatcher, options: dict[str, Any]) -> None:
+        self.dispatcher = dispatcher
+        self.options = options
+
+    async def run(self, **options: Any) -> Any:
+        return await self.dispatcher.run(**{**self.options, **options})
+
+    async def run_once(self, **options: Any) -> Any:
+        given = {k: v for k, v in self.options.items() if k != "poll_interval"}
+        return await self.dispatcher.run_once(**{**given, **options})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.dispatcher, name)
+
+
+def dispatcher(outbox: AsyncOutbox, handlers: dict[str, Handler], **options: Any) -> Any:
+    """A dispatcher of worker "w" whose retries wait 10 s, unless `options` (the
+    dispatcher's, or its runs') say otherwise."""
     options.setdefault("worker_id", "w")
     options.setdefault("backoff", lambda attempt: 10)
-    return OutboxDispatcher(outbox, handlers, **options)
+    runs = {k: options.pop(k) for k in RUN_OPTIONS if k in options}
+    return Dispatching(OutboxDispatcher(outbox, handlers, **options), runs)
 
 
 async def projection_collection(db: Any) -> Any:
