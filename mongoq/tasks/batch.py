@@ -15,7 +15,6 @@ from mongoq import _driver
 from mongoq.errors import InvalidInput, PermanentError
 from mongoq.runtime import wakeups
 from mongoq.runtime.loop import WORKER_STOPPED
-from mongoq.tasks import cancels
 from mongoq.tasks.models import Task, check_result
 
 if TYPE_CHECKING:
@@ -75,12 +74,10 @@ class TaskBatch:
         or heard from elsewhere (`mongoq.tasks.cancels`), renews the batch at once, which
         finds it gone and stops its handler; the poll of long-held tasks sees them."""
         with contextlib.ExitStack() as stack:
+            held = self.queue._held
             for item in items:
-                stop = cancels.stop_key(self.queue._stop_base, item.id)
-                stack.enter_context(wakeups.listen(stop, renew_now))
-            held = cancels.Held(list(items), self.queue.clock.now())
-            self.queue._batches.add(held)
-            stack.callback(self.queue._batches.discard, held)
+                stack.enter_context(wakeups.listen(held.stop_key(item.id), renew_now))
+            stack.enter_context(held.batch(items, self.queue.clock.now()))
             yield
 
     async def give_back(self, item: Task) -> str:

@@ -73,7 +73,7 @@ class _Queue(Protocol):
     name: str
     clock: Clock
     _presence: Presence
-    _stop_base: wakeups.Key
+    _held: cancels.HeldWork
 
     async def _now(self) -> datetime: ...
 
@@ -187,7 +187,7 @@ class TaskOperators:
         self._finished([task_id])
         running = before.get("status") == PROCESSING
         if running:
-            cancels.tell_holders(self._stop_base, [task_id])
+            self._held.tell([task_id])
         log.info(
             "cancelled task %r%s", task_id, " (running: its holder is told)" if running else "",
             extra={"mongoq_primitive": "tasks", "mongoq_queue": self.name,
@@ -263,7 +263,7 @@ class TaskOperators:
         if result.matched_count != 1:
             return False
         self._finished([task_id])
-        cancels.tell_holders(self._stop_base, [task_id])
+        self._held.tell([task_id])
         return True
 
     def _route_end(self: _Queue, event: Mapping[str, Any]) -> None:
@@ -271,7 +271,7 @@ class TaskOperators:
         key = event.get("documentKey") or {}
         if "_id" in key:
             self._finished([key["_id"]])
-            cancels.tell_holders(self._stop_base, [key["_id"]])  # (a holder's own end: no-op)
+            self._held.tell([key["_id"]])  # (a holder's own end: no-op)
 
     # The timeout runs on the queue's clock (a test's ManualClock), which anyio's cannot do.
     async def wait(

@@ -59,7 +59,7 @@ from mongoq.tasks.models import (
 from mongoq.tasks.operators import TaskOperators
 from mongoq.tasks.presence import Presence
 from mongoq.tasks.schedules import Scheduler, TaskSchedules
-from mongoq.tasks.settles import TaskLease, TaskSettles
+from mongoq.tasks.settles import TaskSettles
 from mongoq.tasks.source import TaskSource
 
 __all__ = ["AsyncTaskQueue"]
@@ -114,11 +114,10 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         self.clock: Clock = clock if clock is not None else ServerClock(db)
         self.db = db
         self.collection = _driver.collection(db, name)
-        self._leases: dict[str, TaskLease] = {}
         self._wake_key = wakeups.key_of("tasks", db, name)
         self._finished_base = wakeups.key_of("tasks.finished", db, name)
-        self._stop_base = wakeups.key_of("tasks.stop", db, name)
-        self._batches: set[cancels.Held] = set()  # the batches of `run` held now
+        # what this instance holds now, and the stop keys a cancel reaches its holders by
+        self._held = cancels.HeldWork(wakeups.key_of("tasks.stop", db, name))
         self._scheduler = Scheduler(self)
         self._presence = Presence(self)
 

@@ -200,7 +200,7 @@ class TaskLease:
         self.held_since = self.queue.clock.now()
         # Told at once of a cancel or a removal (this process, a change stream, a poll).
         keepalive = self._keepalive
-        stop = cancels.stop_key(self.queue._stop_base, self.task.id)
+        stop = self.queue._held.stop_key(self.task.id)
         self._listening.enter_context(wakeups.listen(stop, keepalive.renew_now))
         return self
 
@@ -214,7 +214,7 @@ class TaskLease:
                 try:
                     await self._settle_on_exit(exc)
                 finally:
-                    self.queue._leases.pop(self.task.lease_token or "", None)
+                    self.queue._held.drop_lease(self.task.lease_token)
 
 
 @names_unreachable_server
@@ -232,12 +232,10 @@ class TaskSettles:
     lease_ttl: float
     backoff_base: float
     backoff_cap: float
-    #: the leases of `leased` blocks still open, by lease token
-    _leases: dict[str, TaskLease]
+    #: what this instance holds (the open `leased` blocks, a run's batches) and its stop keys
+    _held: cancels.HeldWork
     #: `wakeups.key_of("tasks.finished", db, name)`: the ends of this queue's tasks
     _finished_base: wakeups.Key
-    #: `wakeups.key_of("tasks.stop", db, name)`: what tells a task's holders to renew now
-    _stop_base: wakeups.Key
 
     if TYPE_CHECKING:
 
@@ -259,7 +257,7 @@ class TaskSettles:
         _claimed(task)
         assert task.lease_token is not None
         lease = TaskLease(cast("AsyncTaskQueue", self), task)  # mixed into it
-        self._leases[task.lease_token] = lease
+        self._held.add_lease(task.lease_token, lease)
         return lease
 
     async def heartbeat(self, task: Task) -> bool:
@@ -320,7 +318,7 @@ class TaskSettles:
         if outcome.matched_count != len(tasks):
             done = await self._completed_of(tasks, now)
         for task, ok in zip(tasks, done, strict=True):
-            lease = self._leases.get(task.lease_token or "")
+            lease = self._held.lease(task.lease_token)
             if lease is not None:
                 lease.outcome = "completed" if ok else "lost"
         self._finished(task.id for task, ok in zip(tasks, done, strict=True) if ok)
@@ -393,7 +391,7 @@ class TaskSettles:
     async def _settle(self, task: Task, outcome: str, update: Any, now: datetime) -> bool:
         """Apply a holder's final write, fenced on its lease and the revision it claimed (the
         caller checked `task`); whether it took effect."""
-        lease = self._leases.get(task.lease_token or "")
+        lease = self._held.lease(task.lease_token)
         try:
             result = await self.collection.update_one(schema.task_held_at_revision(task), update)
         except _driver.DRIVER_ERRORS as error:

@@ -90,9 +90,9 @@ class TaskSource:
                 "schedules", self._tick, interval=RECHECK, at_once=True,
                 wake_key=self.queue._scheduler.wake_key,
             ))  # fmt: skip
-        services.append(
-            Service("holders", partial(cancels.tell_cancelled, self.queue), proves_server=False)
-        )
+        held = self.queue._held
+        told = partial(cancels.tell_cancelled, held, self.clock, self.queue._cancelled_of)
+        services.append(Service("holders", told, proves_server=False))
         if self.functions is not None:
             services += [
                 Service("presence", self._announce, interval=third, at_start=True,
@@ -126,7 +126,7 @@ class TaskSource:
         stopped = changes.stopped_task(event)
         if stopped is None:
             return True
-        cancels.tell_holders(self.queue._stop_base, [stopped])
+        self.queue._held.tell([stopped])
         return False
 
     # -------------------------------------------------------------------------- processing
