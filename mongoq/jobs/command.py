@@ -66,7 +66,13 @@ def load_jobs(target: str) -> Jobs:
         module = importlib.import_module(module_name)
     except ImportError as error:
         raise MongoqError(f"worker: cannot import {module_name!r}: {error}") from None
-    jobs = getattr(module, attribute, None)
+    if not hasattr(module, attribute):
+        found = sorted(name for name, value in vars(module).items() if isinstance(value, Jobs))
+        raise MongoqError(
+            f"worker: module {module_name!r} has no attribute {attribute!r}; its mongoq.Jobs: "
+            + (", ".join(found) if found else "none (declare one: jobs = mongoq.Jobs())")
+        )
+    jobs = getattr(module, attribute)
     if not isinstance(jobs, Jobs):
         raise MongoqError(f"worker: {target} is {type(jobs).__name__}, not a mongoq.Jobs")
     return jobs

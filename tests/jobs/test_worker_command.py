@@ -118,6 +118,8 @@ def test_without_a_server_the_worker_refuses_the_embedded_backend(
         ("worker_app", "is not MODULE:ATTRIBUTE"),
         ("no_such_module:jobs", "cannot import 'no_such_module'"),
         ("worker_app:send_email", "is TaskFunction, not a mongoq.Jobs"),
+        ("worker_app:job", "module 'worker_app' has no attribute 'job'; its mongoq.Jobs: jobs"),
+        ("worker_app:nothing", "module 'worker_app' has no attribute 'nothing'; its mongoq.Jobs"),
     ],
 )
 def test_a_bad_target_is_one_line(
