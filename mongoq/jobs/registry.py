@@ -29,6 +29,7 @@ from mongoq.jobs.tracing import TracerProviderLike, Tracing, check_tracer_provid
 from mongoq.runtime.loop import WorkerHost
 from mongoq.tasks import AsyncTaskQueue, TaskRunSummary
 from mongoq.tasks.models import TaskId
+from mongoq.tasks.schedules import check_timing
 
 __all__ = ["Jobs"]
 
@@ -242,8 +243,7 @@ class Jobs(WorkerHost):
         tick whatever the number of workers (`AsyncTaskQueue.schedule`, ticked by every
         worker's `run`; `missed` and `grace` as there). `setup()` defines the schedule, named
         after the function. The other options are `task`'s."""
-        if (cron is None) == (every is None):
-            raise InvalidInput("cron", "give a cron expression or `every` seconds, one of the two")
+        check_timing(cron, every, timezone, missed, grace)  # where it is declared
 
         def declare(target: Callable[[], Awaitable[R]]) -> TaskFunction[[], R]:
             declared = self.task(

@@ -44,7 +44,7 @@ from mongoq.tasks.models import MissedTicks, Schedule, tick_task_id
 if TYPE_CHECKING:
     from mongoq.tasks.queue import AsyncTaskQueue
 
-__all__ = ["Scheduler", "TaskSchedules"]
+__all__ = ["Scheduler", "TaskSchedules", "check_timing"]
 
 log = logging.getLogger("mongoq.tasks")
 
@@ -286,6 +286,20 @@ def _checked(
 ) -> dict[str, Any]:  # fmt: skip
     """The stored definition of a schedule, every argument checked (`InvalidInput` naming it)."""
     _checked_name(name)
+    every, grace = check_timing(cron, every, timezone, missed, grace)
+    check_payload("payload", payload)
+    check_int("priority", priority, low=-(2**31), high=2**31 - 1)
+    return {
+        "cron": cron, "every": every, "timezone": timezone, "payload": payload,
+        "priority": priority, "missed": missed, "grace": grace,
+    }  # fmt: skip
+
+
+def check_timing(
+    cron: Any, every: Any, timezone: Any, missed: Any, grace: Any
+) -> tuple[float | None, float]:
+    """When a schedule ticks, checked (`InvalidInput` naming the option; a `cron` without the
+    ``cron`` extra installed is refused naming it): `every` and `grace` in seconds."""
     if (cron is None) == (every is None):
         raise InvalidInput("cron", "give a cron expression or `every` seconds, one of the two")
     if cron is not None:
@@ -304,9 +318,4 @@ def _checked(
     grace = check_seconds("grace", grace)
     if grace < 1:  # a ticker wakes a little after the tick: a shorter grace skips them all
         raise InvalidInput("grace", "must be at least 1 second")
-    check_payload("payload", payload)
-    check_int("priority", priority, low=-(2**31), high=2**31 - 1)
-    return {
-        "cron": cron, "every": every, "timezone": timezone, "payload": payload,
-        "priority": priority, "missed": missed, "grace": grace,
-    }  # fmt: skip
+    return every, grace

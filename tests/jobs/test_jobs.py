@@ -529,3 +529,28 @@ async def test_a_retried_error_keeps_its_own_cause_in_the_stored_error(
     stored = (await documents(db, "emails"))[task_id]
     assert (stored["status"], stored["attempts"]) == ("pending", 1)  # retried
     assert "KeyError: 'ada'" in stored["error"] and "ConnectionError: smtp down" in stored["error"]
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"cron": "not a cron"}, "cron"),
+        ({"cron": "* * * * *", "every": 60}, "cron"),
+        ({}, "cron"),
+        ({"every": 0.5}, "every"),
+        ({"cron": "* * * * *", "timezone": "Mars/Olympus"}, "timezone"),
+        ({"every": 60, "missed": "all"}, "missed"),
+        ({"every": 60, "grace": 0}, "grace"),
+    ],
+)
+def test_a_periodic_declaration_is_checked_where_it_is_made(
+    options: dict[str, Any], field: str
+) -> None:
+    jobs = Jobs()
+    with pytest.raises(InvalidInput, match=rf"^{field}: "):
+
+        @jobs.periodic(**options)
+        async def tick() -> None:
+            return None
+
+    assert jobs.functions == {}
