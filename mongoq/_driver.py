@@ -41,6 +41,7 @@ from pymongo import ReadPreference, UpdateMany, UpdateOne
 from pymongo.errors import (
     BulkWriteError,
     CollectionInvalid,
+    ConfigurationError,
     ConnectionFailure,
     DocumentTooLarge,
     ExecutionTimeout,
@@ -189,6 +190,30 @@ def backend_of(db: Any) -> Backend:
     )
 
 
+def _client(uri: str, driver: str, options: dict[str, Any]) -> Any:
+    """The driver's client of `uri`; a URI the driver cannot read is `InvalidInput` naming
+    ``uri`` (its password never quoted: the driver's message names only the part at fault)."""
+    client_class: Any
+    if driver == "motor":
+        with extra_required("motor", 'driver="motor"'):
+            from motor.motor_asyncio import AsyncIOMotorClient
+
+        client_class = AsyncIOMotorClient
+    elif driver == "pymongo":
+        from pymongo import AsyncMongoClient
+
+        client_class = AsyncMongoClient
+    else:
+        raise InvalidInput("driver", f"must be 'pymongo' or 'motor', got {driver!r}")
+    try:
+        return client_class(uri, **options)
+    except (ValueError, ConfigurationError) as error:
+        said = str(error)
+        if "@" not in uri:  # the driver's hint is about escaping a password: none here
+            said = said.split(" Hint:")[0]
+        raise InvalidInput("uri", f"is not a MongoDB URI the driver can read: {said}") from None
+
+
 def connect(
     uri: str | None = None,
     database: str = "mongoq",
@@ -213,18 +238,7 @@ def connect(
         return embedded_database(database)
     if not isinstance(uri, str) or not uri.startswith(("mongodb://", "mongodb+srv://")):
         raise InvalidInput("uri", "must start with mongodb://, mongodb+srv:// or memory://")
-    options = dict(client_options or {})
-    if driver == "pymongo":
-        from pymongo import AsyncMongoClient
-
-        client: Any = AsyncMongoClient(uri, **options)
-    elif driver == "motor":
-        with extra_required("motor", 'driver="motor"'):
-            from motor.motor_asyncio import AsyncIOMotorClient
-
-        client = AsyncIOMotorClient(uri, **options)
-    else:
-        raise InvalidInput("driver", f"must be 'pymongo' or 'motor', got {driver!r}")
+    client = _client(uri, driver, dict(client_options or {}))
     if timeout is not None:
         expect_first_contact(client, float(timeout))
     return client[database]

@@ -166,3 +166,22 @@ def test_a_reachable_set_without_a_primary_says_so() -> None:
         "no suitable MongoDB server at db1.example:27017 "
         "(no primary available for writes; gave up after 5 s)"
     )
+
+
+@pytest.mark.parametrize(
+    ("uri", "said"),
+    [
+        ("mongodb://localhost:notaport", "Port contains non-digit characters."),
+        ("mongodb://", "Must provide at least one hostname or IP"),
+        ("mongodb://user:p@ss@host", "escaped"),  # a password with an '@': the hint stays
+    ],
+)
+@pytest.mark.parametrize("driver", ["pymongo", "motor"])
+def test_a_uri_the_driver_cannot_read_is_invalid_input_naming_it(
+    uri: str, said: str, driver: str
+) -> None:
+    with pytest.raises(mongoq.InvalidInput, match=r"^uri: is not a MongoDB URI") as raised:
+        mongoq.connect(uri, driver=driver)
+    assert said in str(raised.value)
+    if "@" not in uri:
+        assert "password" not in str(raised.value)  # the driver's hint is for a password
