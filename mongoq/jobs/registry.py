@@ -138,8 +138,11 @@ class Jobs(WorkerHost):
         task = await self.queue(self._own(function).queue).wait(task_id, timeout=timeout)
         if task.status != "done":
             error = (task.error or "").strip().splitlines()
-            last = error[-1] if error else "-"
-            raise MongoqError(f"task {task_id!r} ended {task.status}: {last}")
+            last = f": {error[-1]}" if error else ""
+            if task.status == "cancelled":
+                when = "before it ran" if not task.attempts else f"after {task.attempts} attempt(s)"
+                raise MongoqError(f"task {task_id!r} was cancelled {when}{last}")
+            raise MongoqError(f"task {task_id!r} ended {task.status}{last}")
         result: R = task.result
         return result
 

@@ -18,7 +18,7 @@ import anyio
 import pytest
 from pymongo.errors import OperationFailure
 
-from mongoq import InvalidInput, Jobs, PermanentError
+from mongoq import InvalidInput, Jobs, MongoqError, PermanentError
 from mongoq.clock import stored_instant
 from mongoq.testing import FaultInjector, ManualClock, instrument
 from tests.support.helpers import napping, until, wait_for
@@ -554,3 +554,21 @@ def test_a_periodic_declaration_is_checked_where_it_is_made(
             return None
 
     assert jobs.functions == {}
+
+
+async def test_waiting_for_a_task_cancelled_before_it_ran_says_it_was_cancelled(
+    db: Any, clock: ManualClock
+) -> None:
+    jobs = new_jobs(db, clock)
+
+    @jobs.task(queue="emails")
+    async def send_email(to: str) -> str:
+        return to
+
+    await jobs.setup()
+    task_id = await send_email.defer("ada@example.com")
+    assert await jobs.queue("emails").cancel(task_id)
+
+    with pytest.raises(MongoqError, match=rf"^task {task_id!r} was cancelled before it ran$"):
+        await jobs.wait(send_email, task_id, timeout=1)
+    assert (await documents(db, "emails"))[task_id]["status"] == "cancelled"
