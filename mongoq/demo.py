@@ -13,7 +13,7 @@ the invariants and prints them; it exits non-zero if one does not hold. Owns the
 
 Progress comes as it happens, not only per round: the first round alone drains most tasks (all
 are due at once), which on the embedded backend takes seconds of wall time. So a ticker beside
-the work prints a line a second (tasks put, then done, retried, dead and to go, counted as the
+the work prints a line a second (tasks put, then done, retried, failed and to go, counted as the
 handlers settle them, at no command's cost), and a line as each round ends (the queue's own
 counts). The workers claim in batches (`DemoConfig.batch_size`): the embedded backend scans the
 whole collection for each claim, so a claim a task was most of the demo's time.
@@ -101,7 +101,7 @@ class DemoReport:
 class _Tally:
     """What the progress lines say between two reads of the queue: counted by the demo's own
     code as tasks are put and handled, so a line costs no command; each round's end sets
-    `done` and `dead` to the queue's counts (tasks a reclaim failed are only seen there)."""
+    `done` and `failed` to the queue's counts (tasks a reclaim failed are only seen there)."""
 
     total: int
     started: float
@@ -110,7 +110,7 @@ class _Tally:
     put: int = 0
     done: int = 0
     retried: int = 0
-    dead: int = 0
+    failed: int = 0
     last: str = ""
 
     def say(self, text: str) -> None:
@@ -124,10 +124,10 @@ class _Tally:
         if not self.round:
             text = f"put {self.put:6d} of {self.total}"
         else:
-            left = self.total - self.done - self.dead
+            left = self.total - self.done - self.failed
             text = (
                 f"round {self.round:<3d}{self.done:6d} done {self.retried:5d} retried "
-                f"{self.dead:4d} dead {left:6d} to go"
+                f"{self.failed:4d} failed {left:6d} to go"
             )
         if text != self.last:
             self.say(text)
@@ -274,12 +274,12 @@ def _handler(
             await anyio.lowlevel.checkpoint()  # let the other workers interleave
             fate = _fate(str(task.id), config)
             if fate == "permanent":
-                tally.dead += 1
+                tally.failed += 1
                 raise PermanentError("malformed input")
             flaky = fate != "poison" and rng.random() < config.transient_rate
             if fate == "poison" or flaky:
                 report.transient_errors += flaky
-                tally.dead += last_try
+                tally.failed += last_try
                 tally.retried += not last_try
                 raise TransientError("upstream timed out" if flaky else "poison: fails every time")
             tally.done += 1
@@ -316,7 +316,7 @@ async def _play(
         )  # fmt: skip
         await queue.reclaim_expired()
         stats = await queue.stats()
-        tally.done, tally.dead = stats.counts["done"], stats.counts["failed"]
+        tally.done, tally.failed = stats.counts["done"], stats.counts["failed"]
         elapsed = (clock.now() - began).total_seconds()
         tally.say(
             f"round {report.rounds:<3d}ends at simulated t=+{elapsed:.0f} s: "

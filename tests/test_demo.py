@@ -16,7 +16,7 @@ from mongoq import cli, demo
 from mongoq.demo import DemoConfig, run_demo
 
 TASKS = 60
-DRAINING = re.compile(r"round (\d+) +(\d+) done +(\d+) retried +(\d+) dead +(\d+) to go$")
+DRAINING = re.compile(r"round (\d+) +(\d+) done +(\d+) retried +(\d+) failed +(\d+) to go$")
 PUTTING = re.compile(r"put +(\d+) of (\d+)$")
 
 
@@ -46,7 +46,7 @@ async def test_progress_comes_while_the_first_round_is_still_draining(
     assert any(0 < done < TASKS // 2 for _, _, done, *_ in draining)
     done_counts = [done for _, _, done, *_ in draining]
     assert done_counts == sorted(done_counts)
-    assert all(done + dead + left == TASKS for _, _, done, _, dead, left in draining)
+    assert all(done + failed + left == TASKS for _, _, done, _, failed, left in draining)
     said = [line.split(" s  ", 1)[1] for line in lines[1:]]  # without the time each took
     assert all(one != next_one for one, next_one in itertools.pairwise(said))
 
