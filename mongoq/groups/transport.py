@@ -24,13 +24,10 @@ from mongoq._unreachable import names_unreachable_server
 from mongoq._validation import (
     MAX_BATCH,
     check_async_handler,
-    check_concurrency,
     check_int,
-    check_interval,
     check_lease_seconds,
     check_name,
     check_seconds,
-    check_stop_when,
     check_timeout,
 )
 from mongoq.clock import Clock, ServerClock, stored_instant
@@ -54,7 +51,7 @@ from mongoq.groups.settles import GroupSettles
 from mongoq.groups.source import GroupSource
 from mongoq.runtime import wakeups
 from mongoq.runtime.candidates import take_candidates
-from mongoq.runtime.loop import WorkerHost, WorkerLoop
+from mongoq.runtime.loop import RunOptions, WorkerHost
 from mongoq.runtime.report import log_attempt_end
 
 __all__ = ["AsyncGroupTransport"]
@@ -567,20 +564,15 @@ class AsyncGroupTransport(GroupSettles, GroupOperators, WorkerHost):
         that it is back. With `give_up_after` (seconds) the call raises `ServerUnavailable` once
         the server has been gone that long; by default it waits for the server forever.
         """
-        check_stop_when(stop_when_empty, stop_when_drained)
-        check_concurrency(concurrency)
-        poll = check_interval("poll_interval", poll_interval)
-        give_up = check_timeout("give_up_after", give_up_after)
+        options = RunOptions.checked(
+            concurrency=concurrency, poll_interval=poll_interval, stop_when_empty=stop_when_empty,
+            stop_when_drained=stop_when_drained, give_up_after=give_up_after,
+        )  # fmt: skip
         source = self.source(
             handler, worker_id=worker_id, min_priority=min_priority, retry_delay=retry_delay,
             batch_size=batch_size, handler_timeout=handler_timeout,
         )  # fmt: skip
-        loop = WorkerLoop(
-            [source], concurrency=concurrency, poll_interval=poll,
-            stop_when_empty=stop_when_empty, stop_when_drained=stop_when_drained,
-            give_up_after=give_up,
-        )  # fmt: skip
-        await self._run_loop(loop, handle_signals=handle_signals)
+        await self._run_loop(options.loop([source]), handle_signals=handle_signals)
         return source.summary
 
     def source(

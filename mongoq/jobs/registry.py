@@ -26,7 +26,7 @@ from mongoq.clock import Clock
 from mongoq.errors import InvalidInput, MongoqError
 from mongoq.jobs.functions import Deferral, TaskFunction
 from mongoq.jobs.tracing import TracerProviderLike, Tracing, check_tracer_provider
-from mongoq.runtime.loop import WorkerHost
+from mongoq.runtime.loop import RunOptions, WorkerHost
 from mongoq.tasks import AsyncTaskQueue, TaskRunSummary
 from mongoq.tasks.models import TaskId
 from mongoq.tasks.schedules import check_timing
@@ -296,14 +296,14 @@ class Jobs(WorkerHost):
         Returns the totals over every queue."""
         from mongoq.jobs.worker import JobsWorker
 
+        options = RunOptions.checked(
+            concurrency=concurrency, poll_interval=poll_interval, stop_when_empty=stop_when_empty,
+            stop_when_drained=stop_when_drained, give_up_after=give_up_after,
+        )  # fmt: skip
         worker = JobsWorker(
-            self, self._chosen(queues), concurrency=concurrency, batch_size=batch_size,
-            poll_interval=poll_interval, worker_id=self._worker(worker_id),
-        )  # fmt: skip
-        loop = worker.loop(
-            stop_when_empty=stop_when_empty, stop_when_drained=stop_when_drained,
-            give_up_after=give_up_after,
-        )  # fmt: skip
+            self, self._chosen(queues), batch_size=batch_size, worker_id=self._worker(worker_id)
+        )
+        loop = options.loop(worker.sources, name=worker.name)
         lease = min(queue.lease_ttl for queue in worker.queues)
         await self._run_loop(loop, handle_signals=handle_signals, lease=lease)
         return worker.summary

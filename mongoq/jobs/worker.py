@@ -13,14 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 from mongoq._validation import (
     MAX_BATCH,
-    check_concurrency,
     check_int,
-    check_interval,
-    check_timeout,
 )
 from mongoq.errors import HandlerTimeout, PermanentError
 from mongoq.runtime.handler import call_handler
-from mongoq.runtime.loop import WorkerLoop
 from mongoq.tasks import Task, TaskRunSummary
 
 if TYPE_CHECKING:
@@ -36,38 +32,17 @@ log = logging.getLogger("mongoq.jobs")
 class JobsWorker:
     """One run of a `Jobs`' task functions over the queues `names`."""
 
-    def __init__(
-        self,
-        jobs: Jobs,
-        names: list[str],
-        *,
-        concurrency: int,
-        batch_size: int,
-        poll_interval: float,
-        worker_id: str,
-    ) -> None:
+    def __init__(self, jobs: Jobs, names: list[str], *, batch_size: int, worker_id: str) -> None:
         self.jobs = jobs
-        self.concurrency = check_concurrency(concurrency)
         self.batch_size = check_int("batch_size", batch_size, low=1, high=MAX_BATCH)
-        self.poll_interval = check_interval("poll_interval", poll_interval)
         self.worker_id = worker_id
         self.queues = [jobs.queue(name) for name in names]
+        self.name = f"jobs:{','.join(queue.name for queue in self.queues)}"
         self.sources = [
             queue.source(self._call, worker_id=worker_id, batch_size=self.batch_size,
                          functions=jobs.functions_of(name))
             for queue, name in zip(self.queues, names, strict=True)
         ]  # fmt: skip
-
-    def loop(
-        self, *, stop_when_empty: bool, stop_when_drained: bool, give_up_after: float | None
-    ) -> WorkerLoop:
-        """The run loop over every queue's source, with one budget of slots."""
-        return WorkerLoop(
-            self.sources, concurrency=self.concurrency, poll_interval=self.poll_interval,
-            stop_when_empty=stop_when_empty, stop_when_drained=stop_when_drained,
-            give_up_after=check_timeout("give_up_after", give_up_after),
-            name=f"jobs:{','.join(queue.name for queue in self.queues)}",
-        )  # fmt: skip
 
     @property
     def summary(self) -> TaskRunSummary:

@@ -284,16 +284,17 @@ class Claimer:
         self.unsure: set[str] = set()
         # owners whose last claim took all it asked for: their next one trusts a recent view
         self.filled: set[str] = set()
-        # picks the claim in progress dropped because their event could not be handed out
-        self.dropped = 0
+        # owner -> picks its claim in progress dropped because their event could not be
+        # handed out (per owner: claims of other owners on this instance run meanwhile)
+        self.dropped: dict[str, int] = defaultdict(int)
 
     async def claim(self, owner: str, handlers: list[str] | None, limit: int) -> list[Delivery]:
         """Claim up to `limit` due deliveries for `owner` (checked already; see
         `AsyncOutbox.claim`), after the owner's claims in progress on this instance."""
         async with self.locks[owner]:
-            self.dropped = 0
+            self.dropped[owner] = 0
             claimed = await self._claim(owner, handlers, limit)
-            if len(claimed) < limit and (self.view.failed or self.dropped):
+            if len(claimed) < limit and (self.view.failed or self.dropped.pop(owner)):
                 # A lane write failed (another instance took a lane first, a requeue came
                 # between), or a pick's event could not be handed out (buried or set aside,
                 # so that a claim of one would come back empty although more is due): once
@@ -611,7 +612,7 @@ class Claimer:
         docs = await _driver.find_list(self.events, schema.events_by_ids(ids))
         events: dict[str, Mapping[str, Any]] = {doc["_id"]: doc for doc in docs}
         orphans = [p for p in picks if p["event_id"] not in events]
-        self.dropped += len(orphans)
+        self.dropped[owner] += len(orphans)
         if orphans:
             self.log.error("%d delivery(ies) without their event; burying them", len(orphans))
             await self.deliveries.update_many(
@@ -620,7 +621,7 @@ class Claimer:
             )
         faults = {i: fault for i, doc in events.items() if (fault := event_fault(doc))}
         if faults:
-            self.dropped += sum(p["event_id"] in faults for p in picks)
+            self.dropped[owner] += sum(p["event_id"] in faults for p in picks)
             await self._aside([
                 Unusable(p, *faults[p["event_id"]], schema.EVENTS)
                 for p in picks if p["event_id"] in faults

@@ -22,8 +22,6 @@ from mongoq._validation import (
     check_async_handler,
     check_concurrency,
     check_int,
-    check_interval,
-    check_stop_when,
     check_timeout,
 )
 from mongoq.errors import InvalidInput
@@ -31,7 +29,7 @@ from mongoq.outbox.models import Event, OutboxRunSummary, check_handler
 from mongoq.outbox.source import DeliveryContext, DeliverySource, Handler, default_backoff
 from mongoq.outbox.store import AsyncOutbox
 from mongoq.runtime.events import Tally
-from mongoq.runtime.loop import WorkerHost, WorkerLoop
+from mongoq.runtime.loop import RunOptions, WorkerHost, WorkerLoop
 
 __all__ = ["DeliveryContext", "Handler", "OutboxDispatcher", "default_backoff"]
 
@@ -106,11 +104,11 @@ class OutboxDispatcher(WorkerHost):
         """Claim one batch (up to `concurrency`), run it to the end, settle it; returns what
         this call did. Lanes stay held for the next call with the same `worker_id` (see
         `stop`/`run`); a claim that fails claims nothing. The options are `run`'s."""
-        loop_concurrency = check_concurrency(concurrency)
+        slots = check_concurrency(concurrency)
         source = self._source(worker_id, handler_timeout)
         before = OutboxRunSummary(**vars(self.summary))
         loop = WorkerLoop(
-            [source], concurrency=loop_concurrency, once=True,
+            [source], concurrency=slots, once=True,
             name=f"{source.name} dispatcher {source.worker_id}",
         )  # fmt: skip
         try:
@@ -153,16 +151,12 @@ class OutboxDispatcher(WorkerHost):
         With `handle_signals`, SIGTERM/SIGINT stop gracefully and a second one cancels.
         Cancelling the call releases the deliveries still running (no attempt counted) and
         hands the lanes back. Returns the totals of this dispatcher."""
-        check_stop_when(stop_when_empty, stop_when_drained)
-        slots = check_concurrency(concurrency)
-        poll = check_interval("poll_interval", poll_interval)
-        give_up = check_timeout("give_up_after", give_up_after)
-        source = self._source(worker_id, handler_timeout)
-        loop = WorkerLoop(
-            [source], concurrency=slots, poll_interval=poll,
-            stop_when_empty=stop_when_empty, stop_when_drained=stop_when_drained,
-            give_up_after=give_up, name=f"{source.name} dispatcher {source.worker_id}",
+        options = RunOptions.checked(
+            concurrency=concurrency, poll_interval=poll_interval, stop_when_empty=stop_when_empty,
+            stop_when_drained=stop_when_drained, give_up_after=give_up_after,
         )  # fmt: skip
+        source = self._source(worker_id, handler_timeout)
+        loop = options.loop([source], name=f"{source.name} dispatcher {source.worker_id}")
         try:
             await self._run_loop(loop, handle_signals=handle_signals, lease=self.outbox.lease_ttl)
         finally:

@@ -31,6 +31,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
 from typing import Any, Protocol
@@ -39,7 +40,14 @@ import anyio
 import anyio.lowlevel
 
 from mongoq import _driver
-from mongoq._validation import check_seconds, check_worker_id
+from mongoq._validation import (
+    check_concurrency,
+    check_interval,
+    check_seconds,
+    check_stop_when,
+    check_timeout,
+    check_worker_id,
+)
 from mongoq.errors import MongoqError
 from mongoq.runtime import changes, wakeups, watchdog
 from mongoq.runtime.outage import Outage
@@ -48,6 +56,7 @@ from mongoq.runtime.source import Source
 
 __all__ = [
     "WORKER_STOPPED",
+    "RunOptions",
     "WorkerHost",
     "WorkerLoop",
     "default_worker_id",
@@ -119,6 +128,43 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]
             yield from _leaves(error)
         else:
             yield error
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What every run takes where it starts (each primitive's `run`, `Jobs.run`), with the
+    same names, checks and defaults everywhere: see `checked`."""
+
+    concurrency: int = 1
+    poll_interval: float = 1.0
+    stop_when_empty: bool = False
+    stop_when_drained: bool = False
+    give_up_after: float | None = None
+
+    @classmethod
+    def checked(
+        cls,
+        *,
+        concurrency: Any,
+        poll_interval: Any,
+        stop_when_empty: Any,
+        stop_when_drained: Any,
+        give_up_after: Any,
+    ) -> RunOptions:
+        """The options, each checked before anything runs (`InvalidInput` naming it)."""
+        check_stop_when(stop_when_empty, stop_when_drained)
+        return cls(
+            check_concurrency(concurrency), check_interval("poll_interval", poll_interval),
+            stop_when_empty, stop_when_drained, check_timeout("give_up_after", give_up_after),
+        )  # fmt: skip
+
+    def loop(self, sources: Sequence[Source], name: str | None = None) -> WorkerLoop:
+        """A run loop over `sources` with these options."""
+        return WorkerLoop(
+            sources, concurrency=self.concurrency, poll_interval=self.poll_interval,
+            stop_when_empty=self.stop_when_empty, stop_when_drained=self.stop_when_drained,
+            give_up_after=self.give_up_after, name=name,
+        )  # fmt: skip
 
 
 class WorkerLoop:

@@ -26,14 +26,11 @@ from mongoq._unreachable import names_unreachable_server
 from mongoq._validation import (
     MAX_BATCH,
     check_async_handler,
-    check_concurrency,
     check_functions,
     check_int,
-    check_interval,
     check_lease_seconds,
     check_name,
     check_seconds,
-    check_stop_when,
     check_timeout,
 )
 from mongoq.clock import Clock, ServerClock, stored_instant
@@ -41,7 +38,7 @@ from mongoq.errors import InvalidInput
 from mongoq.runtime import wakeups
 from mongoq.runtime.candidates import take_candidates
 from mongoq.runtime.events import report_start_delay
-from mongoq.runtime.loop import WorkerHost, WorkerLoop
+from mongoq.runtime.loop import RunOptions, WorkerHost
 from mongoq.tasks import cancels, quarantine, schema
 from mongoq.tasks.models import (
     PROCESSING,
@@ -405,20 +402,15 @@ class AsyncTaskQueue(TaskSettles, TaskOperators, TaskSchedules, WorkerHost):
         that it is back. With `give_up_after` (seconds) the call raises `ServerUnavailable` once
         the server has been gone that long; by default it waits for the server forever.
         """
-        check_stop_when(stop_when_empty, stop_when_drained)
-        check_concurrency(concurrency)
-        poll = check_interval("poll_interval", poll_interval)
-        give_up = check_timeout("give_up_after", give_up_after)
+        options = RunOptions.checked(
+            concurrency=concurrency, poll_interval=poll_interval, stop_when_empty=stop_when_empty,
+            stop_when_drained=stop_when_drained, give_up_after=give_up_after,
+        )  # fmt: skip
         source = self.source(
             handler, worker_id=worker_id, batch_size=batch_size,
             handler_timeout=handler_timeout, schedules=schedules,
         )  # fmt: skip
-        loop = WorkerLoop(
-            [source], concurrency=concurrency, poll_interval=poll,
-            stop_when_empty=stop_when_empty, stop_when_drained=stop_when_drained,
-            give_up_after=give_up,
-        )  # fmt: skip
-        await self._run_loop(loop, handle_signals=handle_signals)
+        await self._run_loop(options.loop([source]), handle_signals=handle_signals)
         return source.summary
 
     def source(

@@ -556,9 +556,8 @@ def test_a_periodic_declaration_is_checked_where_it_is_made(
     assert jobs.functions == {}
 
 
-async def test_waiting_for_a_task_cancelled_before_it_ran_says_it_was_cancelled(
-    db: Any, clock: ManualClock
-) -> None:
+async def one_email_deferred(db: Any, clock: ManualClock) -> tuple[Jobs, Any, Any]:
+    """A `Jobs` of one task function, ``send_email`` in queue "emails", deferred once."""
     jobs = new_jobs(db, clock)
 
     @jobs.task(queue="emails")
@@ -566,9 +565,34 @@ async def test_waiting_for_a_task_cancelled_before_it_ran_says_it_was_cancelled(
         return to
 
     await jobs.setup()
-    task_id = await send_email.defer("ada@example.com")
+    return jobs, send_email, await send_email.defer("ada@example.com")
+
+
+async def test_waiting_for_a_task_cancelled_before_it_ran_says_it_was_cancelled(
+    db: Any, clock: ManualClock
+) -> None:
+    jobs, send_email, task_id = await one_email_deferred(db, clock)
     assert await jobs.queue("emails").cancel(task_id)
 
     with pytest.raises(MongoqError, match=rf"^task {task_id!r} was cancelled before it ran$"):
         await jobs.wait(send_email, task_id, timeout=1)
     assert (await documents(db, "emails"))[task_id]["status"] == "cancelled"
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"stop_when_empty": "yes"}, "stop_when_empty"),
+        ({"stop_when_empty": True, "stop_when_drained": True}, "stop_when_drained"),
+        ({"concurrency": 0}, "concurrency"),
+        ({"poll_interval": 0}, "poll_interval"),
+        ({"give_up_after": -1}, "give_up_after"),
+    ],
+)
+async def test_a_jobs_run_checks_its_run_options_as_every_run_does(
+    db: Any, clock: ManualClock, options: dict[str, Any], field: str
+) -> None:
+    jobs, _, task_id = await one_email_deferred(db, clock)
+    with pytest.raises(InvalidInput, match=rf"^{field}: "):
+        await jobs.run(**options)
+    assert (await documents(db, "emails"))[task_id]["status"] == "pending"
